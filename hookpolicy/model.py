@@ -1,0 +1,175 @@
+"""The typed policy model: what a validated policy file means, with no YAML or torch in it.
+
+Built by `hookpolicy.build` from a document that passed the schema and the semantic
+checks, so every value here is already known to be valid. Everything is frozen: a
+policy, once loaded, never changes; a reload builds a new one.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Optional, Union
+
+from .expr import Condition
+
+__all__ = [
+    "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "STATS", "Mode", "OnError", "HookPoint",
+    "Phase", "Per", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
+    "LogSink", "Clip", "Scale", "Alert", "Action", "Rule", "Policy",
+]
+
+API_VERSION = "hookpolicy/v1"
+KIND = "HookPolicy"
+
+Mode = Literal["enforce", "audit"]
+OnError = Literal["continue", "halt"]
+HookPoint = Literal["forward_pre", "forward", "backward", "step"]
+Phase = Literal["train", "eval", "any"]
+Per = Literal["tensor", "module", "rule"]
+Severity = Literal["info", "warning", "critical"]
+Then = Literal["log", "skip_step", "halt"]
+
+#: hook point -> its targets, the default first (spec section 3).
+HOOK_POINTS: Mapping[str, tuple[str, ...]] = {
+    "forward_pre": ("input",),
+    "forward": ("output", "input"),
+    "backward": ("grad_output", "grad_input"),
+    "step": ("grad", "weight"),
+}
+TARGETS: tuple[str, ...] = ("input", "output", "grad_output", "grad_input", "grad", "weight")
+#: targets that are a module's parameters (where `match.params` applies).
+PARAM_TARGETS: frozenset[str] = frozenset({"grad", "weight"})
+STATS: tuple[str, ...] = (
+    "l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel",
+)
+
+
+@dataclass(frozen=True)
+class Match:
+    """Which modules a rule selects; see `hookpolicy.matcher` for the pattern syntax."""
+
+    modules: tuple[str, ...] = ()
+    types: tuple[str, ...] = ()
+    root: bool = False
+    exclude: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """When a rule fires: hook point, step gating and phase."""
+
+    at: HookPoint
+    every: int = 1
+    steps_from: int = 0
+    steps_until: Optional[int] = None
+    phase: Phase = "train"
+
+    def active_at(self, step: int) -> bool:
+        """Whether the rule is evaluated on `step` (phase is checked by the hook itself)."""
+        if step < self.steps_from or (self.steps_until is not None and step >= self.steps_until):
+            return False
+        return step % self.every == 0
+
+
+@dataclass(frozen=True)
+class TensorFiles:
+    """`capture.tensors`: detached CPU copies written as `.pt` files under `dir`."""
+
+    dir: str
+    max_files: int = 1000
+    max_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class LogSink:
+    """`capture.log`: JSON lines to `path`, or to stderr when `path` is None."""
+
+    path: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Capture:
+    stats: tuple[str, ...] = ()
+    per: Per = "module"
+    tensors: Optional[TensorFiles] = None
+    log: Optional[LogSink] = None
+
+
+@dataclass(frozen=True)
+class Clip:
+    """Norm clipping (`max_norm`, `norm_type`) or value clamping (`min`/`max`)."""
+
+    max_norm: Optional[float] = None
+    norm_type: float = 2.0
+    per: Per = "tensor"
+    min: Optional[float] = None
+    max: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Scale:
+    factor: float
+
+
+@dataclass(frozen=True)
+class Alert:
+    condition: Condition
+    source: str
+    for_: int = 1
+    severity: Severity = "warning"
+    then: Then = "log"
+    message: str = "{policy}/{rule}: {condition} in {module} at step {step}"
+    per: Per = "module"
+
+    @property
+    def stats(self) -> frozenset[str]:
+        """The statistics the alert needs: its condition's and those its message names."""
+        named = {name for _, name, _, _ in string.Formatter().parse(self.message) if name}
+        return self.condition.stats | frozenset(s for s in STATS if s in named)
+
+
+Action = Union[Capture, Clip, Scale, Alert]
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    index: int
+    trigger: Trigger
+    target: str
+    match: Match
+    actions: tuple[Action, ...]
+    mode: Mode = "enforce"
+    priority: int = 50
+    select: tuple[Union[int, str], ...] = ()
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """(priority, file order): lower runs first, ties keep file order."""
+        return (self.priority, self.index)
+
+    @property
+    def stats(self) -> tuple[str, ...]:
+        """Every statistic the rule's captures and alerts need, in a stable order."""
+        wanted: set[str] = set()
+        for action in self.actions:
+            if isinstance(action, Capture):
+                wanted.update(action.stats)
+            elif isinstance(action, Alert):
+                wanted.update(action.stats)
+        return tuple(s for s in STATS if s in wanted)
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    source: str
+    revision: str
+    rules: tuple[Rule, ...]
+    mode: Mode = "enforce"
+    on_error: OnError = "continue"
+    max_series: int = 10000
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)

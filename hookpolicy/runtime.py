@@ -1,0 +1,559 @@
+"""The runtime: installs exactly the hooks a plan needs, runs them, and reads back once a step.
+
+Hook bodies are a trigger check plus the compiled program of their rule: statistics
+stay on the device as partial matrices in `self._buffer`; at the step boundary
+`_readback` fetches all of them with one transfer, finishes the statistics, publishes
+metrics, writes logs and tensor files, and decides alerts (skip the step, halt).
+
+Hooks are installed per step: at each step boundary the set of active rules (their
+`every` and `steps` window) is recomputed, and a module keeps a hook only while one of
+its rules is active, so an inactive rule costs nothing at all. The root module always
+carries two small hooks: one decides the phase (train/eval) once per forward, the other
+marks backward passes for the step tracker.
+
+Hooks are global state on the user's model: every handle is kept and `remove()` (also
+on exceptions, through the context manager) takes all of them off again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import string
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+from prometheus_client import CollectorRegistry
+from torch.utils.hooks import RemovableHandle
+
+from .actions import MutateOp, Program, StatsOp, compile_rule, mutate
+from .errors import Halt
+from .metrics import MetricsStore, stat_family, store_for
+from .model import Alert, Capture, Policy, Rule
+from .plan import Binding, Plan, build_plan
+from .sinks import JsonLines, TensorWriter, output_root
+from .stats import combine, finish, tensor_partials
+from .steps import StepTracker
+from .structure import named_tensors, replace_tensors, selector
+
+__all__ = ["Attached", "MAX_ERRORS"]
+
+log = logging.getLogger("hookpolicy")
+
+#: A rule that raised this many times is switched off (`onError: continue`).
+MAX_ERRORS = 3
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class _RuleState:
+    """Everything the runtime keeps for one rule of one policy."""
+
+    policy: Policy
+    rule: Rule
+    program: Program
+    mode: str
+    bindings: list[Binding] = field(default_factory=list)
+    errors: int = 0
+    writers: dict[int, TensorWriter] = field(default_factory=dict)
+    logs: dict[int, JsonLines] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.policy.name, self.rule.name)
+
+    @property
+    def enforce(self) -> bool:
+        return self.mode == "enforce"
+
+
+@dataclass
+class _Entry:
+    """The device-side statistics of one execution of a statistics pass."""
+
+    rule: _RuleState
+    op: StatsOp
+    target: str
+    rows: list[tuple[str, str]]  # (module, tensor) per matrix row
+    numels: list[int]
+    matrix: torch.Tensor
+    copies: list[tuple[int, str, str, torch.Tensor]]  # (action index, module, tensor, copy)
+
+
+class Attached:
+    """Policies attached to one model; a context manager whose `remove()` is idempotent.
+
+    Create it with `PolicySet.attach(model)`. `plan` is what was compiled; `step` is the
+    number of optimizer steps evaluated so far (the step the next update belongs to).
+    """
+
+    def __init__(
+        self, policies: Sequence[Policy], model: torch.nn.Module, *,
+        registry: Optional[CollectorRegistry] = None, rank: Optional[int] = None, audit: bool = False,
+    ) -> None:
+        self.model = model
+        self.policies = tuple(policies)
+        self.plan: Plan = build_plan(self.policies, model)
+        self.rank = _default_rank() if rank is None else rank
+        self.step = 0
+        self.store: MetricsStore = store_for(registry, self.rank)
+        self._root = output_root()
+        self._rules: dict[tuple[str, str], _RuleState] = {}
+        for b in self.plan.bindings:
+            rs = self._rules.get(b.key)
+            if rs is None:
+                mode = "audit" if audit else b.rule.mode
+                rs = self._rules[b.key] = _RuleState(b.policy, b.rule, compile_rule(b.rule), mode)
+            rs.bindings.append(b)
+        self._selectors = {key: selector(rs.rule.select) for key, rs in self._rules.items()}
+        self._buffer: list[_Entry] = []
+        self._counts: dict[tuple[str, ...], float] = defaultdict(float)
+        self._seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self._streaks: dict[tuple[Any, ...], int] = {}
+        self._active: Optional[frozenset[tuple[str, str]]] = None
+        self._module_handles: list[RemovableHandle] = []
+        self._train = True
+        self._root_depth = 0
+        self._removed = False
+        self._versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        self._warned_inplace: set[tuple[str, str]] = set()
+        for warning in self.plan.warnings:
+            log.warning("%s", warning)
+        for policy in self.policies:
+            self.store.set("hookpolicy_policy_info", (policy.name, policy.revision, "audit" if audit else policy.mode), 1.0)
+        self.store.set("hookpolicy_config_last_reload_successful", (), 1.0)
+        self._tracker = StepTracker(model, self)
+        self._root_handles = [
+            model.register_forward_pre_hook(self._root_pre),
+            model.register_forward_hook(self._root_post, always_call=True),
+        ]
+        self._activate()
+
+    # -- public handle -----------------------------------------------------------------
+    def __enter__(self) -> "Attached":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Take every hook off the model, flush what was captured; safe to call twice."""
+        if self._removed:
+            return
+        self._removed = True
+        for handle in [*self._root_handles, *self._module_handles]:
+            handle.remove()
+        self._module_handles.clear()
+        self._tracker.remove()
+        try:
+            self._readback(final=True)
+        except Halt:
+            pass
+        finally:
+            for rs in self._rules.values():
+                for sink in rs.logs.values():
+                    sink.close()
+            for policy in self.policies:
+                self.store.forget_policy(policy.name)
+                self.store.drop("hookpolicy_policy_info", lambda labels, p=policy.name: labels[0] != p)
+
+    @property
+    def removed(self) -> bool:
+        return self._removed
+
+    # -- step events (called by StepTracker) -------------------------------------------
+    def begin_step(self) -> bool:
+        """Run the step rules, read everything back, decide alerts; True to skip the step."""
+        for rs in self._ordered_rules(hook="step"):
+            self._guarded(rs, self._run_step_rule, rs)
+        return self._readback()
+
+    def end_step(self) -> None:
+        self.step += 1
+        self.store.inc("hookpolicy_steps")
+        self.store.set("hookpolicy_last_step_timestamp_seconds", (), time.time())
+        self._activate()
+
+    def discard_step(self) -> None:
+        self._buffer.clear()
+
+    # -- installing hooks --------------------------------------------------------------
+    def _activate(self) -> None:
+        """Install hooks for the rules active at `self.step`; nothing changes if the set is the same."""
+        active = frozenset(
+            key for key, rs in self._rules.items()
+            if rs.errors < MAX_ERRORS and rs.rule.trigger.active_at(self.step)
+        )
+        if active == self._active:
+            return
+        self._active = active
+        for handle in self._module_handles:
+            handle.remove()
+        self._module_handles.clear()
+        by_module: dict[int, tuple[torch.nn.Module, list[Binding], list[Binding]]] = {}
+        for b in self.plan.bindings:
+            if b.key not in active or b.hook == "step":
+                continue
+            module, pre, post = by_module.setdefault(id(b.obj), (b.obj, [], []))
+            if b.hook == "forward_pre" or b.target == "grad_input":
+                pre.append(b)
+            if b.hook in ("forward", "backward"):
+                post.append(b)
+        for module, pre, post in by_module.values():
+            if pre:
+                self._module_handles.append(module.register_forward_pre_hook(
+                    lambda m, a, k, pre=pre: self._pre_hook(pre, a, k), with_kwargs=True))
+            if post:
+                self._module_handles.append(module.register_forward_hook(
+                    lambda m, a, k, o, post=post: self._post_hook(post, m, a, k, o), with_kwargs=True))
+
+    def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
+        self._root_depth += 1
+        if self._root_depth > 1 or _recomputing():
+            return
+        self._train = module.training and torch.is_grad_enabled()
+        if self._train:
+            self._tracker.check_forward()
+        elif self._buffer:
+            self._readback()  # an evaluation loop steps no optimizer: read back per batch
+
+    def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._root_depth = max(0, self._root_depth - 1)
+        if self._root_depth == 0 and torch.is_grad_enabled():
+            for _, t in named_tensors(output, lambda name: True):
+                if t.requires_grad:
+                    t.register_hook(self._tracker.output_grad_hook)
+
+    # -- hook bodies -------------------------------------------------------------------
+    def _phase_ok(self, rule: Rule, module: Optional[torch.nn.Module] = None) -> bool:
+        phase = rule.trigger.phase
+        if phase == "any":
+            return True
+        train = self._train if self._root_depth > 0 or module is None else (
+            module.training and torch.is_grad_enabled())
+        return train == (phase == "train")
+
+    def _pre_hook(self, bindings: list[Binding], args: Any, kwargs: Any) -> Any:
+        recomputing = _recomputing()
+        inputs: Any = (args, kwargs)
+        changed = False
+        for b in bindings:
+            rs = self._rules[b.key]
+            if rs.errors >= MAX_ERRORS or not self._phase_ok(rs.rule, b.obj):
+                continue
+            if b.target == "grad_input":
+                inputs, hooked = self._guarded(rs, self._hook_grad_input, rs, b, inputs) or (inputs, False)
+                changed |= hooked
+            elif not recomputing:
+                new = self._guarded(rs, self._run_named, rs, b, _input_tensors(inputs, self._selectors[b.key]))
+                if new:
+                    inputs, changed = _replace_inputs(inputs, new), True
+        return inputs if changed else None
+
+    def _post_hook(self, bindings: list[Binding], module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        recomputing = _recomputing()
+        changed = False
+        for b in bindings:
+            rs = self._rules[b.key]
+            if rs.errors >= MAX_ERRORS or not self._phase_ok(rs.rule, module):
+                continue
+            keep = self._selectors[b.key]
+            if b.target == "grad_output":
+                for name, t in named_tensors(output, keep):
+                    if t.requires_grad:
+                        t.register_hook(lambda g, rs=rs, b=b, name=name: self._grad_hook(rs, b, name, g))
+            elif b.target == "grad_input":
+                self._check_grad_input(rs, b, (args, kwargs))
+            elif not recomputing:
+                named = named_tensors(output, keep) if b.target == "output" else _input_tensors((args, kwargs), keep)
+                new = self._guarded(rs, self._run_named, rs, b, named)
+                if new and b.target == "output":
+                    output, changed = replace_tensors(output, new), True
+        return output if changed else None
+
+    def _grad_hook(self, rs: _RuleState, b: Binding, name: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        if rs.errors >= MAX_ERRORS or grad is None or grad.numel() == 0:
+            return None
+        new = self._guarded(rs, self._run_named, rs, b, [(name, grad)])
+        return new[name] if new else None
+
+    def _hook_grad_input(self, rs: _RuleState, b: Binding, inputs: Any) -> tuple[Any, bool]:
+        """Route each input through an identity view whose gradient is this module's own."""
+        views: dict[str, torch.Tensor] = {}
+        for name, t in _input_tensors(inputs, self._selectors[b.key]):
+            if t.requires_grad:
+                view = t.view_as(t)
+                view.register_hook(lambda g, rs=rs, b=b, name=name: self._grad_hook(rs, b, name, g))
+                views[name] = view
+        if not views:
+            return inputs, False
+        self._versions[id(b)] = [(v, v._version) for v in views.values()]
+        return _replace_inputs(inputs, views), True
+
+    def _check_grad_input(self, rs: _RuleState, b: Binding, inputs: Any) -> None:
+        for view, version in self._versions.pop(id(b), []):
+            if view._version != version and b.key not in self._warned_inplace:
+                self._warned_inplace.add(b.key)
+                log.warning(
+                    "%s/%s: %s modifies its input in place, so its grad_input cannot be observed; "
+                    "use grad_output of the module before it", *b.key, b.module or "<root>",
+                )
+
+    def _run_named(self, rs: _RuleState, b: Binding, named: Named) -> Optional[dict[str, torch.Tensor]]:
+        if not named:
+            return None
+        rows = [(b.module, name) for name, _ in named]
+        new = self._execute(rs, b.target, rows, [t for _, t in named], inplace=False)
+        return None if new is None else {name: t for (name, _), t in zip(named, new)}
+
+    def _run_step_rule(self, rs: _RuleState) -> None:
+        rows: list[tuple[str, str]] = []
+        tensors: list[torch.Tensor] = []
+        for b in rs.bindings:
+            for pname in b.params:
+                param = getattr(b.obj, pname)
+                t = param.grad if b.target == "grad" else param.detach()
+                if t is not None and t.numel() > 0:
+                    rows.append((b.module, pname))
+                    tensors.append(t)
+        if tensors:
+            self._execute(rs, b.target, rows, tensors, inplace=True)
+
+    def _execute(
+        self, rs: _RuleState, target: str, rows: list[tuple[str, str]], tensors: list[torch.Tensor], inplace: bool,
+    ) -> Optional[list[torch.Tensor]]:
+        """Run a rule's program on tensors; returns replacements when a mutation applied."""
+        changed = False
+        for op in rs.program:
+            if isinstance(op, StatsOp):
+                copies = [
+                    (index, module, name, t.detach().clone())
+                    for index, _ in op.tensors for (module, name), t in zip(rows, tensors)
+                ]
+                matrix = tensor_partials(tensors, op.kinds)
+                self._buffer.append(_Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies))
+                for _, action in op.actions:
+                    self._counts[(*rs.key, "capture" if isinstance(action, Capture) else "alert", rs.mode)] += 1
+            else:
+                self._counts[(*rs.key, op.name, rs.mode)] += 1
+                if rs.enforce:
+                    tensors = mutate(op.action, list(tensors), _groups(rows, getattr(op.action, "per", "tensor")), inplace)
+                    changed = True
+        return tensors if changed else None
+
+    def _guarded(self, rs: _RuleState, fn: Any, *args: Any) -> Any:
+        """Call a hook body, timing it; an exception is contained per the policy's onError."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - containment is the point
+            self._fail(rs, exc)
+            return None
+        finally:
+            self._seconds[rs.key] += time.perf_counter() - start
+
+    def _fail(self, rs: _RuleState, exc: BaseException) -> None:
+        rs.errors += 1
+        self.store.inc("hookpolicy_hook_errors", rs.key)
+        if rs.policy.on_error == "halt":
+            raise Halt(rs.policy.name, rs.rule.name, self.step, f"hook error: {type(exc).__name__}: {exc}") from exc
+        if rs.errors == 1:
+            log.error(
+                "%s/%s raised at step %d (logged once; the rule is switched off after %d errors):\n%s",
+                *rs.key, self.step, MAX_ERRORS, "".join(traceback.format_exception(exc)).rstrip(),
+            )
+        if rs.errors == MAX_ERRORS:
+            log.error("%s/%s switched off after %d errors", *rs.key, MAX_ERRORS)
+
+    # -- readback ----------------------------------------------------------------------
+    def _readback(self, final: bool = False) -> bool:
+        """Fetch the step's statistics with one transfer and act on them; True to skip the step.
+
+        `final` (at `remove()`) publishes what is left but takes no skip or halt decision.
+        """
+        entries, self._buffer = self._buffer, []
+        passes: dict[tuple[tuple[str, str], int], _Pass] = {}
+        for entry, rows in zip(entries, _fetch([e.matrix for e in entries])):
+            passes.setdefault((entry.rule.key, entry.op.segment), _Pass(entry.rule, entry.op, entry.target)).add(entry, rows)
+        published: dict[tuple[str, tuple[str, ...]], float] = {}
+        skip = False
+        halt: Optional[Halt] = None
+        now = time.time()
+        for p in passes.values():
+            rs = p.rule
+            firing: dict[str, bool] = {}
+            for index, action in p.op.actions:
+                for (module, tensor), stats in p.statistics(action.per):
+                    base = {"time": now, "step": self.step, "rank": self.rank, "policy": rs.policy.name,
+                            "rule": rs.rule.name, "module": module, "target": p.target, "tensor": tensor}
+                    if isinstance(action, Capture):
+                        for stat in action.stats:
+                            published[(stat_family(p.target, stat), (*rs.key, module, tensor))] = stats[stat]
+                        if action.log is not None:
+                            shown = {s: _json_number(stats[s]) for s in action.stats}
+                            self._log_sink(rs, index, action.log.path).write([{**base, "stats": shown}])
+                        continue
+                    fired = self._evaluate_alert(rs, index, action, module, tensor, stats)
+                    firing[action.severity] = firing.get(action.severity, False) or fired
+                    if not fired:
+                        continue
+                    message = _render(action, base, stats)
+                    self.store.inc("hookpolicy_alerts", (*rs.key, action.severity))
+                    self._log_sink(rs, -1, None).write([{
+                        **base, "stats": {k: _json_number(v) for k, v in stats.items()}, "event": "alert",
+                        "severity": action.severity, "then": action.then, "mode": rs.mode, "message": message,
+                    }])
+                    if rs.enforce and not final:
+                        if action.then == "skip_step":
+                            skip = True
+                            self.store.inc("hookpolicy_skipped_steps", rs.key)
+                        elif action.then == "halt" and halt is None:
+                            halt = Halt(rs.policy.name, rs.rule.name, self.step, message)
+            for severity, on in firing.items():
+                self.store.set("hookpolicy_alert_firing", (*rs.key, severity), 1.0 if on else 0.0)
+        for entry in entries:
+            if entry.copies:
+                self._write_copies(entry)
+        self.store.set_stats(published, {p.name: p.max_series for p in self.policies})
+        self._flush_counters()
+        if halt is not None:
+            raise halt
+        return skip
+
+    def _evaluate_alert(
+        self, rs: _RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
+    ) -> bool:
+        key = (rs.key, index, module, tensor)
+        streak = self._streaks.get(key, 0) + 1 if action.condition.evaluate(stats) else 0
+        self._streaks[key] = streak
+        return streak >= action.for_
+
+    def _write_copies(self, entry: _Entry) -> None:
+        rs = entry.rule
+        for index, module, name, tensor in entry.copies:
+            action = rs.rule.actions[index]
+            assert isinstance(action, Capture) and action.tensors is not None
+            try:
+                writer = rs.writers.get(index)
+                if writer is None:
+                    writer = rs.writers[index] = TensorWriter(self._root, action.tensors)
+                stem = f"step{self.step:08d}-{module or 'root'}-{entry.target}" + (f"-{name}" if name else "")
+                writer.write(stem.replace("/", "_") + ".pt", tensor.cpu())
+            except OSError as exc:  # SinkError included: a full budget is an error like a full disk
+                self._fail(rs, exc)
+                return
+
+    def _log_sink(self, rs: _RuleState, index: int, path: Optional[str]) -> JsonLines:
+        """The JSON-lines sink of a capture (by action index); index -1 is the alert stream (stderr)."""
+        sink = rs.logs.get(index)
+        if sink is None:
+            sink = rs.logs[index] = JsonLines(self._root, path)
+        return sink
+
+    def _flush_counters(self) -> None:
+        for labels, count in self._counts.items():
+            self.store.inc("hookpolicy_actions", labels, count)
+        for key, seconds in self._seconds.items():
+            self.store.inc("hookpolicy_hook_seconds", key, seconds)
+        self._counts.clear()
+        self._seconds.clear()
+
+    def _ordered_rules(self, hook: str) -> list[_RuleState]:
+        active = self._active or frozenset()
+        return [rs for key, rs in self._rules.items()
+                if rs.rule.trigger.at == hook and key in active and rs.errors < MAX_ERRORS]
+
+
+def _recomputing() -> bool:
+    """True while activation checkpointing re-runs a forward inside the backward pass."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _input_tensors(inputs: tuple[Any, Any], keep: Any) -> Named:
+    args, kwargs = inputs
+    return named_tensors(args, keep) + named_tensors(kwargs, keep)
+
+
+def _replace_inputs(inputs: tuple[Any, Any], new: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+    args, kwargs = inputs
+    return replace_tensors(args, new), replace_tensors(kwargs, new)
+
+
+def _groups(rows: Sequence[tuple[str, str]], per: str) -> list[list[int]]:
+    if per == "tensor":
+        return [[i] for i in range(len(rows))]
+    if per == "rule":
+        return [list(range(len(rows)))]
+    by_module: dict[str, list[int]] = {}
+    for i, (module, _) in enumerate(rows):
+        by_module.setdefault(module, []).append(i)
+    return list(by_module.values())
+
+
+def _fetch(matrices: Sequence[torch.Tensor]) -> list[list[list[float]]]:
+    """Every matrix as nested lists, with one device-to-host transfer per device."""
+    out: list[list[list[float]]] = [[] for _ in matrices]
+    by_device: dict[torch.device, list[int]] = defaultdict(list)
+    for i, m in enumerate(matrices):
+        by_device[m.device].append(i)
+    for indices in by_device.values():
+        flat = torch.cat([matrices[i].reshape(-1) for i in indices]).tolist()
+        pos = 0
+        for i in indices:
+            rows, cols = matrices[i].shape
+            out[i] = [flat[pos + r * cols: pos + (r + 1) * cols] for r in range(rows)]
+            pos += rows * cols
+    return out
+
+
+class _StatFormat(dict[str, Any]):
+    def __missing__(self, key: str) -> float:
+        return math.nan
+
+
+def _render(action: Alert, base: dict[str, Any], stats: dict[str, float]) -> str:
+    fields = _StatFormat(base, severity=action.severity, condition=action.source, **stats)
+    fields["module"] = base["module"] or "<root>"
+    return string.Formatter().vformat(action.message, (), fields)
+
+
+def _json_number(value: float) -> Union[float, int]:
+    """Counts print as ints; NaN and Inf stay floats (JSON `NaN`/`Infinity`), never hidden."""
+    if value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value
+
+
+def _default_rank() -> int:
+    for var in ("RANK", "LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+class _Pass:
+    """One statistics pass of one rule over a step: rows grouped by `per`, ready to finish."""
+
+    def __init__(self, rule: _RuleState, op: StatsOp, target: str) -> None:
+        self.rule, self.op, self.target = rule, op, target
+        self._groups: dict[str, dict[tuple[str, str], tuple[list[list[float]], list[int]]]] = {
+            a.per: {} for _, a in op.actions
+        }
+
+    def add(self, entry: _Entry, rows: list[list[float]]) -> None:
+        for (module, tensor), row, n in zip(entry.rows, rows, entry.numels):
+            for per, groups in self._groups.items():
+                key = (module, tensor) if per == "tensor" else ((module, "") if per == "module" else ("", ""))
+                bucket = groups.setdefault(key, ([], []))
+                bucket[0].append(row)
+                bucket[1].append(n)
+
+    def statistics(self, per: str) -> Iterable[tuple[tuple[str, str], dict[str, float]]]:
+        for key, (rows, numels) in self._groups[per].items():
+            yield key, finish(combine(rows, numels, self.op.kinds), sum(numels), self.op.stats)

@@ -1,0 +1,108 @@
+"""Where captured values go besides Prometheus: JSON-lines logs and tensor files.
+
+Both write only at step boundaries (never inside a hook), only under their output
+folder (`HOOKPOLICY_OUTPUT_DIR`, else the working directory): a path that resolves
+outside it, through `..` or a symbolic link, is refused. Tensor files are written to a
+temporary name and renamed, so a run killed mid-write leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Optional, TextIO
+
+import torch
+
+from .model import TensorFiles
+
+__all__ = ["SinkError", "output_root", "safe_path", "JsonLines", "TensorWriter"]
+
+
+class SinkError(OSError):
+    """A sink cannot write: unsafe path, or its configured budget is spent."""
+
+
+def output_root(environ: Mapping[str, str] = os.environ) -> Path:
+    """The folder policy paths are relative to."""
+    return Path(environ.get("HOOKPOLICY_OUTPUT_DIR") or os.getcwd()).resolve()
+
+
+def safe_path(root: Path, relative: str) -> Path:
+    """`root / relative`, refusing anything that resolves outside `root` (`..`, symlinks)."""
+    if os.path.isabs(relative):
+        raise SinkError(f"{relative!r} is absolute; policy paths are relative to {root}")
+    candidate = (root / relative)
+    resolved = candidate.resolve()
+    if resolved != root and root not in resolved.parents:
+        raise SinkError(f"{relative!r} resolves to {resolved}, outside the output folder {root}")
+    return resolved
+
+
+class JsonLines:
+    """One JSON object a line, to a file under the output root or to stderr."""
+
+    def __init__(self, root: Path, path: Optional[str]) -> None:
+        self._file: Optional[TextIO] = None
+        self._target = None if path is None else safe_path(root, path)
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        if not records:
+            return
+        stream = self._stream()
+        stream.write("".join(json.dumps(r, allow_nan=True) + "\n" for r in records))
+        stream.flush()
+
+    def _stream(self) -> TextIO:
+        if self._target is None:
+            return sys.stderr
+        if self._file is None:
+            self._target.parent.mkdir(parents=True, exist_ok=True)
+            if self._target.is_symlink():
+                raise SinkError(f"{self._target} is a symbolic link; refusing to write through it")
+            self._file = open(self._target, "a", encoding="utf-8")
+        return self._file
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorWriter:
+    """Writes detached CPU copies as `.pt` files within `max_files` and `max_bytes`."""
+
+    def __init__(self, root: Path, config: TensorFiles) -> None:
+        self.config = config
+        self.folder = safe_path(root, config.dir)
+        self.files = 0
+        self.bytes = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> Path:
+        if self.files >= self.config.max_files:
+            raise SinkError(f"capture.tensors.max_files={self.config.max_files} reached in {self.folder}")
+        buffer = io.BytesIO()
+        torch.save(tensor, buffer)
+        data = buffer.getvalue()
+        if self.bytes + len(data) > self.config.max_bytes:
+            raise SinkError(
+                f"capture.tensors.max_bytes={self.config.max_bytes} would be exceeded in {self.folder} "
+                f"({self.bytes} written, {len(data)} more)"
+            )
+        self.folder.mkdir(parents=True, exist_ok=True)
+        final = safe_path(self.folder, name)
+        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".pt")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, final)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self.files += 1
+        self.bytes += len(data)
+        return final
