@@ -220,12 +220,15 @@ class Attached:
         self._train = module.training and torch.is_grad_enabled()
         if self._train:
             self._tracker.check_forward()
-        elif self._buffer:
-            self._readback()  # an evaluation loop steps no optimizer: read back per batch
 
     def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._root_depth = max(0, self._root_depth - 1)
-        if self._root_depth == 0 and torch.is_grad_enabled():
+        if self._root_depth or _recomputing():
+            return
+        if not self._train:
+            if self._buffer:
+                self._readback()  # an evaluation loop steps no optimizer: read back per batch
+        elif torch.is_grad_enabled():
             for _, t in named_tensors(output, lambda name: True):
                 if t.requires_grad:
                     t.register_hook(self._tracker.output_grad_hook)
