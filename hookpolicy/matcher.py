@@ -90,6 +90,8 @@ def _compile(regex: str, pattern: str) -> re.Pattern[str]:
         return re.compile(regex)
     except re.error as exc:
         raise PatternError(f"invalid pattern {pattern!r}: {exc}", pattern) from None
+    except (RecursionError, OverflowError) as exc:  # nested too deep, or a repeat count too large
+        raise PatternError(f"invalid pattern {pattern!r}: too complex ({type(exc).__name__})", pattern) from None
 
 
 def _glob_to_regex(pattern: str) -> str:

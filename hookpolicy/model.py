@@ -126,7 +126,10 @@ class Alert:
     @property
     def stats(self) -> frozenset[str]:
         """The statistics the alert needs: its condition's and those its message names."""
-        named = {name for _, name, _, _ in string.Formatter().parse(self.message) if name}
+        try:
+            named = {name for _, name, _, _ in string.Formatter().parse(self.message) if name}
+        except ValueError:  # a malformed template; the loader never builds one
+            named = set()
         return self.condition.stats | frozenset(s for s in STATS if s in named)
 
 

@@ -25,7 +25,7 @@ import time
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -122,7 +122,7 @@ class Attached:
         self._root_depth = 0
         self._removed = False
         self._versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
-        self._warned_inplace: set[tuple[str, str]] = set()
+        self._warned_inplace: set[tuple[str, ...]] = set()
         for warning in self.plan.warnings:
             log.warning("%s", warning)
         for policy in self.policies:
@@ -161,7 +161,7 @@ class Attached:
                     sink.close()
             for policy in self.policies:
                 self.store.forget_policy(policy.name)
-                self.store.drop("hookpolicy_policy_info", lambda labels, p=policy.name: labels[0] != p)
+                self.store.drop("hookpolicy_policy_info", _not_of(policy.name))
 
     @property
     def removed(self) -> bool:
@@ -231,7 +231,7 @@ class Attached:
         elif torch.is_grad_enabled():
             for _, t in named_tensors(output, lambda name: True):
                 if t.requires_grad:
-                    t.register_hook(self._tracker.output_grad_hook)
+                    t.register_hook(self._tracker.output_grad_hook)  # type: ignore[no-untyped-call]
 
     # -- hook bodies -------------------------------------------------------------------
     def _phase_ok(self, rule: Rule, module: Optional[torch.nn.Module] = None) -> bool:
@@ -270,7 +270,7 @@ class Attached:
             if b.target == "grad_output":
                 for name, t in named_tensors(output, keep):
                     if t.requires_grad:
-                        t.register_hook(lambda g, rs=rs, b=b, name=name: self._grad_hook(rs, b, name, g))
+                        t.register_hook(lambda g, rs=rs, b=b, name=name: self._grad_hook(rs, b, name, g))  # type: ignore[no-untyped-call]
             elif b.target == "grad_input":
                 self._check_grad_input(rs, b, (args, kwargs))
             elif not recomputing:
@@ -292,9 +292,13 @@ class Attached:
         for name, t in _input_tensors(inputs, self._selectors[b.key]):
             if t.requires_grad:
                 view = t.view_as(t)
-                view.register_hook(lambda g, rs=rs, b=b, name=name: self._grad_hook(rs, b, name, g))
+                view.register_hook(lambda g, rs=rs, b=b, name=name: self._grad_hook(rs, b, name, g))  # type: ignore[no-untyped-call]
                 views[name] = view
         if not views:
+            if b.key + (b.module,) not in self._warned_inplace:
+                self._warned_inplace.add(b.key + (b.module,))
+                log.warning("%s/%s: no input of %s requires grad, so its grad_input never fires",
+                            *b.key, b.module or "<root>")
             return inputs, False
         self._versions[id(b)] = [(v, v._version) for v in views.values()]
         return _replace_inputs(inputs, views), True
@@ -471,6 +475,10 @@ class Attached:
         active = self._active or frozenset()
         return [rs for key, rs in self._rules.items()
                 if rs.rule.trigger.at == hook and key in active and rs.errors < MAX_ERRORS]
+
+
+def _not_of(policy: str) -> Callable[[tuple[str, ...]], bool]:
+    return lambda labels: labels[0] != policy
 
 
 def _recomputing() -> bool:

@@ -17,7 +17,7 @@ statistic but `nonfinite` and `numel` propagates NaN and Inf, as torch's reducti
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -133,7 +133,7 @@ def _merge_m2(m2s: Sequence[float], sums: Sequence[float], numels: Sequence[int]
     return m2_a
 
 
-def _nan_aware(pick: "type[min] | type[max]", values: Sequence[float]) -> float:
+def _nan_aware(pick: Callable[[Sequence[float]], float], values: Sequence[float]) -> float:
     return math.nan if any(math.isnan(v) for v in values) else pick(values)
 
 

@@ -1,0 +1,433 @@
+"""Check what a schema cannot express, then build the typed, frozen `model.Policy`.
+
+`build_policy` reports every problem of a file at once: the schema's and the semantic
+ones (a target that does not fit the trigger, a glob that does not compile, an `if`
+that does not parse...). The semantic checks therefore run on data that may have
+failed the schema, and read it defensively: a value of the wrong type is skipped here
+because the schema has already said what is wrong with it. Only a document with no
+problem at all is built, and the building then trusts its shape.
+"""
+
+from __future__ import annotations
+
+import math
+import ntpath
+import re
+import string
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
+
+from .errors import PolicyError, Problem
+from .expr import ExprError, parse
+from .matcher import compile_glob
+from .model import (
+    HOOK_POINTS, PARAM_TARGETS, STATS, TARGETS, Action, Alert, Capture, Clip, LogSink, Match,
+    Policy, Rule, Scale, TensorFiles, Trigger,
+)
+from .schema import validate
+
+if TYPE_CHECKING:
+    from .loader import Document, JsonPath
+
+__all__ = ["MESSAGE_FIELDS", "build_policy", "check_semantics"]
+
+#: the fields an alert message may use besides the statistic names.
+MESSAGE_FIELDS: tuple[str, ...] = (
+    "policy", "rule", "module", "tensor", "target", "step", "severity", "condition",
+)
+#: labels that hookpolicy_policy_info sets itself, so a policy label may not use them.
+RESERVED_LABELS = frozenset({"policy", "revision", "mode", "rank"})
+#: at most this many problems of one file are reported.
+MAX_PROBLEMS = 100
+
+_SAMPLE_FIELDS: Mapping[str, object] = {
+    **{name: name for name in MESSAGE_FIELDS}, "step": 0, **{stat: 0.0 for stat in STATS},
+}
+
+
+def build_policy(document: Document) -> Policy:
+    """The Policy a document describes; raises PolicyError listing every problem."""
+    problems = validate(document) + check_semantics(document)
+    if problems:
+        raise PolicyError(_capped(problems))
+    return _policy(document)
+
+
+def check_semantics(document: Document) -> list[Problem]:
+    """The problems a JSON Schema cannot find, each at its node."""
+    checker = _Checker(document)
+    checker.policy(document.data)
+    return checker.problems
+
+
+def _capped(problems: list[Problem]) -> list[Problem]:
+    """The first MAX_PROBLEMS problems and, when there were more, a line saying so."""
+    ordered = sorted(problems)
+    if len(ordered) <= MAX_PROBLEMS:
+        return ordered
+    first_left_out = ordered[MAX_PROBLEMS]
+    more = len(ordered) - MAX_PROBLEMS
+    note = Problem(
+        first_left_out.file, first_left_out.line, first_left_out.column, first_left_out.path,
+        f"... and {more} more problems",
+    )
+    return ordered[:MAX_PROBLEMS] + [note]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _number(value: Any) -> Optional[float]:
+    """`value` as a float when it is a (finite) number, not a boolean; else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+        return number if math.isfinite(number) else None
+    return None
+
+
+def _choice(value: Any, options: Mapping[str, Any]) -> Optional[str]:
+    """`value` when it is one of the string keys of `options`, else None."""
+    return value if isinstance(value, str) and value in options else None
+
+
+class _Site(NamedTuple):
+    """Where an action sits: its JSON path, and its rule's hook point and target if known."""
+
+    path: JsonPath
+    at: Optional[str]
+    target: Optional[str]
+
+
+class _Checker:
+    """Walks a document that may be malformed and records semantic problems."""
+
+    def __init__(self, document: Document) -> None:
+        self.document = document
+        self.problems: list[Problem] = []
+        self.actions: dict[str, Callable[[dict[str, Any], _Site], None]] = {
+            "capture": self.capture, "clip": self.clip, "scale": self.scale, "alert": self.alert,
+        }
+
+    def add(
+        self, path: JsonPath, message: str, *, key: bool = False, offset: Optional[int] = None
+    ) -> None:
+        self.problems.append(self.document.problem(path, message, key=key, offset=offset))
+
+    def policy(self, data: dict[str, Any]) -> None:
+        for label in _dict(_dict(data.get("metadata")).get("labels")):
+            if label in RESERVED_LABELS:
+                self.add(
+                    ("metadata", "labels", label),
+                    f"the label {label!r} is set by hookpolicy itself (hookpolicy_policy_info "
+                    f"has {', '.join(sorted(RESERVED_LABELS))}); choose another name",
+                    key=True,
+                )
+        first_line: dict[str, int] = {}
+        for index, rule in enumerate(_list(_dict(data.get("spec")).get("rules"))):
+            if not isinstance(rule, dict):
+                continue
+            path: JsonPath = ("spec", "rules", index)
+            self.rule(rule, path)
+            name = rule.get("name")
+            if not isinstance(name, str):
+                continue
+            if name in first_line:
+                self.add(
+                    path + ("name",),
+                    f"duplicate rule name {name!r} (first at line {first_line[name]}); "
+                    "rule names must be unique within a policy",
+                )
+            else:
+                first_line[name] = self.document.position(path + ("name",))[0]
+
+    def rule(self, rule: dict[str, Any], path: JsonPath) -> None:
+        trigger = _dict(rule.get("trigger"))
+        at = _choice(trigger.get("at"), HOOK_POINTS)
+        target = self.target(rule, path, at)
+        if isinstance(rule.get("match"), dict):
+            self.match(rule["match"], path + ("match",), target)
+        self.steps(_dict(trigger.get("steps")), path + ("trigger", "steps"))
+        if "select" in rule and target in PARAM_TARGETS:
+            self.add(
+                path + ("select",),
+                f"select narrows tuple, list and dict inputs and outputs; the target {target!r} "
+                "is a parameter: choose parameters with match.params instead",
+                key=True,
+            )
+        for index, item in enumerate(_list(rule.get("actions"))):
+            if isinstance(item, dict) and len(item) == 1:
+                ((kind, body),) = item.items()
+                check = self.actions.get(kind)
+                if check is not None and isinstance(body, dict):
+                    check(body, _Site(path + ("actions", index, kind), at, target))
+
+    def target(self, rule: dict[str, Any], path: JsonPath, at: Optional[str]) -> Optional[str]:
+        """The rule's effective target (given or default), None where it is not known."""
+        if "target" not in rule:
+            return HOOK_POINTS[at][0] if at else None
+        given = rule["target"]
+        if not isinstance(given, str) or given not in TARGETS:
+            return None
+        if at is not None and given not in HOOK_POINTS[at]:
+            self.add(
+                path + ("target",),
+                f"target {given!r} does not fit trigger.at {at!r}; at {at} the targets are: "
+                f"{', '.join(HOOK_POINTS[at])}",
+            )
+            return None
+        return given
+
+    def match(self, match: dict[str, Any], path: JsonPath, target: Optional[str]) -> None:
+        if not ("modules" in match or "types" in match or match.get("root") is True):
+            self.add(path, "a match needs at least one of: modules, types, root: true")
+        for field in ("modules", "exclude", "params"):
+            for index, pattern in enumerate(_list(match.get(field))):
+                if isinstance(pattern, str) and pattern:
+                    self.pattern(pattern, path + (field, index))
+        if "params" in match and target is not None and target not in PARAM_TARGETS:
+            self.add(
+                path + ("params",),
+                "params applies only to the parameter targets "
+                f"({', '.join(sorted(PARAM_TARGETS))}); this rule's target is {target!r}",
+                key=True,
+            )
+
+    def pattern(self, pattern: str, path: JsonPath) -> None:
+        try:
+            compile_glob(pattern)
+        except ValueError as exc:  # matcher.PatternError, a ValueError with the reason
+            self.add(path, str(exc))
+        except (RecursionError, OverflowError) as exc:  # from re.compile on absurd regexes
+            self.add(path, f"invalid pattern {pattern!r}: {exc}")
+
+    def steps(self, steps: dict[str, Any], path: JsonPath) -> None:
+        start, until = _number(steps.get("from", 0)), _number(steps.get("until"))
+        if start is not None and until is not None and until <= start:
+            self.add(
+                path + ("until",),
+                f"until ({until:g}) must be greater than from ({start:g}): "
+                "the window is from inclusive, until exclusive",
+            )
+
+    def capture(self, body: dict[str, Any], site: _Site) -> None:
+        path = site.path
+        if "stats" not in body and "tensors" not in body:
+            self.add(path, "a capture needs stats, tensors or both", key=True)
+        if "log" in body and "stats" not in body:
+            self.add(path + ("log",), "log writes statistics: add stats to this capture", key=True)
+        self.relative(_dict(body.get("tensors")).get("dir"), path + ("tensors", "dir"))
+        self.relative(_dict(body.get("log")).get("path"), path + ("log", "path"))
+
+    def relative(self, value: Any, path: JsonPath) -> None:
+        """A path that must stay inside the output folder: relative, no `..` segment."""
+        if not isinstance(value, str):
+            return
+        if value.startswith(("/", "\\", "~")) or ntpath.splitdrive(value)[0]:
+            self.add(
+                path,
+                f"{value!r} must be relative to the output folder (no leading /, \\, ~ or drive)",
+            )
+        elif ".." in re.split(r"[\\/]", value):
+            self.add(path, f"{value!r} must not contain '..': files stay inside the output folder")
+
+    def clip(self, body: dict[str, Any], site: _Site) -> None:
+        path = site.path
+        by_norm = "max_norm" in body
+        if by_norm and ("min" in body or "max" in body):
+            self.add(
+                path,
+                "clip takes either max_norm (clip by norm) or min/max (clamp values), not both; "
+                "write two clip actions",
+                key=True,
+            )
+        if not body:
+            self.add(
+                path, "a clip needs max_norm (clip by norm) or min and/or max (clamp values)",
+                key=True,
+            )
+        for key in ("norm_type", "per"):
+            if key in body and not by_norm:
+                self.add(
+                    path + (key,), f"{key} applies to clipping by norm: add max_norm", key=True
+                )
+        if by_norm and body.get("per") == "rule" and site.at not in (None, "step"):
+            self.add(
+                path + ("per",),
+                "per: rule (one joint norm over everything the rule matched) needs trigger.at: "
+                "step; use per: tensor or per: module",
+            )
+        low, high = _number(body.get("min")), _number(body.get("max"))
+        if low is not None and high is not None and low > high:
+            self.add(path + ("max",), f"max ({high:g}) is below min ({low:g})")
+        self.modifies(site)
+
+    def scale(self, body: dict[str, Any], site: _Site) -> None:
+        self.modifies(site)
+
+    def modifies(self, site: _Site) -> None:
+        """An action that changes its target must run before the target is used."""
+        if site.at == "forward" and site.target == "input":
+            self.add(
+                site.path,
+                f"{site.path[-1]} changes the target, but at trigger.at: forward the module has "
+                "already used its input; use trigger.at: forward_pre to change a module's input",
+                key=True,
+            )
+
+    def alert(self, body: dict[str, Any], site: _Site) -> None:
+        path = site.path
+        condition = body.get("if")
+        if isinstance(condition, str) and condition:
+            try:
+                parse(condition)
+            except ExprError as exc:
+                self.add(path + ("if",), f"invalid condition: {exc}", offset=exc.offset)
+        message = body.get("message")
+        if isinstance(message, str):
+            wrong = _message_problem(message)
+            if wrong:
+                self.add(path + ("message",), wrong)
+
+
+def _message_problem(message: str) -> Optional[str]:
+    """What is wrong with an alert message template, or None when it is fine.
+
+    Only bare field names are allowed: `{module.__class__}` would let a policy file
+    walk Python objects at render time.
+    """
+    allowed = MESSAGE_FIELDS + STATS
+    try:
+        fields = list(string.Formatter().parse(message))
+    except ValueError as exc:
+        return f"invalid message template: {exc} (write a literal brace as '{{{{' or '}}}}')"
+    for _, name, spec, _ in fields:
+        if name is None:
+            continue
+        if name not in allowed:
+            shown = "{" + name + "}"
+            return f"unknown message field {shown}; the fields are: {', '.join(allowed)}"
+        if spec and "{" in spec:
+            return f"the format spec of {{{name}}} may not contain fields"
+    try:
+        message.format(**_SAMPLE_FIELDS)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        return f"the message cannot be formatted: {exc} (statistics are numbers, the rest text)"
+    return None
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _policy(document: Document) -> Policy:
+    metadata, spec = document.data["metadata"], document.data["spec"]
+    mode = spec.get("mode", "enforce")
+    return Policy(
+        name=metadata["name"],
+        source=document.file,
+        revision=document.revision,
+        rules=tuple(_rule(rule, index, mode) for index, rule in enumerate(spec["rules"])),
+        mode=mode,
+        on_error=spec.get("onError", "continue"),
+        max_series=int(spec.get("limits", {}).get("maxSeries", 10000)),
+        labels=dict(metadata.get("labels", {})),
+        annotations=dict(metadata.get("annotations", {})),
+    )
+
+
+def _rule(rule: dict[str, Any], index: int, mode: str) -> Rule:
+    trigger = rule["trigger"]
+    at = trigger["at"]
+    return Rule(
+        name=rule["name"],
+        index=index,
+        trigger=_trigger(trigger),
+        target=rule.get("target", HOOK_POINTS[at][0]),
+        match=_match(rule["match"]),
+        actions=tuple(_action(item, at) for item in rule["actions"]),
+        mode=rule.get("mode", mode),
+        priority=int(rule.get("priority", 50)),
+        select=tuple(s if isinstance(s, str) else int(s) for s in rule.get("select", ())),
+    )
+
+
+def _trigger(trigger: dict[str, Any]) -> Trigger:
+    steps = trigger.get("steps", {})
+    until = steps.get("until")
+    return Trigger(
+        at=trigger["at"],
+        every=int(trigger.get("every", 1)),
+        steps_from=int(steps.get("from", 0)),
+        steps_until=None if until is None else int(until),
+        phase=trigger.get("phase", "train"),
+    )
+
+
+def _match(match: dict[str, Any]) -> Match:
+    return Match(
+        modules=tuple(match.get("modules", ())),
+        types=tuple(match.get("types", ())),
+        root=bool(match.get("root", False)),
+        exclude=tuple(match.get("exclude", ())),
+        params=tuple(match.get("params", ())),
+    )
+
+
+def _action(item: dict[str, Any], at: str) -> Action:
+    ((kind, body),) = item.items()
+    return _BUILDERS[kind](body, at)
+
+
+def _capture(body: dict[str, Any], at: str) -> Capture:
+    tensors, log = body.get("tensors"), body.get("log")
+    return Capture(
+        stats=tuple(body.get("stats", ())),
+        per=body.get("per", "module"),
+        tensors=None if tensors is None else TensorFiles(
+            dir=tensors["dir"],
+            max_files=int(tensors.get("max_files", 1000)),
+            max_bytes=int(tensors.get("max_bytes", 1 << 30)),
+        ),
+        log=None if log is None else LogSink(path=log.get("path")),
+    )
+
+
+def _clip(body: dict[str, Any], at: str) -> Clip:
+    if "max_norm" in body:
+        norm_type = body.get("norm_type", 2)
+        return Clip(
+            max_norm=float(body["max_norm"]),
+            norm_type=math.inf if norm_type == "inf" else float(norm_type),
+            per=body.get("per", "rule" if at == "step" else "tensor"),
+        )
+    low, high = body.get("min"), body.get("max")
+    return Clip(min=None if low is None else float(low), max=None if high is None else float(high))
+
+
+def _scale(body: dict[str, Any], at: str) -> Scale:
+    return Scale(factor=float(body["factor"]))
+
+
+def _alert(body: dict[str, Any], at: str) -> Alert:
+    optional = {"message": body["message"]} if "message" in body else {}
+    return Alert(
+        condition=parse(body["if"]),
+        source=body["if"],
+        for_=int(body.get("for", 1)),
+        severity=body.get("severity", "warning"),
+        then=body.get("then", "log"),
+        per=body.get("per", "module"),
+        **optional,
+    )
+
+
+#: action name -> how to build it; the one place that knows every action.
+_BUILDERS: Mapping[str, Callable[[dict[str, Any], str], Action]] = {
+    "capture": _capture, "clip": _clip, "scale": _scale, "alert": _alert,
+}

@@ -1,0 +1,562 @@
+"""Read policy files: strict YAML in, a `Document` (plain data plus positions) out.
+
+YAML is a large language and most of it has no place in a policy: anchors and aliases
+(an alias bomb expands a few hundred bytes into gigabytes), merge keys, tags (which in
+a careless loader construct arbitrary Python objects), several documents in one file.
+This loader uses PyYAML's pure-Python scanner and parser, composes the node tree itself
+and refuses all of these, each as a `Problem` with the file, line, column and JSON path,
+so that `hookpolicy check` can print every one of them and no traceback.
+
+The flow is one-way: `read_document` (here) gives a Document, `build.build_policy`
+checks it (`schema.validate`, then the semantic checks) and builds the Policy, and
+`load_sources` does both for every file it is given. `schema` and `build` import
+`Document` for type checking only, so the imports point one way too. Nothing on this
+side imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union, cast
+
+import yaml
+from yaml.composer import Composer
+from yaml.constructor import SafeConstructor
+from yaml.error import Mark
+from yaml.events import (
+    AliasEvent, DocumentStartEvent, Event, MappingEndEvent, MappingStartEvent, ScalarEvent,
+    SequenceEndEvent, SequenceStartEvent, StreamEndEvent,
+)
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from yaml.parser import Parser
+from yaml.reader import Reader
+from yaml.resolver import Resolver
+from yaml.scanner import Scanner
+
+from .build import build_policy
+from .errors import PolicyError, Problem
+from .model import Policy
+
+__all__ = [
+    "MAX_BYTES", "MAX_DEPTH", "ENV_POLICY_DIRS", "JsonPath", "Document", "json_path",
+    "read_document", "parse_document", "expand_sources", "load_sources",
+    "policy_dirs_from_env",
+]
+
+#: A policy file larger than this is refused before it is parsed.
+MAX_BYTES = 1 << 20
+#: Collections nested deeper than this are refused while composing.
+MAX_DEPTH = 64
+#: After this many problems in one file the YAML layer stops looking for more.
+MAX_PROBLEMS = 100
+#: Colon-separated folders whose policies `hookpolicy apply` always applies.
+ENV_POLICY_DIRS = "HOOKPOLICY_POLICY_DIRS"
+
+JsonPath = tuple[Union[str, int], ...]
+Position = tuple[int, int]
+Source = Union[str, "os.PathLike[str]"]
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_TAG = "tag:yaml.org,2002:"
+_KIND_OF_TAG = {
+    _TAG + "int": "an integer", _TAG + "float": "a number",
+    _TAG + "bool": "a boolean", _TAG + "null": "null",
+}
+
+
+def json_path(path: JsonPath) -> str:
+    """`('spec', 'rules', 0, 'match')` -> `$.spec.rules[0].match`."""
+    parts = ["$"]
+    for part in path:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        elif _IDENTIFIER.match(part):
+            parts.append(f".{part}")
+        else:
+            escaped = part.replace("\\", "\\\\").replace("'", "\\'")
+            parts.append(f"['{escaped}']")
+    return "".join(parts)
+
+
+@dataclass(frozen=True)
+class Document:
+    """A policy file's plain data with the 1-based position of every node.
+
+    `values` maps the JSON path of every value to where it starts; `keys` maps the path
+    of every mapping entry to where its key starts (an unknown key is reported at the
+    key, a wrong value at the value). `inline` holds, for scalars whose characters map
+    one to one onto the source line, where their first character is, so that a problem
+    found at a character offset inside a string (an `alert.if` that does not parse)
+    points at that very character.
+    """
+
+    file: str
+    revision: str
+    data: dict[str, Any]
+    values: Mapping[JsonPath, Position] = field(default_factory=dict)
+    keys: Mapping[JsonPath, Position] = field(default_factory=dict)
+    inline: Mapping[JsonPath, Position] = field(default_factory=dict)
+
+    def position(self, path: JsonPath, *, key: bool = False) -> Position:
+        """Where `path` starts; the nearest known ancestor for a path with no node."""
+        if key and path in self.keys:
+            return self.keys[path]
+        while path not in self.values and path:
+            path = path[:-1]
+        return self.values.get(path, (1, 1))
+
+    def problem(
+        self, path: JsonPath, message: str, *, key: bool = False, offset: Optional[int] = None
+    ) -> Problem:
+        """A Problem at `path` (its key with `key=True`, a character inside with `offset`)."""
+        line, column = self.position(path, key=key)
+        if offset is not None and path in self.inline:
+            line, column = self.inline[path]
+            column += offset
+        return Problem(self.file, line, column, json_path(path), message)
+
+
+# --------------------------------------------------------------------------- composing
+
+
+class _Abort(Exception):
+    """Stop composing: the problem that stopped it is already recorded."""
+
+
+def _start(event: Event) -> Mark:
+    """Where an event starts; the pure-Python parser always sets it."""
+    return cast(Mark, event.start_mark)
+
+
+def _end(event: Event) -> Mark:
+    return cast(Mark, event.end_mark)
+
+
+class _StrictLoader(Reader, Scanner, Parser, Composer, SafeConstructor, Resolver):
+    """PyYAML's SafeLoader, composing by the policy rules instead of the full YAML ones.
+
+    Anchors, aliases and tags become problems as soon as they are seen; an alias is
+    replaced by an empty scalar, never by the node it names, so nothing is expanded
+    (and only the first alias of each anchor is reported, not every use).
+    Depth is counted while composing, so `[[[[...` is refused long before Python's
+    recursion limit. The constructor is used only for the plain scalars the resolver
+    recognises (int, float, bool); tags never reach it.
+    """
+
+    def __init__(self, text: str, file: str) -> None:
+        Reader.__init__(self, text)
+        Scanner.__init__(self)
+        Parser.__init__(self)
+        Composer.__init__(self)
+        SafeConstructor.__init__(self)
+        Resolver.__init__(self)
+        self.file = file
+        self.problems: list[Problem] = []
+        self.path: list[Union[str, int]] = []
+        self._depth = 0
+        self._aliased: set[str] = set()
+
+    # PyYAML's stubs leave the event API untyped; these three calls are the only ones.
+    def _next(self) -> Event:
+        event: Event = self.get_event()  # type: ignore[no-untyped-call]
+        return event
+
+    def _peek(self) -> Event:
+        event: Event = self.peek_event()  # type: ignore[no-untyped-call]
+        return event
+
+    def _resolve(self, value: str, implicit: tuple[bool, bool]) -> str:
+        tag: str = self.resolve(ScalarNode, value, implicit)  # type: ignore[no-untyped-call]
+        return tag
+
+    def report(self, mark: Mark, message: str) -> None:
+        """Record a problem at `mark`; stop composing once there are too many."""
+        where = (self.file, mark.line + 1, mark.column + 1, json_path(tuple(self.path)))
+        self.problems.append(Problem(*where, message))
+        if len(self.problems) >= MAX_PROBLEMS:
+            self.problems.append(Problem(*where, f"stopped after {MAX_PROBLEMS} problems"))
+            raise _Abort()
+
+    def compose_node(self, parent: Optional[Node], index: Any) -> Node:
+        """Compose the next node (the entry point `compose_document` calls)."""
+        event = self._next()
+        if isinstance(event, AliasEvent):
+            if event.anchor not in self._aliased:  # once per anchor: a bomb repeats them
+                self._aliased.add(event.anchor or "")
+                self.report(
+                    _start(event),
+                    f"aliases (*{event.anchor}) are not allowed; write the value out in full",
+                )
+            return ScalarNode(_TAG + "null", "", _start(event), _end(event))
+        self._refuse_anchor_and_tag(event)
+        if isinstance(event, ScalarEvent):
+            return self._scalar(event)
+        if isinstance(event, SequenceStartEvent):
+            return self._sequence(event)
+        if isinstance(event, MappingStartEvent):
+            return self._mapping(event)
+        raise TypeError(f"unexpected YAML event {event!r}")  # the parser yields no other here
+
+    def _refuse_anchor_and_tag(self, event: Event) -> None:
+        anchor: Optional[str] = getattr(event, "anchor", None)
+        if anchor is not None:
+            self.report(
+                _start(event),
+                f"anchors (&{anchor}) are not allowed; write the value out where it is used",
+            )
+        tag: Optional[str] = getattr(event, "tag", None)
+        if tag is not None:
+            shown = "!!" + tag[len(_TAG):] if tag.startswith(_TAG) else tag
+            self.report(
+                _start(event), f"tags ({shown}) are not allowed; write a plain value without a tag"
+            )
+
+    def _scalar(self, event: ScalarEvent) -> ScalarNode:
+        implicit = (True, False) if event.tag else event.implicit
+        tag = self._resolve(event.value, implicit)
+        return ScalarNode(tag, event.value, _start(event), _end(event), style=event.style)
+
+    def _sequence(self, start: SequenceStartEvent) -> SequenceNode:
+        self._enter(_start(start))
+        node = SequenceNode(_TAG + "seq", [], _start(start), _end(start))
+        while not isinstance(self._peek(), SequenceEndEvent):
+            self.path.append(len(node.value))
+            node.value.append(self.compose_node(node, None))
+            self.path.pop()
+        node.end_mark = _end(self._next())
+        self._depth -= 1
+        return node
+
+    def _mapping(self, start: MappingStartEvent) -> MappingNode:
+        self._enter(_start(start))
+        node = MappingNode(_TAG + "map", [], _start(start), _end(start))
+        while not isinstance(self._peek(), MappingEndEvent):
+            key = self.compose_node(node, None)
+            self.path.append(key.value if isinstance(key, ScalarNode) else "?")
+            node.value.append((key, self.compose_node(node, key)))
+            self.path.pop()
+        node.end_mark = _end(self._next())
+        self._depth -= 1
+        return node
+
+    def _enter(self, mark: Mark) -> None:
+        """Count one more level of nesting; refuse the level past MAX_DEPTH."""
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            self.problems.append(Problem(
+                self.file, mark.line + 1, mark.column + 1, json_path(tuple(self.path)),
+                f"nested deeper than {MAX_DEPTH} levels; a policy needs no more than 8",
+            ))
+            raise _Abort()
+
+    def single_document(self) -> Optional[Node]:
+        """The root node of the only document; a second document is a problem."""
+        self._next()  # StreamStartEvent
+        if isinstance(self._peek(), StreamEndEvent):
+            return None
+        root = self.compose_document()
+        event = self._next()
+        if isinstance(event, DocumentStartEvent):
+            self.path.clear()
+            self.report(
+                _start(event),
+                "a second YAML document ('---'); a policy file holds exactly one policy: "
+                "put each policy in its own file",
+            )
+        return root
+
+
+# --------------------------------------------------------------------------- data
+
+
+class _Converter:
+    """Turns a composed node tree into plain data, recording every node's position."""
+
+    def __init__(self, loader: _StrictLoader, text: str) -> None:
+        self.loader = loader
+        self.text = text
+        self.problems: list[Problem] = []
+        self.values: dict[JsonPath, Position] = {}
+        self.keys: dict[JsonPath, Position] = {}
+        self.inline: dict[JsonPath, Position] = {}
+
+    def problem(self, node: Node, path: JsonPath, message: str) -> None:
+        mark = node.start_mark
+        self.problems.append(Problem(
+            self.loader.file, mark.line + 1, mark.column + 1, json_path(path), message
+        ))
+
+    def value(self, node: Node, path: JsonPath) -> Any:
+        self.values[path] = (node.start_mark.line + 1, node.start_mark.column + 1)
+        if isinstance(node, MappingNode):
+            return self.mapping(node, path)
+        if isinstance(node, SequenceNode):
+            return [self.value(item, path + (i,)) for i, item in enumerate(node.value)]
+        if isinstance(node, ScalarNode):
+            return self.scalar(node, path)
+        raise TypeError(f"unexpected YAML node {node!r}")  # the composer makes no other kind
+
+    def mapping(self, node: MappingNode, path: JsonPath) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        first_line: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = self.key(key_node, path)
+            if key is None:
+                continue
+            if key in first_line:
+                self.problem(
+                    key_node, path + (key,),
+                    f"duplicate key {key!r} (first at line {first_line[key]}); "
+                    "each key may appear once in a mapping",
+                )
+                continue
+            mark = key_node.start_mark
+            first_line[key] = mark.line + 1
+            self.keys[path + (key,)] = (mark.line + 1, mark.column + 1)
+            result[key] = self.value(value_node, path + (key,))
+        return result
+
+    def key(self, node: Node, path: JsonPath) -> Optional[str]:
+        """The key as a string, or None (and a problem) for a key that is not one."""
+        if not isinstance(node, ScalarNode):
+            kind = "a mapping" if isinstance(node, MappingNode) else "a list"
+            self.problem(node, path, f"a key must be a string, found {kind}")
+            return None
+        if node.tag == _TAG + "merge":
+            self.problem(
+                node, path + ("<<",), "merge keys (<<) are not allowed; write the keys out"
+            )
+            return None
+        if node.tag in _KIND_OF_TAG:
+            self.problem(
+                node, path + (node.value,),
+                f"the key {node.value!r} is read as {_KIND_OF_TAG[node.tag]} by YAML 1.1; keys "
+                f"must be strings: quote it ('{node.value}') or use the intended key name",
+            )
+            return None
+        return str(node.value)
+
+    def scalar(self, node: ScalarNode, path: JsonPath) -> Any:
+        self._record_inline(node, path)
+        tag = node.tag
+        try:
+            if tag == _TAG + "int":
+                return self.loader.construct_yaml_int(node)
+            if tag == _TAG + "float":
+                return self.loader.construct_yaml_float(node)
+            if tag == _TAG + "bool":
+                return self.loader.construct_yaml_bool(node)
+        except (ValueError, OverflowError):
+            shown = node.value if len(node.value) <= 40 else node.value[:37] + "..."
+            self.problem(node, path, f"{shown!r} is not a valid number")
+            return None
+        if tag == _TAG + "null":
+            return None
+        return str(node.value)  # str, and timestamps, which a policy only ever holds as text
+
+    def _record_inline(self, node: ScalarNode, path: JsonPath) -> None:
+        start, end = node.start_mark, node.end_mark
+        if start.line != end.line or node.style not in (None, "'", '"'):
+            return
+        raw = self.text[start.index:end.index]
+        body = raw if node.style is None else raw[1:-1]
+        if body == node.value:
+            self.inline[path] = (start.line + 1, start.column + 1 + (node.style is not None))
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _file_problem(file: str, message: str, line: int = 0, column: int = 0) -> PolicyError:
+    return PolicyError([Problem(file, line, column, "$", message)])
+
+
+def read_document(source: Source) -> Document:
+    """Read and parse one policy file; raises PolicyError.
+
+    At most `MAX_BYTES + 1` bytes are read, so a huge (or endless) file is refused
+    before anything parses it.
+    """
+    file = os.fspath(source)
+    try:
+        with open(file, "rb") as stream:
+            raw = stream.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise _file_problem(file, "no such file") from None
+    except IsADirectoryError:
+        raise _file_problem(file, "is a folder, not a policy file") from None
+    except OSError as exc:
+        raise _file_problem(file, f"cannot read the file: {exc.strerror or exc}") from None
+    return parse_document(raw, file)
+
+
+def parse_document(content: Union[bytes, str], file: str = "<string>") -> Document:
+    """Parse policy text (UTF-8 bytes or a str) into a Document; raises PolicyError."""
+    raw = content.encode("utf-8") if isinstance(content, str) else content
+    if len(raw) > MAX_BYTES:
+        raise _file_problem(
+            file, f"the file is larger than 1 MiB ({MAX_BYTES} bytes); a policy must be smaller"
+        )
+    text = _text(raw, file)
+    loader = _StrictLoader(text, file)
+    try:
+        root = _compose(loader, text)
+        converter = _Converter(loader, text)
+        data: dict[str, Any] = converter.value(root, ()) if isinstance(root, MappingNode) else {}
+    finally:
+        loader.dispose()
+    problems = loader.problems + converter.problems
+    if problems:
+        raise PolicyError(problems)
+    if root is None:
+        raise _file_problem(
+            file, "the file holds no policy; a policy starts with 'apiVersion: hookpolicy/v1'", 1, 1
+        )
+    if not isinstance(root, MappingNode):
+        line, column = root.start_mark.line + 1, root.start_mark.column + 1
+        raise _file_problem(
+            file, "the top level must be a mapping with apiVersion, kind, metadata and spec",
+            line, column,
+        )
+    revision = hashlib.sha256(raw).hexdigest()[:12]
+    return Document(file, revision, data, converter.values, converter.keys, converter.inline)
+
+
+def _text(raw: bytes, file: str) -> str:
+    """The file as text: UTF-8 (a leading BOM allowed) holding only characters YAML allows."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        before = raw[:exc.start]
+        line = before.count(b"\n") + 1
+        column = len(before[before.rfind(b"\n") + 1:].decode("utf-8", "replace")) + 1
+        raise _file_problem(
+            file, f"not UTF-8 (byte 0x{raw[exc.start]:02x}); save the file as UTF-8", line, column
+        ) from None
+    text = text.removeprefix("\ufeff")
+    special = Reader.NON_PRINTABLE.search(text)
+    if special is not None:
+        at = special.start()
+        line = text.count("\n", 0, at) + 1
+        column = at - (text.rfind("\n", 0, at) + 1) + 1
+        raise _file_problem(
+            file, f"the character U+{ord(special.group()):04X} is not allowed in YAML", line, column
+        )
+    return text
+
+
+def _compose(loader: _StrictLoader, text: str) -> Optional[Node]:
+    """The root node, or None when the file is empty or composing had to stop.
+
+    Every YAML error becomes a Problem in `loader.problems`; after one the composer
+    cannot go on, so the problems found before it are reported with it.
+    """
+    try:
+        return loader.single_document()
+    except _Abort:
+        return None
+    except yaml.MarkedYAMLError as exc:
+        loader.problems.append(_syntax_problem(exc, text, loader.file, tuple(loader.path)))
+    except yaml.YAMLError as exc:  # no other kind is raised today; keep the promise anyway
+        loader.problems.append(Problem(loader.file, 1, 1, "$", f"invalid YAML: {exc}"))
+    return None
+
+
+def _syntax_problem(exc: yaml.MarkedYAMLError, text: str, file: str, path: JsonPath) -> Problem:
+    """A scanner or parser error at the scanner's position, in words a person can act on."""
+    mark = exc.problem_mark or exc.context_mark
+    line, column = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+    if mark is not None and text[mark.index:mark.index + 1] == "\t":
+        return Problem(
+            file, line, column, json_path(path), "a tab character; YAML indentation must use spaces"
+        )
+    message = exc.problem or "invalid YAML"
+    if exc.context:
+        where = ""
+        if exc.context_mark is not None and exc.context_mark is not mark:
+            where = f" (line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1})"
+        message = f"{exc.context}{where}: {message}"
+    return Problem(file, line, column, json_path(path), f"invalid YAML: {message}")
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def policy_dirs_from_env(environ: Mapping[str, str]) -> list[str]:
+    """The folders named by HOOKPOLICY_POLICY_DIRS (colon-separated; empty entries ignored)."""
+    return [entry for entry in environ.get(ENV_POLICY_DIRS, "").split(":") if entry]
+
+
+def expand_sources(sources: Union[Source, Sequence[Source]]) -> tuple[list[str], list[Problem]]:
+    """The policy files named by `sources`: files as given, folders as their `*.yaml`/`*.yml`.
+
+    A folder's files are taken in name order, without descending into sub-folders and
+    without hidden files (a Kubernetes ConfigMap mount keeps its real files in `..data`).
+    """
+    if isinstance(sources, (str, os.PathLike)):
+        sources = [sources]
+    files: list[str] = []
+    problems: list[Problem] = []
+    for source in sources:
+        name = os.fspath(source)
+        if not os.path.isdir(name):
+            files.append(name)
+            continue
+        try:
+            found = _folder_files(name)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            problems.append(Problem(name, 0, 0, "$", f"cannot read the folder: {reason}"))
+            continue
+        if not found:
+            problems.append(Problem(name, 0, 0, "$", "the folder holds no *.yaml or *.yml files"))
+        files.extend(found)
+    return files, problems
+
+
+def _folder_files(folder: str) -> list[str]:
+    names = sorted(os.listdir(folder))
+    return [
+        os.path.join(folder, n) for n in names
+        if n.endswith((".yaml", ".yml")) and not n.startswith(".")
+        and os.path.isfile(os.path.join(folder, n))
+    ]
+
+
+def load_sources(sources: Union[Source, Sequence[Source]]) -> tuple[Policy, ...]:
+    """Load every policy named by `sources` (files and folders); all or nothing.
+
+    The problems of every file are collected and raised together as one PolicyError,
+    so a user fixes a whole set of files in one round. Policy names must be unique
+    across everything loaded together. An empty `sources` gives an empty tuple.
+    """
+    files, problems = expand_sources(sources)
+    loaded: list[tuple[Document, Policy]] = []
+    for file in files:
+        try:
+            document = read_document(file)
+            loaded.append((document, build_policy(document)))
+        except PolicyError as exc:
+            problems.extend(exc.problems)
+    problems.extend(_duplicate_names(loaded))
+    if problems:
+        raise PolicyError(problems)
+    return tuple(policy for _, policy in loaded)
+
+
+def _duplicate_names(loaded: Iterable[tuple[Document, Policy]]) -> list[Problem]:
+    first: dict[str, str] = {}
+    problems: list[Problem] = []
+    for document, policy in loaded:
+        if policy.name in first:
+            problems.append(document.problem(
+                ("metadata", "name"),
+                f"duplicate policy name {policy.name!r} (first in {first[policy.name]}); "
+                "policies applied together need unique names",
+            ))
+        else:
+            first[policy.name] = document.file
+    return problems
