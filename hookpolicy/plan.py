@@ -111,10 +111,14 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
             warnings.append(f"{where}: matches no module of {type(model).__name__}")
             continue
         made = 0
+        claimed: set[int] = set()  # a shared (tied) parameter belongs to the first module that has it
         for entry in found:
             params: tuple[str, ...] = ()
             if rule.target in PARAM_TARGETS:
-                params = tuple(matcher.param_names(entry.module))
+                params = tuple(
+                    name for name in matcher.param_names(entry.module)
+                    if _claim(claimed, getattr(entry.module, name))
+                )
                 if not params:
                     continue
             if rule.target == "grad_input" and type(entry.module).__name__ in _INDEX_INPUT_TYPES:
@@ -129,3 +133,11 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
         if not made:
             warnings.append(f"{where}: the matched modules have no parameters matching {list(rule.match.params) or '*'}")
     return Plan(tuple(bindings), tuple(warnings))
+
+
+def _claim(claimed: set[int], obj: Any) -> bool:
+    """True the first time `obj` is seen in this rule."""
+    if id(obj) in claimed:
+        return False
+    claimed.add(id(obj))
+    return True

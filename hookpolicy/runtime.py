@@ -36,7 +36,7 @@ from .errors import Halt
 from .metrics import MetricsStore, stat_family, store_for
 from .model import Alert, Capture, Policy, Rule
 from .plan import Binding, Plan, build_plan
-from .sinks import JsonLines, TensorWriter, output_root
+from .sinks import BudgetSpent, JsonLines, TensorWriter, output_root
 from .stats import combine, finish, tensor_partials
 from .steps import StepTracker
 from .structure import named_tensors, replace_tensors, selector
@@ -446,13 +446,17 @@ class Attached:
         for index, module, name, tensor in entry.copies:
             action = rs.rule.actions[index]
             assert isinstance(action, Capture) and action.tensors is not None
+            writer = rs.writers.get(index)
             try:
-                writer = rs.writers.get(index)
                 if writer is None:
                     writer = rs.writers[index] = TensorWriter(self._root, action.tensors)
+                if writer.spent:
+                    continue
                 stem = f"step{self.step:08d}-{module or 'root'}-{entry.target}" + (f"-{name}" if name else "")
                 writer.write(stem.replace("/", "_") + ".pt", tensor.cpu())
-            except OSError as exc:  # SinkError included: a full budget is an error like a full disk
+            except BudgetSpent as exc:
+                log.warning("%s/%s: %s; no more tensor files are written", *rs.key, exc)
+            except OSError as exc:  # a full disk, a read-only folder, an unsafe path
                 self._fail(rs, exc)
                 return
 

@@ -20,11 +20,15 @@ import torch
 
 from .model import TensorFiles
 
-__all__ = ["SinkError", "output_root", "safe_path", "JsonLines", "TensorWriter"]
+__all__ = ["BudgetSpent", "SinkError", "output_root", "safe_path", "JsonLines", "TensorWriter"]
 
 
 class SinkError(OSError):
-    """A sink cannot write: unsafe path, or its configured budget is spent."""
+    """A sink cannot write: the path is unsafe."""
+
+
+class BudgetSpent(Exception):
+    """A tensor writer reached its `max_files`/`max_bytes`: the configured end, not a fault."""
 
 
 def output_root(environ: Mapping[str, str] = os.environ) -> Path:
@@ -81,15 +85,18 @@ class TensorWriter:
         self.folder = safe_path(root, config.dir)
         self.files = 0
         self.bytes = 0
+        self.spent = False
 
     def write(self, name: str, tensor: torch.Tensor) -> Path:
         if self.files >= self.config.max_files:
-            raise SinkError(f"capture.tensors.max_files={self.config.max_files} reached in {self.folder}")
+            self.spent = True
+            raise BudgetSpent(f"capture.tensors.max_files={self.config.max_files} reached in {self.folder}")
         buffer = io.BytesIO()
         torch.save(tensor, buffer)
         data = buffer.getvalue()
         if self.bytes + len(data) > self.config.max_bytes:
-            raise SinkError(
+            self.spent = True
+            raise BudgetSpent(
                 f"capture.tensors.max_bytes={self.config.max_bytes} would be exceeded in {self.folder} "
                 f"({self.bytes} written, {len(data)} more)"
             )

@@ -640,7 +640,8 @@ def test_tensor_files_bounded_and_loadable(tmp_path: Path, monkeypatch: pytest.M
     model.head.register_forward_hook(lambda m, a, o: outs.append(o.detach().clone()))
     with pol.attach(model, registry=reg):
         train(model, opt, batches(5))
-        assert sample(reg, "hookpolicy_hook_errors_total", rule="feats") == 2  # steps 3, 4: budget spent
+        # a spent budget is the configured end of the capture, not an error
+        assert sample(reg, "hookpolicy_hook_errors_total", rule="feats") is None
     files = sorted((tmp_path / "feats").iterdir())
     assert [f.name for f in files] == [f"step{i:08d}-head-output.pt" for i in range(3)]
     for f, ref in zip(files, outs):
