@@ -149,11 +149,6 @@ class Rule:
     select: tuple[Union[int, str], ...] = ()
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """(priority, file order): lower runs first, ties keep file order."""
-        return (self.priority, self.index)
-
-    @property
     def stats(self) -> tuple[str, ...]:
         """Every statistic the rule's captures and alerts need, in a stable order."""
         wanted: set[str] = set()
