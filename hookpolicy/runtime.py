@@ -384,15 +384,18 @@ class Attached:
 
         `final` (at `remove()`) publishes what is left but takes no skip or halt decision.
         """
+        start = time.perf_counter()
         entries, self._buffer = self._buffer, []
         passes: dict[tuple[tuple[str, str], int], _Pass] = {}
         for entry, rows in zip(entries, _fetch([e.matrix for e in entries])):
             passes.setdefault((entry.rule.key, entry.op.segment), _Pass(entry.rule, entry.op, entry.target)).add(entry, rows)
+        fetch_share = (time.perf_counter() - start) / max(1, len(passes))  # the transfer serves every pass
         published: dict[tuple[str, tuple[str, ...]], float] = {}
         skip = False
         halt: Optional[Halt] = None
         now = time.time()
         for p in passes.values():
+            pass_start = time.perf_counter()
             rs = p.rule
             firing: dict[str, bool] = {}
             for index, action in p.op.actions:
@@ -424,6 +427,7 @@ class Attached:
                             halt = Halt(rs.policy.name, rs.rule.name, self.step, message)
             for severity, on in firing.items():
                 self.store.set("hookpolicy_alert_firing", (*rs.key, severity), 1.0 if on else 0.0)
+            self._seconds[rs.key] += fetch_share + time.perf_counter() - pass_start
         for entry in entries:
             if entry.copies:
                 self._write_copies(entry)
