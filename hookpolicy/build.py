@@ -32,7 +32,7 @@ __all__ = ["MESSAGE_FIELDS", "build_policy", "check_semantics"]
 
 #: the fields an alert message may use besides the statistic names.
 MESSAGE_FIELDS: tuple[str, ...] = (
-    "policy", "rule", "module", "tensor", "target", "step", "severity", "condition",
+    "policy", "rule", "module", "tensor", "target", "step", "rank", "severity", "condition",
 )
 #: labels that hookpolicy_policy_info sets itself, so a policy label may not use them.
 RESERVED_LABELS = frozenset({"policy", "revision", "mode", "rank"})
@@ -40,7 +40,7 @@ RESERVED_LABELS = frozenset({"policy", "revision", "mode", "rank"})
 MAX_PROBLEMS = 100
 
 _SAMPLE_FIELDS: Mapping[str, object] = {
-    **{name: name for name in MESSAGE_FIELDS}, "step": 0, **{stat: 0.0 for stat in STATS},
+    **{name: name for name in MESSAGE_FIELDS}, "step": 0, "rank": 0, **{stat: 0.0 for stat in STATS},
 }
 
 

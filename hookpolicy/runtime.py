@@ -125,15 +125,29 @@ class Attached:
         self._warned_inplace: set[tuple[str, ...]] = set()
         for warning in self.plan.warnings:
             log.warning("%s", warning)
-        for policy in self.policies:
-            self.store.set("hookpolicy_policy_info", (policy.name, policy.revision, "audit" if audit else policy.mode), 1.0)
-        self.store.set("hookpolicy_config_last_reload_successful", (), 1.0)
+        self._publish_initial_series(audit)
         self._tracker = StepTracker(model, self)
         self._root_handles = [
             model.register_forward_pre_hook(self._root_pre),
             model.register_forward_hook(self._root_post, always_call=True),
         ]
         self._activate()
+
+    def _publish_initial_series(self, audit: bool) -> None:
+        """Create every counter at 0, so `increase()` sees the first event and dashboards list the run."""
+        for policy in self.policies:
+            self.store.set("hookpolicy_policy_info", (policy.name, policy.revision, "audit" if audit else policy.mode), 1.0)
+            self.store.inc("hookpolicy_series_dropped", (policy.name,), 0)
+        for rs in self._rules.values():
+            self.store.inc("hookpolicy_hook_errors", rs.key, 0)
+            for action in rs.rule.actions:
+                if isinstance(action, Alert):
+                    self.store.inc("hookpolicy_alerts", (*rs.key, action.severity), 0)
+                    self.store.set("hookpolicy_alert_firing", (*rs.key, action.severity), 0.0)
+                    if action.then == "skip_step":
+                        self.store.inc("hookpolicy_skipped_steps", rs.key, 0)
+        self.store.inc("hookpolicy_steps", (), 0)
+        self.store.set("hookpolicy_config_last_reload_successful", (), 1.0)
 
     # -- public handle -----------------------------------------------------------------
     def __enter__(self) -> "Attached":
@@ -161,7 +175,8 @@ class Attached:
                     sink.close()
             for policy in self.policies:
                 self.store.forget_policy(policy.name)
-                self.store.drop("hookpolicy_policy_info", _not_of(policy.name))
+                for family in ("hookpolicy_policy_info", "hookpolicy_alert_firing"):
+                    self.store.drop(family, _not_of(policy.name))
 
     @property
     def removed(self) -> bool:
