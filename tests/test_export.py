@@ -1,0 +1,210 @@
+"""`hookpolicy.export`: Prometheus rules checked and unit-tested by the real promtool, and a
+Grafana dashboard whose every query names a metric family the policy really exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+import yaml
+from prometheus_client import CollectorRegistry
+
+import hookpolicy
+from hookpolicy.export import exported_families, grafana_dashboard, prometheus_rules
+from hookpolicy.metrics import ENGINE_FAMILIES
+from hookpolicy.model import Alert, Capture, Policy
+from test_policies import batch, make_model, train_step
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = sorted((ROOT / "policies").glob("*.y*ml"))
+RULES = Path(__file__).resolve().parent / "rules"
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian package prometheus) is not installed")
+
+_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "offset", "bool"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects (labels, functions, keywords removed)."""
+    e = re.sub(r'"(?:\\.|[^"\\])*"', '""', expr)
+    e = re.sub(r"\{[^}]*\}", " ", e)
+    e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
+    e = re.sub(r"\[[^\]]*\]", " ", e)
+    names = set()
+    for m in re.finditer(r"(?<![\w$.])([a-zA-Z_:][\w:]*)\s*(\(?)", e):
+        word, call = m.groups()
+        if not call and word not in _KEYWORDS:
+            names.add(word)
+    return names
+
+
+def test_metric_names_helper() -> None:
+    expr = ('sum by (job, rank) (rate(hookpolicy_hook_seconds_total{policy=~"a|b", job=~"$job"}[5m])) '
+            '/ on (job) group_left sum by (job) (rate(hookpolicy_steps_total[$__rate_interval])) '
+            'or time() - hookpolicy_last_step_timestamp_seconds offset 5m > 1e3')
+    assert metric_names(expr) == {"hookpolicy_hook_seconds_total", "hookpolicy_steps_total",
+                                  "hookpolicy_last_step_timestamp_seconds"}
+
+
+def library() -> list[Policy]:
+    return list(hookpolicy.load([str(p) for p in LIBRARY]).policies)
+
+
+def really_exported(policies: list[Policy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The families a scrape shows after a short run of the policies on a GPT-like model:
+    statistic families with samples, and every declared engine family."""
+    monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path))
+    model = make_model()
+    reg = CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with hookpolicy.PolicySet(tuple(policies)).attach(model, registry=reg, rank=0):
+        for i in range(2):
+            train_step(model, opt, i)
+        names = {s.name for m in reg.collect() for s in m.samples}
+    engine = {f"{n}_total" if kind == "counter" else n for n, (kind, _, _) in ENGINE_FAMILIES.items()}
+    return names | engine
+
+
+# --------------------------------------------------------------------------- rules
+
+
+@needs_promtool
+@pytest.mark.parametrize("which", ["library", "each", "none", "unit-test-policy"])
+def test_rules_pass_promtool_check(which: str, tmp_path: Path) -> None:
+    sets: list[list[Policy]] = {
+        "library": [library()],
+        "each": [[p] for p in library()],
+        "none": [[]],
+        "unit-test-policy": [list(hookpolicy.load(RULES / "train-guard.yaml").policies)],
+    }[which]
+    for i, policies in enumerate(sets):
+        path = tmp_path / f"rules-{i}.yml"
+        path.write_text(prometheus_rules(policies))
+        done = subprocess.run([str(PROMTOOL), "check", "rules", str(path)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_promtool
+def test_rules_pass_promtool_unit_tests(tmp_path: Path) -> None:
+    policies = hookpolicy.load(RULES / "train-guard.yaml").policies
+    (tmp_path / "hookpolicy-alerts.rules.yml").write_text(prometheus_rules(policies))
+    shutil.copy(RULES / "hookpolicy-alerts.test.yml", tmp_path)
+    done = subprocess.run([str(PROMTOOL), "test", "rules", "hookpolicy-alerts.test.yml"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _alert_rules(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            yield group["name"], rule
+
+
+def test_rules_cover_every_alert_with_a_group_per_policy() -> None:
+    policies = library() + list(hookpolicy.load(RULES / "train-guard.yaml").policies)
+    doc = yaml.safe_load(prometheus_rules(policies))
+    assert [g["name"] for g in doc["groups"]] == [f"hookpolicy.{p.name}" for p in policies] + ["hookpolicy.engine"]
+    rules = list(_alert_rules(doc))
+    names = [r["alert"] for _, r in rules]
+    assert len(names) == len(set(names))
+    for _, rule in rules:
+        assert re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", rule["alert"])
+        assert rule["labels"]["severity"] in ("info", "warning", "critical")
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+    by_group = {g["name"]: g["rules"] for g in doc["groups"]}
+    for policy in policies:
+        group = by_group[f"hookpolicy.{policy.name}"]
+        for rule in policy.rules:
+            alerts = [a for a in rule.actions if isinstance(a, Alert)]
+            for severity in {a.severity for a in alerts}:
+                (generated,) = [r for r in group if r["labels"].get("rule") == rule.name and r["labels"]["severity"] == severity]
+                assert generated["labels"]["policy"] == policy.name
+                mine = [a for a in alerts if a.severity == severity]
+                event = any(a.then in ("skip_step", "halt") or a.for_ == 1 for a in mine)
+                if event:  # the `for:` mapping (see hookpolicy.export)
+                    assert generated["for"] == "0s" and "increase(hookpolicy_alerts_total{" in generated["expr"]
+                else:
+                    assert generated["for"] == "1m" and generated["expr"].startswith("hookpolicy_alert_firing{")
+                for a in mine:
+                    assert f"`{a.source}`" in generated["annotations"]["description"]
+        assert any("hookpolicy_hook_errors_total" in r["expr"] for r in group)
+        assert any("hookpolicy_series_dropped_total" in r["expr"] for r in group)
+    engine = [r["expr"] for r in by_group["hookpolicy.engine"]]
+    assert any(e.startswith("time() - hookpolicy_last_step_timestamp_seconds > ") for e in engine)
+
+
+def test_rules_name_only_exported_families() -> None:
+    policies = library()
+    families = exported_families(policies)
+    for _, rule in _alert_rules(yaml.safe_load(prometheus_rules(policies))):
+        assert metric_names(rule["expr"]) <= set(families), rule["expr"]
+
+
+# --------------------------------------------------------------------------- Grafana
+
+
+def _exprs(dashboard: dict[str, Any]) -> list[str]:
+    return [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+
+
+@pytest.mark.parametrize("which", [p.name for p in LIBRARY] + ["all"])
+def test_grafana_dashboard(which: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    policies = library() if which == "all" else list(hookpolicy.load(ROOT / "policies" / which).policies)
+    dashboard = json.loads(grafana_dashboard(policies))
+
+    assert 36 <= dashboard["schemaVersion"] <= 41
+    assert [i["name"] for i in dashboard["__inputs"]] == ["DS_PROMETHEUS"]
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"DS_PROMETHEUS", "job", "rank"} <= set(variables)
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    for name in ("job", "rank"):
+        assert re.findall(r"hookpolicy_\w+", variables[name]["definition"]) == ["hookpolicy_steps_total"]
+
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${DS_PROMETHEUS}"
+        assert panel["targets"] and all(t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in panel["targets"])
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24
+
+    captured = {
+        f"hookpolicy_{rule.target}_{s}"
+        for policy in policies for rule in policy.rules for a in rule.actions if isinstance(a, Capture) for s in a.stats
+    }
+    real = really_exported(policies, tmp_path, monkeypatch)
+    assert captured <= real  # the policy really exports what it captures, on a real model
+    stat_panels = [p for p in panels if p["title"].startswith("hookpolicy_")]
+    assert sorted(p["title"] for p in stat_panels) == sorted(captured)  # one panel per captured family
+    for panel in stat_panels:
+        (target,) = panel["targets"]
+        assert metric_names(target["expr"]) == {panel["title"]}
+        assert "{{module}}" in target["legendFormat"] or "per rule" in panel["description"] or "{{rule}}" in target["legendFormat"]
+    for title in ("Steps per second", "Alerts firing", "Skipped steps", "Hook errors", "hookpolicy seconds per step"):
+        assert title in {p["title"] for p in panels}
+    step_rate = next(p for p in panels if p["title"] == "Steps per second")
+    assert "rate(hookpolicy_steps_total{" in step_rate["targets"][0]["expr"]
+
+    exprs = _exprs(dashboard)
+    assert exprs
+    for expr in exprs:
+        names = metric_names(expr)
+        assert names, expr
+        assert names <= real, (expr, names - real)
+        assert names <= set(exported_families(policies)), expr
+        assert 'job=~"$job"' in expr and 'rank=~"$rank"' in expr
+
+
+def test_grafana_legend_per_module_and_tensor() -> None:
+    policies = list(hookpolicy.load(ROOT / "policies" / "gradient-monitor.yaml").policies)
+    dashboard = json.loads(grafana_dashboard(policies))
+    panel = next(p for p in dashboard["panels"] if p["title"] == "hookpolicy_grad_output_l2_norm")
+    assert panel["targets"][0]["legendFormat"] == "{{module}} rank {{rank}}"
+    assert 'policy=~"gradient-monitor"' in panel["targets"][0]["expr"]

@@ -1,0 +1,553 @@
+"""Every policy of the library in `policies/`: loaded, compiled against a GPT-like model,
+run for a few steps, and checked for its intended effect against PyTorch's own reference.
+
+The model uses the conventional GPT-2/nanoGPT names (`transformer.wte`,
+`transformer.h.N.attn.c_attn`, `transformer.h.N.mlp.c_fc`, `lm_head`, ...) with the
+token embedding tied to `lm_head`, as nanoGPT does, so the library's patterns are tested
+against the names they are written for.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from prometheus_client import CollectorRegistry
+
+import hookpolicy
+
+POLICIES = Path(__file__).resolve().parent.parent / "policies"
+LIBRARY = sorted(POLICIES.glob("*.y*ml"))
+SCHEMA_LINE = "# yaml-language-server: $schema=../schemas/hookpolicy-v1.schema.json"
+EXPECTED = {
+    "nan-guard.yaml", "clip-per-layer.yaml", "clip-global.yaml", "gradient-monitor.yaml",
+    "activation-sparsity.yaml", "feature-extraction.yaml", "explosion-guard.yaml", "freeze-embeddings.yaml",
+}
+VOCAB, BLOCK = 64, 16
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.act = nn.ReLU()
+        self.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, n_head)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A two-block GPT with nanoGPT's module names and weight tying."""
+
+    def __init__(self, d: int = 32, n_head: int = 4, n_layer: int = 2) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, d), wpe=nn.Embedding(BLOCK, d), drop=nn.Dropout(0.0),
+            h=nn.ModuleList([Block(d, n_head) for _ in range(n_layer)]), ln_f=nn.LayerNorm(d),
+        ))
+        self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+        return logits, loss
+
+
+def make_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT()
+
+
+def batch(seed: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + seed)
+    idx = torch.randint(0, VOCAB, (size, BLOCK), generator=g)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int, loss_scale: float = 1.0,
+               before_step: Optional[Callable[[], None]] = None) -> None:
+    idx, targets = batch(seed)
+    _, loss = model(idx, targets)
+    assert loss is not None
+    (loss * loss_scale).backward()
+    if before_step is not None:
+        before_step()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Files a policy writes land in a fresh folder."""
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(out))
+    return out
+
+
+def load(name: str) -> hookpolicy.PolicySet:
+    return hookpolicy.load(POLICIES / name)
+
+
+def load_text(tmp_path: Path, text: str, name: str = "policy.yaml") -> hookpolicy.PolicySet:
+    path = tmp_path / name
+    path.write_text(text)
+    return hookpolicy.load(path)
+
+
+def stat(reg: CollectorRegistry, family: str, policy: str, rule: str, module: str = "", tensor: str = "") -> float:
+    value = reg.get_sample_value(family, {"policy": policy, "rule": rule, "module": module, "tensor": tensor, "rank": "0"})
+    assert value is not None, f"{family}{{policy={policy}, rule={rule}, module={module}}} not exported"
+    return value
+
+
+def counter(reg: CollectorRegistry, family: str, **labels: str) -> float:
+    return reg.get_sample_value(family, {**labels, "rank": "0"}) or 0.0
+
+
+def modules_named(model: nn.Module, pattern: str, kind: type) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if re.fullmatch(pattern, n) and isinstance(m, kind)]
+
+
+def own_params(modules: list[tuple[str, nn.Module]]) -> list[nn.Parameter]:
+    return [p for _, m in modules for p in m.parameters(recurse=False)]
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def opt_state(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for s in opt.state_dict()["state"].values()]
+
+
+def same_state(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
+        for x, y in zip(a, b)
+    )
+
+
+@pytest.fixture
+def grad_outputs() -> Iterator[Callable[[nn.Module, type], dict[str, list[torch.Tensor]]]]:
+    """Records the gradient w.r.t. the output of every module of a type, with tensor hooks."""
+    handles: list[Any] = []
+
+    def install(model: nn.Module, kind: type) -> dict[str, list[torch.Tensor]]:
+        seen: dict[str, list[torch.Tensor]] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, kind):
+                def hook(mod: nn.Module, args: Any, out: torch.Tensor, name: str = name) -> None:
+                    if out.requires_grad:
+                        out.register_hook(lambda g: seen.setdefault(name, []).append(g.detach().clone()))
+                handles.append(module.register_forward_hook(hook))
+        return seen
+
+    yield install
+    for h in handles:
+        h.remove()
+
+
+# --------------------------------------------------------------------------- every file
+
+
+def test_library_is_complete() -> None:
+    assert EXPECTED <= {p.name for p in LIBRARY}
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=[p.name for p in LIBRARY])
+def test_policy_header(path: Path) -> None:
+    lines = path.read_text().splitlines()
+    if path.name not in EXPECTED:
+        pytest.skip("documented by its own author")
+    assert lines[0] == SCHEMA_LINE
+    header = [ln for ln in lines[1:] if ln.startswith("#")]
+    text = "\n".join(header)
+    assert len(header) >= 8 and "What it does" in text and "When to use it" in text and "What to tune" in text
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=[p.name for p in LIBRARY])
+def test_policy_loads_compiles_and_runs(path: Path, workdir: Path) -> None:
+    policies = hookpolicy.load(path)
+    model = make_model()
+    plan = policies.plan(model)
+    assert plan.bindings
+    assert not [w for w in plan.warnings if "matches no module" in w], plan.warnings
+    reg = CollectorRegistry()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with policies.attach(model, registry=reg, rank=0):
+        for i in range(3):
+            train_step(model, opt, i)
+        model.eval()
+        with torch.no_grad():
+            model(batch(99)[0])
+        model.train()
+        assert counter(reg, "hookpolicy_steps_total") == 3
+        for policy in policies.policies:
+            assert reg.get_sample_value("hookpolicy_policy_info", {
+                "policy": policy.name, "revision": policy.revision, "mode": policy.mode, "rank": "0"}) == 1
+    errors = [s for m in reg.collect() for s in m.samples if s.name == "hookpolicy_hook_errors_total" and s.value]
+    assert not errors
+
+
+# --------------------------------------------------------------------------- effects
+
+
+def test_nan_guard_skips_the_step_bit_identically(workdir: Path) -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    reg = CollectorRegistry()
+    labels = {"policy": "nan-guard", "rule": "nonfinite-grads"}
+    with load("nan-guard.yaml").attach(model, registry=reg, rank=0):
+        for i in range(2):
+            train_step(model, opt, i)
+        params, state = snapshot(model), opt_state(opt)
+
+        def poison() -> None:
+            grad = model.transformer.h[1].mlp.c_fc.weight.grad
+            assert grad is not None
+            grad[0, 0] = float("nan")
+
+        train_step(model, opt, 2, before_step=poison)
+        after = snapshot(model)
+        assert all(torch.equal(params[n], after[n]) for n in params)
+        assert same_state(state, opt_state(opt))
+        assert counter(reg, "hookpolicy_skipped_steps_total", **labels) == 1
+        assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") >= 1
+        assert stat(reg, "hookpolicy_grad_nonfinite", **labels) == 1
+
+        train_step(model, opt, 3)  # a clean step is applied again
+        assert not torch.equal(params["transformer.h.1.mlp.c_fc.weight"], model.transformer.h[1].mlp.c_fc.weight)
+        assert counter(reg, "hookpolicy_skipped_steps_total", **labels) == 1
+        assert stat(reg, "hookpolicy_grad_nonfinite", **labels) == 0
+        assert counter(reg, "hookpolicy_steps_total") == 4
+
+
+def test_clip_global_equals_clip_grad_norm(workdir: Path) -> None:
+    model = make_model()
+    ref = copy.deepcopy(model)
+    attn = own_params(modules_named(ref, r".*\.attn\.[^.]+", nn.Linear))
+    assert len(attn) == 8  # c_attn and c_proj, weight and bias, of two blocks
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    reg = CollectorRegistry()
+    with load("clip-global.yaml").attach(model, registry=reg, rank=0):
+        for i in range(3):
+            idx, targets = batch(i)
+            for m in (model, ref):
+                loss = m(idx, targets)[1]
+                assert loss is not None
+                (loss * 50).backward()
+            total = torch.nn.utils.clip_grad_norm_(attn, max_norm=1.0, norm_type=2)
+            assert total > 1.0  # the clip really acts
+            opt.step()
+            ref_opt.step()
+            assert stat(reg, "hookpolicy_grad_l2_norm", "clip-global", "clip-attention") == pytest.approx(total.item(), rel=1e-6)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert p.grad is not None and q.grad is not None
+                assert torch.equal(p.grad, q.grad), name
+                assert torch.equal(p, q), name
+            opt.zero_grad()
+            ref_opt.zero_grad()
+
+
+def test_clip_per_layer_equals_clip_grad_norm_per_module(workdir: Path) -> None:
+    model = make_model()
+    ref = copy.deepcopy(model)
+    seen: set[int] = set()
+    layers: list[tuple[str, list[nn.Parameter]]] = []
+    for n, m in ref.named_modules():  # a tied parameter belongs to the first module that has it
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            if own:
+                layers.append((n, own))
+    assert "lm_head" not in dict(layers)  # tied to transformer.wte
+    reg = CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with load("clip-per-layer.yaml").attach(model, registry=reg, rank=0):
+        idx, targets = batch(0)
+        for m in (model, ref):
+            loss = m(idx, targets)[1]
+            assert loss is not None
+            (loss * 10).backward()
+        norms = {n: torch.nn.utils.clip_grad_norm_(params, 1.0).item() for n, params in layers}
+        assert max(norms.values()) > 1.0 and min(norms.values()) < 1.0  # some clipped, some not
+        opt.step()
+        for name, value in norms.items():
+            assert stat(reg, "hookpolicy_grad_l2_norm", "clip-per-layer", "clip-each-layer", name) == pytest.approx(value, rel=1e-6)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad is not None and q.grad is not None
+            assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=0), name
+
+
+def test_gradient_monitor_matches_torch_statistics(workdir: Path, grad_outputs: Any) -> None:
+    model = make_model()
+    seen = grad_outputs(model, nn.Linear)
+    reg = CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with load("gradient-monitor.yaml").attach(model, registry=reg, rank=0):
+        train_step(model, opt, 0)  # step 0: evaluated (every: 10)
+        assert set(seen) == {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        for name, (g,) in seen.items():
+            g = g.double()
+            expected = {
+                "l2_norm": torch.linalg.vector_norm(g), "mean": g.mean(), "std": g.std(), "max": g.max(),
+                "min": g.min(), "zero_fraction": (g == 0).double().mean(), "nonfinite": (~torch.isfinite(g)).sum(),
+            }
+            for key, value in expected.items():
+                got = stat(reg, f"hookpolicy_grad_output_{key}", "gradient-monitor", "layer-grads", name)
+                assert got == pytest.approx(value.item(), rel=1e-4, abs=1e-9), (name, key)
+        assert counter(reg, "hookpolicy_alerts_total", policy="gradient-monitor", rule="layer-grads", severity="warning") == 0
+
+
+def test_gradient_monitor_alerts(workdir: Path) -> None:
+    labels = {"policy": "gradient-monitor", "rule": "layer-grads"}
+    policies = load("gradient-monitor.yaml")
+
+    # large norm: a loss scaled by 1e4 gives layer gradients far above 10
+    model, reg = make_model(), CollectorRegistry()
+    with policies.attach(model, registry=reg, rank=0):
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), 0, loss_scale=1e4)
+        assert counter(reg, "hookpolicy_alerts_total", **labels, severity="warning") >= 1
+        assert counter(reg, "hookpolicy_alert_firing", **labels, severity="warning") == 1
+        assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") == 0
+
+    # NaN: one poisoned weight makes every gradient downstream of it non-finite
+    model, reg = make_model(), CollectorRegistry()
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("nan")
+    with policies.attach(model, registry=reg, rank=0):
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), 0)
+        assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") >= 1
+        assert stat(reg, "hookpolicy_grad_output_nonfinite", **labels, module="lm_head") > 0
+
+    # dead neurons: a very negative bias silences every ReLU of block 0; the info alert
+    # needs 3 consecutive evaluations (steps 0, 10, 20)
+    model, reg = make_model(), CollectorRegistry()
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.bias.fill_(-1e3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with policies.attach(model, registry=reg, rank=0):
+        for i in range(21):
+            train_step(model, opt, i)
+            if i == 10:
+                assert counter(reg, "hookpolicy_alert_firing", **labels, severity="info") == 0
+        assert stat(reg, "hookpolicy_grad_output_zero_fraction", **labels, module="transformer.h.0.mlp.c_fc") == 1.0
+        assert counter(reg, "hookpolicy_alert_firing", **labels, severity="info") == 1
+        assert counter(reg, "hookpolicy_alerts_total", **labels, severity="info") == 1  # only c_fc of block 0
+
+
+def test_activation_sparsity_matches_reference(workdir: Path) -> None:
+    model = make_model()
+    acts = modules_named(model, r"transformer\.h\.\d+\.mlp\.act", nn.ReLU)
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [m.register_forward_hook(lambda mod, a, out, n=n: outputs.__setitem__(n, out.detach().clone()))
+               for n, m in acts]
+    reg = CollectorRegistry()
+    labels = {"policy": "activation-sparsity", "rule": "mlp-activations"}
+    try:
+        with load("activation-sparsity.yaml").attach(model, registry=reg, rank=0):
+            train_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), 0)
+            for name, out in outputs.items():
+                assert stat(reg, "hookpolicy_output_zero_fraction", **labels, module=name) == pytest.approx((out == 0).double().mean().item())
+                assert stat(reg, "hookpolicy_output_mean", **labels, module=name) == pytest.approx(out.double().mean().item(), rel=1e-5)
+                assert stat(reg, "hookpolicy_output_rms", **labels, module=name) == pytest.approx(
+                    out.double().pow(2).mean().sqrt().item(), rel=1e-5)
+                assert 0.2 < (out == 0).double().mean().item() < 0.8  # a ReLU at init: about half silent
+
+        # phase: any - the same policy measures an evaluation set, read back per batch
+        model.eval()
+        reg = CollectorRegistry()
+        with load("activation-sparsity.yaml").attach(model, registry=reg, rank=0), torch.no_grad():
+            for i in range(2):
+                model(batch(50 + i)[0])
+                for name, out in outputs.items():
+                    assert stat(reg, "hookpolicy_output_zero_fraction", **labels, module=name) == pytest.approx(
+                        (out == 0).double().mean().item())
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_feature_extraction_writes_loadable_tensors(workdir: Path) -> None:
+    model = make_model()
+    names = ["transformer.h.0", "transformer.h.1", "transformer.ln_f"]
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [model.get_submodule(n).register_forward_hook(lambda mod, a, out, n=n: outputs.__setitem__(n, out.detach().clone()))
+               for n in names]
+    policy = load("feature-extraction.yaml")
+    (capture,) = [a for a in policy.policies[0].rules[0].actions if getattr(a, "tensors", None)]
+    assert capture.tensors is not None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    try:
+        with policy.attach(model, registry=CollectorRegistry(), rank=0):
+            train_step(model, opt, 0)  # step 0 is evaluated (every: 100)
+            at_step0 = dict(outputs)
+            for i in range(1, 4):
+                train_step(model, opt, i)
+    finally:
+        for h in handles:
+            h.remove()
+    files = sorted((workdir / capture.tensors.dir).glob("*.pt"))
+    assert 0 < len(files) <= capture.tensors.max_files
+    assert sum(f.stat().st_size for f in files) <= capture.tensors.max_bytes
+    assert [f.name for f in files] == [f"step00000000-{n}-output.pt" for n in names]
+    for f, name in zip(files, names):
+        assert torch.equal(torch.load(f), at_step0[name])
+
+
+def test_feature_extraction_stays_within_max_files(workdir: Path, tmp_path: Path) -> None:
+    text = (POLICIES / "feature-extraction.yaml").read_text()
+    text = text.replace("every: 100", "every: 1").replace("max_files: 200", "max_files: 4")
+    policy = load_text(tmp_path, text)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with policy.attach(model, registry=CollectorRegistry(), rank=0):
+        for i in range(4):  # 3 modules x 4 steps would be 12 files
+            train_step(model, opt, i)
+    files = list((workdir / "features").glob("*.pt"))
+    assert len(files) == 4
+    for f in files:
+        assert torch.load(f).shape[-1] == 32
+
+
+def test_feature_budget_spent_is_not_an_error(workdir: Path, tmp_path: Path) -> None:
+    text = (POLICIES / "feature-extraction.yaml").read_text().replace("every: 100", "every: 1").replace("max_files: 200", "max_files: 4")
+    model, reg = make_model(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with load_text(tmp_path, text).attach(model, registry=reg, rank=0):
+        for i in range(5):
+            train_step(model, opt, i)
+        # statistics keep flowing after the file budget is spent
+        assert stat(reg, "hookpolicy_output_l2_norm", "feature-extraction", "save-features", "transformer.ln_f") > 0
+        assert counter(reg, "hookpolicy_hook_errors_total", policy="feature-extraction", rule="save-features") == 0
+
+
+def test_explosion_guard_halts_after_three_bad_steps(workdir: Path) -> None:
+    policies = load("explosion-guard.yaml")
+    model, reg = make_model(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    taken = 0
+    with pytest.raises(hookpolicy.Halt) as halted:
+        with policies.attach(model, registry=reg, rank=0):
+            for i in range(10):
+                train_step(model, opt, i, loss_scale=1e6)
+                taken += 1
+    assert taken == 2  # the third optimizer.step() raised
+    assert (halted.value.policy, halted.value.rule, halted.value.step) == ("explosion-guard", "global-grad-norm", 2)
+    assert halted.value.line().startswith("hookpolicy: halted by explosion-guard/global-grad-norm at step 2: gradient norm")
+    assert counter(reg, "hookpolicy_alerts_total", policy="explosion-guard", rule="global-grad-norm", severity="critical") == 1
+
+    # single spikes between normal steps never reach 3 in a row
+    model, reg = make_model(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with policies.attach(model, registry=reg, rank=0):
+        for i in range(8):
+            train_step(model, opt, i, loss_scale=1e6 if i % 3 != 2 else 1.0)
+        assert counter(reg, "hookpolicy_alerts_total", policy="explosion-guard", rule="global-grad-norm", severity="critical") == 0
+
+
+def test_explosion_guard_norm_is_the_global_grad_norm(workdir: Path) -> None:
+    model = make_model()
+    ref = copy.deepcopy(model)
+    reg = CollectorRegistry()
+    with load("explosion-guard.yaml").attach(model, registry=reg, rank=0):
+        idx, targets = batch(0)
+        for m in (model, ref):
+            loss = m(idx, targets)[1]
+            assert loss is not None
+            loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+        expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None])
+        assert stat(reg, "hookpolicy_grad_l2_norm", "explosion-guard", "global-grad-norm") == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_freeze_embeddings_zeroes_their_gradients(workdir: Path) -> None:
+    model = make_model()
+    frozen = {"transformer.wte.weight": model.transformer.wte.weight, "transformer.wpe.weight": model.transformer.wpe.weight}
+    before = snapshot(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reg = CollectorRegistry()
+
+    with load("freeze-embeddings.yaml").attach(model, registry=reg, rank=0):
+        for i in range(3):
+            idx, targets = batch(i)
+            loss = model(idx, targets)[1]
+            assert loss is not None
+            loss.backward()
+            assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in frozen.values())
+            opt.step()
+            for name, p in frozen.items():
+                assert p.grad is not None and torch.count_nonzero(p.grad) == 0, name
+            opt.zero_grad()
+        assert counter(reg, "hookpolicy_actions_total", policy="freeze-embeddings", rule="freeze-token-embeddings",
+                       action="scale", mode="enforce") == 3  # once per step
+    after = snapshot(model)
+    for name in before:
+        assert torch.equal(before[name], after[name]) == (name in frozen), name
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied: frozen with it
+
+
+def test_per_rule_clip_over_tied_weights_equals_clip_grad_norm(workdir: Path, tmp_path: Path) -> None:
+    text = (POLICIES / "clip-global.yaml").read_text().replace('modules: ["**.attn.*", "**.self_attn.*"]', 'modules: ["**"]')
+    text = text.replace("types: [Linear, Conv1D]", "types: [Linear, Embedding, LayerNorm]")
+    model = make_model()
+    ref = copy.deepcopy(model)
+    with load_text(tmp_path, text).attach(model, registry=CollectorRegistry(), rank=0):
+        idx, targets = batch(0)
+        for m in (model, ref):
+            loss = m(idx, targets)[1]
+            assert loss is not None
+            (loss * 50).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad is not None and q.grad is not None
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5), name
