@@ -37,7 +37,7 @@ class StatsOp:
     def stats(self) -> tuple[str, ...]:
         wanted: set[str] = set()
         for _, action in self.actions:
-            wanted.update(action.stats if isinstance(action, Capture) else action.condition.stats)
+            wanted.update(action.stats)
         return tuple(sorted(wanted))
 
 
@@ -61,7 +61,7 @@ def compile_rule(rule: Rule) -> Program:
 
     def flush() -> None:
         if pending:
-            stats = {s for _, a in pending for s in (a.stats if isinstance(a, Capture) else a.condition.stats)}
+            stats = {s for _, a in pending for s in a.stats}
             files = tuple((i, a.tensors) for i, a in pending if isinstance(a, Capture) and a.tensors)
             ops.append(StatsOp(len(ops), partials_for(stats), tuple(pending), files))
             pending.clear()
