@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from prometheus_client import CollectorRegistry
 
+from .errors import Halt
 from .loader import load_sources
 from .model import Policy
 from .plan import Plan, build_plan
@@ -27,15 +28,19 @@ class PolicySet:
 
     def attach(
         self, model: torch.nn.Module, registry: Optional[CollectorRegistry] = None,
-        rank: Optional[int] = None, *, audit: bool = False,
+        rank: Optional[int] = None, *, audit: bool = False, start_step: int = 0,
+        on_halt: Optional[Callable[[Halt], object]] = None,
     ) -> Attached:
         """Install the hooks the policies need on `model`; use as `with policies.attach(model):`.
 
         Metrics go to `registry` (prometheus_client's default registry when None), labelled
         with `rank` (from `RANK`/`LOCAL_RANK`, else 0, when None). `audit=True` forces every
         rule into audit mode: everything is evaluated and reported, nothing is changed.
+        `start_step` numbers the first step (a hot reload continues the old count);
+        `on_halt(halt)` is called just before a `hookpolicy.Halt` is raised.
         """
-        return Attached(self.policies, model, registry=registry, rank=rank, audit=audit)
+        return Attached(self.policies, model, registry=registry, rank=rank, audit=audit,
+                        start_step=start_step, on_halt=on_halt)
 
     def plan(self, model: torch.nn.Module) -> Plan:
         """What `attach` would install, without installing anything."""

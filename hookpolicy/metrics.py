@@ -29,7 +29,7 @@ Labels = tuple[str, ...]
 
 #: name (without `_total` for counters) -> (type, help, label names besides `rank`)
 ENGINE_FAMILIES: dict[str, tuple[str, str, Labels]] = {
-    "hookpolicy_steps": ("counter", "Optimizer steps evaluated by hookpolicy.", ()),
+    "hookpolicy_steps": ("counter", "Optimizer steps evaluated by hookpolicy (of the furthest model in the process).", ()),
     "hookpolicy_last_step_timestamp_seconds": ("gauge", "Unix time of the last step hookpolicy evaluated.", ()),
     "hookpolicy_actions": (
         "counter", "Actions run, by action and mode (audit actions change nothing).",
@@ -73,6 +73,12 @@ class MetricsStore:
         with self._lock:
             series = self._engine[family]
             series[labels] = series.get(labels, 0.0) + by
+
+    def raise_to(self, family: str, labels: Labels, value: float) -> None:
+        """Set a counter to `value` unless it is already higher (several models, one process)."""
+        with self._lock:
+            series = self._engine[family]
+            series[labels] = max(series.get(labels, 0.0), value)
 
     def set(self, family: str, labels: Labels, value: float) -> None:
         with self._lock:

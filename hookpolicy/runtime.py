@@ -23,6 +23,7 @@ import os
 import string
 import time
 import traceback
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
@@ -32,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from torch.utils.hooks import RemovableHandle
 
 from .actions import MutateOp, Program, StatsOp, compile_rule, mutate
-from .errors import Halt
+from .errors import Halt, HookPolicyError
 from .metrics import MetricsStore, stat_family, store_for
 from .model import Alert, Capture, Policy, Rule
 from .plan import Binding, Plan, build_plan
@@ -90,18 +91,23 @@ class Attached:
     """Policies attached to one model; a context manager whose `remove()` is idempotent.
 
     Create it with `PolicySet.attach(model)`. `plan` is what was compiled; `step` is the
-    number of optimizer steps evaluated so far (the step the next update belongs to).
+    number of optimizer steps evaluated so far (the step the next update belongs to),
+    starting from `start_step` (a reloaded policy continues where the old one stopped).
+    `on_halt(halt)` is called just before a `Halt` is raised, so a launcher learns of it
+    even when the script catches it.
     """
 
     def __init__(
         self, policies: Sequence[Policy], model: torch.nn.Module, *,
         registry: Optional[CollectorRegistry] = None, rank: Optional[int] = None, audit: bool = False,
+        start_step: int = 0, on_halt: Optional[Callable[[Halt], object]] = None,
     ) -> None:
         self.model = model
+        self._on_halt = on_halt
         self.policies = tuple(policies)
         self.plan: Plan = build_plan(self.policies, model)
         self.rank = _default_rank() if rank is None else rank
-        self.step = 0
+        self.step = start_step
         self.store: MetricsStore = store_for(registry, self.rank)
         self._root = output_root()
         self._rules: dict[tuple[str, str], _RuleState] = {}
@@ -125,6 +131,7 @@ class Attached:
         self._warned_inplace: set[tuple[str, ...]] = set()
         for warning in self.plan.warnings:
             log.warning("%s", warning)
+        _claim_model(model, self.policies)  # from here on nothing raises before the hooks are in
         self._publish_initial_series(audit)
         self._tracker = StepTracker(model, self)
         self._root_handles = [
@@ -146,7 +153,7 @@ class Attached:
                     self.store.set("hookpolicy_alert_firing", (*rs.key, action.severity), 0.0)
                     if action.then == "skip_step":
                         self.store.inc("hookpolicy_skipped_steps", rs.key, 0)
-        self.store.inc("hookpolicy_steps", (), 0)
+        self.store.raise_to("hookpolicy_steps", (), self.step)
         self.store.set("hookpolicy_config_last_reload_successful", (), 1.0)
 
     # -- public handle -----------------------------------------------------------------
@@ -161,6 +168,7 @@ class Attached:
         if self._removed:
             return
         self._removed = True
+        _release_model(self.model, self.policies)
         for handle in [*self._root_handles, *self._module_handles]:
             handle.remove()
         self._module_handles.clear()
@@ -191,7 +199,7 @@ class Attached:
 
     def end_step(self) -> None:
         self.step += 1
-        self.store.inc("hookpolicy_steps")
+        self.store.raise_to("hookpolicy_steps", (), self.step)
         self.store.set("hookpolicy_last_step_timestamp_seconds", (), time.time())
         self._activate()
 
@@ -384,7 +392,9 @@ class Attached:
         rs.errors += 1
         self.store.inc("hookpolicy_hook_errors", rs.key)
         if rs.policy.on_error == "halt":
-            raise Halt(rs.policy.name, rs.rule.name, self.step, f"hook error: {type(exc).__name__}: {exc}") from exc
+            raise self._halting(
+                Halt(rs.policy.name, rs.rule.name, self.step, f"hook error: {type(exc).__name__}: {exc}")
+            ) from exc
         if rs.errors == 1:
             log.error(
                 "%s/%s raised at step %d (logged once; the rule is switched off after %d errors):\n%s",
@@ -449,8 +459,14 @@ class Attached:
         self.store.set_stats(published, {p.name: p.max_series for p in self.policies})
         self._flush_counters()
         if halt is not None:
-            raise halt
+            raise self._halting(halt)
         return skip
+
+    def _halting(self, halt: Halt) -> Halt:
+        """Tell `on_halt` before the Halt propagates: the script may catch or hide it."""
+        if self._on_halt is not None:
+            self._on_halt(halt)
+        return halt
 
     def _evaluate_alert(
         self, rs: _RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
@@ -498,6 +514,25 @@ class Attached:
         active = self._active or frozenset()
         return [rs for key, rs in self._rules.items()
                 if rs.rule.trigger.at == hook and key in active and rs.errors < MAX_ERRORS]
+
+
+#: model -> names of the policies attached to it, so a policy is never applied twice to one model.
+_ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, set[str]]" = weakref.WeakKeyDictionary()
+
+
+def _claim_model(model: torch.nn.Module, policies: Sequence[Policy]) -> None:
+    names = _ATTACHED.setdefault(model, set())
+    twice = sorted(names.intersection(p.name for p in policies))
+    if twice:
+        raise HookPolicyError(
+            f"policy {', '.join(twice)} is already attached to this {type(model).__name__}; "
+            "remove() the first attachment before attaching it again"
+        )
+    names.update(p.name for p in policies)
+
+
+def _release_model(model: torch.nn.Module, policies: Sequence[Policy]) -> None:
+    _ATTACHED.get(model, set()).difference_update(p.name for p in policies)
 
 
 def _not_of(policy: str) -> Callable[[tuple[str, ...]], bool]:

@@ -1,0 +1,298 @@
+"""The `hookpolicy` command line: a thin edge over the loader, the plan and the launcher.
+
+Exit statuses (spec section 6): 0 success; 1 an invalid policy (every problem on its
+own line as `FILE:LINE:COL: $.path: message`) or another user mistake reported in one
+line; 2 a usage error (click's); `apply` exits with its COMMAND's status, 3 on halt.
+Heavy modules (the launcher, the exporters) are imported inside the commands that use
+them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from typing import Any, Callable, NoReturn, Optional, Sequence
+
+import click
+
+from . import __version__
+from .errors import PolicyError
+from .loader import policy_dirs_from_env
+from .model import Policy
+
+__all__ = ["cli", "main"]
+
+_COMMAND_KEY = "hookpolicy.command"
+
+
+class PolicyProblems(click.ClickException):
+    """An invalid policy: prints each problem on its own line (no "Error:" prefix); exit 1."""
+
+    def __init__(self, error: PolicyError) -> None:
+        super().__init__(str(error))
+        self.problems = error.problems
+
+    def show(self, file: Any = None) -> None:
+        for problem in self.problems:
+            click.echo(str(problem), err=True)
+
+
+def _sources(policies: Sequence[str]) -> list[str]:
+    """The POLICY arguments plus every folder named by HOOKPOLICY_POLICY_DIRS."""
+    sources = [*policies, *policy_dirs_from_env(os.environ)]
+    if not sources:
+        raise click.UsageError("no policy given: name POLICY files or folders, or set HOOKPOLICY_POLICY_DIRS")
+    return sources
+
+
+def _load(sources: Sequence[str]) -> tuple[Policy, ...]:
+    from .loader import load_sources
+
+    try:
+        return load_sources(list(sources))
+    except PolicyError as exc:
+        raise PolicyProblems(exc) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hookpolicy")
+def cli() -> None:
+    """Declarative YAML policies for PyTorch hooks: capture, clip, scale and alert.
+
+    Policies are also read from every *.yaml/*.yml in the folders of HOOKPOLICY_POLICY_DIRS
+    (colon-separated), by check, explain, apply and the exporters alike.
+    """
+
+
+@cli.command()
+@click.argument("policies", nargs=-1, metavar="POLICY...")
+def check(policies: tuple[str, ...]) -> None:
+    """Validate policy files; print every problem as FILE:LINE:COL: $.path: message.
+
+    Exit status 0 when all are valid, 1 otherwise.
+    """
+    for policy in _load(_sources(policies)):
+        rules = len(policy.rules)
+        click.echo(f"{policy.source}: ok ({policy.name}, {rules} rule{'s' if rules != 1 else ''}, "
+                   f"revision {policy.revision[:12]})")
+
+
+@cli.command()
+@click.argument("policies", nargs=-1, metavar="POLICY...")
+@click.option("--model", "model_spec", required=True, metavar="MODULE:ATTR",
+              help="An nn.Module, or a zero-argument callable returning one, e.g. examples.train_mlp:build_model "
+                   "(MODULE may also be a path to a .py file).")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def explain(policies: tuple[str, ...], model_spec: str, fmt: str) -> None:
+    """Show which rule goes on which module, hook point and target, with the plan's warnings."""
+    from .api import PolicySet
+
+    loaded = PolicySet(_load(_sources(policies)))
+    model = _resolve_model(model_spec)
+    plan = loaded.plan(model)
+    if fmt == "json":
+        click.echo(json.dumps({"bindings": plan.rows(), "warnings": list(plan.warnings)}, indent=2))
+        return
+    rows = plan.rows()
+    if rows:
+        click.echo(_table(rows))
+    else:
+        click.echo(f"no rule binds to any module of {type(model).__name__}")
+    for warning in plan.warnings:
+        click.echo(f"warning: {warning}")
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    header = ("RULE", "MODULE", "TYPE", "HOOK", "TARGET", "ACTIONS")
+    body = [
+        (
+            f"{r['policy']}/{r['rule']}",
+            r["module"] or "<root>",
+            r["type"],
+            r["hook"],
+            r["target"] + (f"({','.join(r['params'])})" if r["params"] else ""),
+            "; ".join(r["actions"]),
+        )
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in (header, *body)) for i in range(len(header) - 1)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line[:-1], widths)) + "  " + line[-1]
+        for line in (header, *body)
+    )
+
+
+def _resolve_model(spec: str) -> Any:
+    """`MODULE:ATTR` -> an nn.Module: the attribute itself, or what calling it returns."""
+    import torch
+
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise click.BadParameter(f"{spec!r} is not MODULE:ATTR (e.g. examples.train_mlp:build_model)",
+                                 param_hint="--model")
+    module = _import(module_name)
+    value: Any = module
+    for part in attr.split("."):
+        try:
+            value = getattr(value, part)
+        except AttributeError:
+            raise click.BadParameter(f"{module_name} has no attribute {attr!r}", param_hint="--model") from None
+    if isinstance(value, torch.nn.Module):
+        return value
+    if not callable(value):
+        raise click.BadParameter(
+            f"{spec} is a {type(value).__name__}, not an nn.Module or a zero-argument callable returning one",
+            param_hint="--model",
+        )
+    try:
+        made = value()
+    except (Exception, SystemExit) as exc:
+        raise click.ClickException(f"calling {spec}() failed: {_describe(exc)}") from None
+    if not isinstance(made, torch.nn.Module):
+        raise click.ClickException(f"{spec}() returned a {type(made).__name__}, not an nn.Module")
+    return made
+
+
+def _import(name: str) -> Any:
+    """Import a module by dotted name (the working directory first on sys.path) or by file path."""
+    if name.endswith(".py") or os.sep in name:
+        if not os.path.isfile(name):
+            raise click.BadParameter(f"no such file: {name}", param_hint="--model")
+        stem = os.path.splitext(os.path.basename(name))[0]
+        spec = importlib.util.spec_from_file_location(stem, name)
+        if spec is None or spec.loader is None:
+            raise click.BadParameter(f"cannot import {name}", param_hint="--model")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[stem] = module
+        loader = spec.loader
+
+        def load() -> Any:
+            loader.exec_module(module)
+            return module
+
+        return _guarded_import(name, load)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return _guarded_import(name, lambda: importlib.import_module(name))
+
+
+def _guarded_import(name: str, do: Callable[[], Any]) -> Any:
+    try:
+        return do()
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
+            raise click.BadParameter(f"cannot import {name}: no module named {exc.name!r}",
+                                     param_hint="--model") from None
+        raise click.ClickException(f"importing {name} failed: {_describe(exc)}") from None
+    except (Exception, SystemExit) as exc:
+        raise click.ClickException(f"importing {name} failed: {_describe(exc)}") from None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class _DashDashCommand(click.Command):
+    """Takes everything after the first `--` as COMMAND, untouched by option parsing."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            at = args.index("--")
+            ctx.meta[_COMMAND_KEY] = args[at + 1:]
+            args = args[:at]
+        else:
+            ctx.meta[_COMMAND_KEY] = []
+        return super().parse_args(ctx, args)
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return [*super().collect_usage_pieces(ctx), "-- COMMAND..."]
+
+
+@cli.command(cls=_DashDashCommand)
+@click.argument("policies", nargs=-1, metavar="POLICY...")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None, metavar="N",
+              help="Serve Prometheus metrics: rank r (its LOCAL_RANK) on port N+r. Default: no server.")
+@click.option("--metrics-addr", default="127.0.0.1", show_default=True, metavar="A",
+              help="Address the metrics endpoint listens on.")
+@click.option("--audit", is_flag=True, help="Force audit mode: evaluate and report everything, change nothing.")
+@click.option("--watch", is_flag=True, help="Reload changed policy files between two steps (SIGHUP also reloads).")
+@click.pass_context
+def apply(
+    ctx: click.Context, policies: tuple[str, ...], metrics_port: Optional[int], metrics_addr: str,
+    audit: bool, watch: bool,
+) -> None:
+    """Run COMMAND with the policies on every model it trains, unmodified.
+
+    \b
+    hookpolicy apply POLICY... [options] -- python train.py args
+    hookpolicy apply POLICY... [options] -- train.py args
+    hookpolicy apply POLICY... [options] -- python -m pkg args
+    hookpolicy apply POLICY... [options] -- torchrun --nproc_per_node 2 train.py
+
+    Exits with COMMAND's status, 3 when a policy halted training, 1 (running nothing)
+    when a policy is invalid.
+    """
+    from .launch import Launch, run
+
+    command: list[str] = ctx.meta.get(_COMMAND_KEY, [])
+    if not command:
+        raise click.UsageError("missing '-- COMMAND', e.g. hookpolicy apply policy.yaml -- python train.py")
+    sources = _sources(policies)
+    _load(sources)
+    launch = Launch(
+        sources=tuple(os.path.abspath(s) for s in sources), metrics_port=metrics_port,
+        metrics_addr=metrics_addr, audit=audit, watch=watch,
+    )
+    ctx.exit(run(launch, command))
+
+
+@cli.command()
+def schema() -> None:
+    """Print the JSON Schema of policy files (for editors and CI)."""
+    from .schema import schema_json
+
+    text = schema_json()
+    click.echo(text, nl=not text.endswith("\n"))
+
+
+@cli.group()
+def export() -> None:
+    """Generate monitoring configuration from policies."""
+
+
+@export.command("prometheus-rules")
+@click.argument("policies", nargs=-1, metavar="POLICY...")
+def export_prometheus_rules(policies: tuple[str, ...]) -> None:
+    """Prometheus alerting rules for the policies' alerts (promtool check rules passes)."""
+    exporting = _export_module()
+    text = exporting.prometheus_rules(_load(_sources(policies)))
+    click.echo(text, nl=not text.endswith("\n"))
+
+
+@export.command("grafana")
+@click.argument("policies", nargs=-1, metavar="POLICY...")
+def export_grafana(policies: tuple[str, ...]) -> None:
+    """A Grafana dashboard (JSON) for the policies' metrics."""
+    exporting = _export_module()
+    text = exporting.grafana_dashboard(_load(_sources(policies)))
+    click.echo(text, nl=not text.endswith("\n"))
+
+
+def _export_module() -> Any:
+    try:
+        return importlib.import_module("hookpolicy.export")
+    except ImportError as exc:
+        raise click.ClickException(f"the exporters are not available in this installation ({exc})") from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> NoReturn:
+    """The `hookpolicy` console script."""
+    cli.main(args=None if argv is None else list(argv), prog_name="hookpolicy")
+    raise SystemExit(0)  # cli.main exits itself; this is for the type checker

@@ -1,0 +1,198 @@
+"""The parent side of `hookpolicy apply`: run a COMMAND whose Python processes carry the policy.
+
+The wrapper never imports the user's script. It validates the policies, then starts the
+COMMAND with an environment that makes every Python process in it run hookpolicy's
+bootstrap (`_bootstrap/sitecustomize.py`, first on PYTHONPATH), waits for it, and turns
+the way it ended into an exit status:
+
+- the COMMAND's own status; 128+N when a signal N killed it (as shells report it);
+- 3 when a process halted training: the child's `sys.excepthook` wrote the `Halt` line to
+  `halt` in the run folder, and the parent prints that one line on stderr;
+- 127 when the COMMAND cannot be found, 126 when it cannot be executed (as shells do).
+
+Signals: the COMMAND runs in its own session and process group, so the parent decides
+what reaches it. SIGINT (Ctrl-C), SIGTERM and SIGQUIT sent to the parent are forwarded to
+the whole group (a launcher and its workers alike). SIGHUP means "reload the policies":
+the parent bumps the `reload` file of the run folder, which every governed process polls;
+it is not forwarded as a signal, because launchers such as torchrun stop the job on SIGHUP.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Mapping, Optional, Sequence
+
+__all__ = [
+    "ENV_BOOTSTRAP", "ENV_POLICIES", "ENV_AUDIT", "ENV_WATCH", "ENV_WATCH_INTERVAL",
+    "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_RUN_DIR", "BOOTSTRAP_DIR", "HALT_STATUS",
+    "Launch", "child_environment", "resolve_command", "run",
+]
+
+# The environment contract between `hookpolicy apply` and the bootstrap in its children.
+#: Set to 1: the bootstrap is on (without it `_bootstrap/sitecustomize.py` does nothing).
+ENV_BOOTSTRAP = "HOOKPOLICY_BOOTSTRAP"
+#: The policy files and folders to apply, absolute, os.pathsep-separated (CLI + HOOKPOLICY_POLICY_DIRS).
+ENV_POLICIES = "HOOKPOLICY_POLICIES"
+#: Set to 1: every rule runs in audit mode (`--audit`).
+ENV_AUDIT = "HOOKPOLICY_AUDIT"
+#: Set to 1: reload changed policy files (`--watch`).
+ENV_WATCH = "HOOKPOLICY_WATCH"
+#: Seconds between two looks at the policy files and the reload request (default 1).
+ENV_WATCH_INTERVAL = "HOOKPOLICY_WATCH_INTERVAL"
+#: Base port of the metrics endpoint (`--metrics-port`); rank r serves on port + LOCAL_RANK.
+ENV_METRICS_PORT = "HOOKPOLICY_METRICS_PORT"
+#: Address the metrics endpoint listens on (`--metrics-addr`, default 127.0.0.1).
+ENV_METRICS_ADDR = "HOOKPOLICY_METRICS_ADDR"
+#: A folder private to one `apply` run: `halt` (the halt line), `reload` (bumped on
+#: SIGHUP), `governed-<pid>` (one per process that governs a model).
+ENV_RUN_DIR = "HOOKPOLICY_RUN_DIR"
+
+#: The folder that goes first on the children's PYTHONPATH.
+BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "_bootstrap")
+
+#: `hookpolicy apply`'s exit status when a policy halted training.
+HALT_STATUS = 3
+
+_PYTHON_NAMES = ("python", "python3")
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What `apply` runs: the policy sources (absolute) and its options."""
+
+    sources: tuple[str, ...]
+    metrics_port: Optional[int] = None
+    metrics_addr: str = "127.0.0.1"
+    audit: bool = False
+    watch: bool = False
+
+
+def resolve_command(command: Sequence[str]) -> list[str]:
+    """The argv to execute: `train.py args` runs with this Python; anything else as given.
+
+    `python train.py`, `python -m pkg` and launchers (`torchrun ...`) are run as written,
+    found on PATH; their Python must have hookpolicy installed (the bootstrap says so
+    clearly when it has not).
+    """
+    argv = list(command)
+    if argv and argv[0].endswith(".py") and os.path.basename(argv[0]) not in _PYTHON_NAMES:
+        return [sys.executable, *argv]
+    return argv
+
+
+def child_environment(launch: Launch, run_dir: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The COMMAND's environment: the user's, plus the bootstrap and the contract above."""
+    env = dict(environ)
+    python_path = [BOOTSTRAP_DIR, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    env["PYTHONPATH"] = os.pathsep.join(python_path)
+    env[ENV_BOOTSTRAP] = "1"
+    env[ENV_POLICIES] = os.pathsep.join(launch.sources)
+    env[ENV_RUN_DIR] = run_dir
+    env[ENV_AUDIT] = "1" if launch.audit else ""
+    env[ENV_WATCH] = "1" if launch.watch else ""
+    env[ENV_METRICS_ADDR] = launch.metrics_addr
+    if launch.metrics_port is None:
+        env.pop(ENV_METRICS_PORT, None)
+    else:
+        env[ENV_METRICS_PORT] = str(launch.metrics_port)
+    return env
+
+
+def metrics_url(addr: str, port: int) -> str:
+    host = f"[{addr}]" if ":" in addr else addr
+    return f"http://{host}:{port}/metrics"
+
+
+def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> int:
+    """Run COMMAND under the policies; return the exit status `hookpolicy apply` exits with."""
+    argv = resolve_command(command)
+    if os.sep not in argv[0] and shutil.which(argv[0]) is None:
+        _say(f"error: command not found: {argv[0]}")
+        return 127
+    if launch.metrics_port is not None:
+        url = metrics_url(launch.metrics_addr, launch.metrics_port)
+        _say(f"metrics on {url} (rank r on port+r)")
+    run_dir = tempfile.mkdtemp(prefix="hookpolicy-run-")
+    try:
+        env = child_environment(launch, run_dir, os.environ if environ is None else environ)
+        status = _supervise(argv, env, run_dir)
+        halt = _read_halt(run_dir)
+        if halt is not None:
+            _say_line(halt)
+            return HALT_STATUS
+        if status == 0 and not any(n.startswith("governed-") for n in os.listdir(run_dir)):
+            _say(
+                "warning: no model was governed: COMMAND trained no model that hookpolicy "
+                "could see (see 'Discovery' in the README for what it looks for)"
+            )
+        return status
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _supervise(argv: list[str], env: dict[str, str], run_dir: str) -> int:
+    """Start the COMMAND in its own session, forward signals to its group, wait for it."""
+    child: Optional[subprocess.Popen[bytes]] = None
+    early: list[int] = []  # signals that came before the child existed
+    reloads = 0
+
+    def forward(signum: int, frame: Optional[FrameType]) -> None:
+        if child is None:
+            early.append(signum)
+        elif child.returncode is None:
+            try:
+                os.killpg(child.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def reload(signum: int, frame: Optional[FrameType]) -> None:
+        nonlocal reloads
+        reloads += 1
+        request = Path(run_dir, "reload")
+        request.with_suffix(".tmp").write_text(str(reloads), encoding="utf-8")
+        os.replace(request.with_suffix(".tmp"), request)
+
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, reload)
+    try:
+        try:
+            child = subprocess.Popen(argv, env=env, start_new_session=True)
+        except FileNotFoundError:
+            _say(f"error: command not found: {argv[0]}")
+            return 127
+        except OSError as exc:  # permission denied, not an executable format, ...
+            _say(f"error: cannot execute {argv[0]}: {exc.strerror or exc}")
+            return 126
+        for signum in early:
+            forward(signum, None)
+        status = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - status if status < 0 else status
+
+
+def _read_halt(run_dir: str) -> Optional[str]:
+    try:
+        text = Path(run_dir, "halt").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    return text.splitlines()[0] if text.strip() else None
+
+
+def _say(message: str) -> None:
+    _say_line(f"hookpolicy: {message}")
+
+
+def _say_line(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

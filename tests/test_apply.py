@@ -1,0 +1,718 @@
+"""`hookpolicy apply` end to end: the real CLI runs real training scripts in subprocesses.
+
+Metrics are scraped from the real `/metrics` endpoint while the script runs: the scripts
+hold at the end of training (`--hold-file`) until the test has read what it needs, or
+stop when told (`--stop-file`). The discovery rules themselves are also checked in
+process, at the end, where a model's shape is easy to vary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
+
+import hookpolicy
+from conftest import REPO
+from hookpolicy.discovery import Discovery
+from hookpolicy.launch import BOOTSTRAP_DIR
+
+MONITOR = str(REPO / "policies" / "example-monitor.yaml")
+TRAIN = str(REPO / "examples" / "train_mlp.py")
+DDP = str(REPO / "examples" / "train_ddp.py")
+
+HALT_POLICY = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata:
+  name: guard
+spec:
+  rules:
+    - name: nan-halt
+      match: {modules: ["**"]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - alert:
+            if: "nonfinite > 0"
+            per: rule
+            severity: critical
+            then: halt
+            message: "non-finite gradients"
+"""
+
+WATCHED_POLICY = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata:
+  name: watched
+spec:
+  rules:
+    - name: grads
+      match: {types: [Linear]}
+      trigger: {at: step, every: EVERY}
+      target: grad
+      actions:
+        - capture: {stats: [l2_norm]}
+"""
+
+BROKEN_POLICY = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata:
+  name: watched
+spec:
+  rules:
+    - name: grads
+      match: {types: [Linear]}
+      trigger: {at: step, every: 0}
+      target: grad
+      actions:
+        - capture: {stats: [l2_norm]}
+"""
+
+Samples = list[tuple[str, dict[str, str], float]]
+
+
+class Run:
+    """One `python -m hookpolicy apply ...` process; its stdout and stderr go to files."""
+
+    def __init__(self, folder: Path, args: list[str], env: dict[str, str], cwd: Path) -> None:
+        self.out_path = folder / "apply.stdout"
+        self.err_path = folder / "apply.stderr"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hookpolicy", "apply", *args],
+                cwd=cwd, env=env, stdout=out, stderr=err,
+            )
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"apply did not finish in {timeout} s; stderr:\n{self.stderr}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # forwarded to the COMMAND's process group
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("HOOKPOLICY_POLICY_DIRS", None)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def apply(tmp_path: Path) -> Iterator[Callable[..., Run]]:
+    runs: list[Run] = []
+
+    def start(*args: str, env: Optional[dict[str, str]] = None, cwd: Path = REPO) -> Run:
+        folder = tmp_path / f"run{len(runs)}"
+        folder.mkdir()
+        run = Run(folder, list(args), env or child_env(), cwd)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        run.stop()
+
+
+def scrape(port: int) -> Optional[Samples]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    return [(s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def value(samples: Samples, name: str, **labels: str) -> Optional[float]:
+    found = [v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in labels.items())]
+    assert len(found) <= 1, f"{name}{labels} is ambiguous: {found}"
+    return found[0] if found else None
+
+
+def labels_of(samples: Samples, name: str) -> list[dict[str, str]]:
+    return [lab for n, lab, _ in samples if n == name]
+
+
+def wait_metrics(run: Run, port: int, ready: Callable[[Samples], bool], timeout: float = 90) -> Samples:
+    """Scrape until `ready` holds, while the script still runs."""
+    deadline = time.monotonic() + timeout
+    samples: Optional[Samples] = None
+    while time.monotonic() < deadline:
+        if run.proc.poll() is not None:
+            pytest.fail(f"apply exited ({run.proc.returncode}) before the metrics were ready; stderr:\n{run.stderr}")
+        samples = scrape(port)
+        if samples is not None and ready(samples):
+            assert run.proc.poll() is None  # read while the training script runs
+            return samples
+        time.sleep(0.1)
+    pytest.fail(f"metrics on port {port} never got ready; last scrape: {samples}\nstderr:\n{run.stderr}")
+
+
+def steps_are(n: int, rank: str = "0") -> Callable[[Samples], bool]:
+    return lambda samples: value(samples, "hookpolicy_steps_total", rank=rank) == n
+
+
+def losses(text: str) -> list[str]:
+    return [line for line in text.splitlines() if re.match(r"(rank \d+ )?step \d+ loss ", line)]
+
+
+# -- the command forms -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_plain_script_serves_metrics_while_it_runs(apply: Callable[..., Run], tmp_path: Path, free_port: int) -> None:
+    hold = tmp_path / "hold"
+    run = apply(MONITOR, "--metrics-port", str(free_port), "--",
+                sys.executable, TRAIN, "--steps", "6", "--hold-file", str(hold))
+    samples = wait_metrics(run, free_port, steps_are(6))
+    for module in ("0", "2", "4"):
+        norm = value(samples, "hookpolicy_grad_l2_norm", policy="example-monitor", rule="grad-norms",
+                     module=module, tensor="", rank="0")
+        assert norm is not None and norm > 0
+    info = labels_of(samples, "hookpolicy_policy_info")
+    assert [(i["policy"], i["mode"], i["rank"]) for i in info] == [("example-monitor", "enforce", "0")]
+    assert value(samples, "hookpolicy_config_last_reload_successful", rank="0") == 1
+    hold.touch()
+    assert run.wait() == 0
+    assert f"hookpolicy: metrics on http://127.0.0.1:{free_port}/metrics (rank r on port+r)" in run.stderr
+    assert len(losses(run.stdout)) == 6
+
+
+def _python_word() -> str:
+    """`python` as a user types it when that is this interpreter (PATH lookup), else this one."""
+    found = shutil.which("python")
+    if found is None:
+        return sys.executable
+    same = subprocess.run([found, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True)
+    return "python" if os.path.realpath(same.stdout.strip()) == os.path.realpath(sys.executable) else sys.executable
+
+
+@pytest.mark.slow
+def test_module_form(apply: Callable[..., Run], tmp_path: Path, free_port: int) -> None:
+    hold = tmp_path / "hold"
+    run = apply(MONITOR, "--metrics-port", str(free_port), "--",
+                _python_word(), "-m", "examples.charlm", "--steps", "3", "--hold-file", str(hold))
+    samples = wait_metrics(run, free_port, steps_are(3))
+    modules = {lab["module"] for lab in labels_of(samples, "hookpolicy_grad_l2_norm")}
+    assert {"head", "blocks.0.qkv", "blocks.1.mlp.2"} <= modules
+    hold.touch()
+    assert run.wait() == 0
+    assert len(losses(run.stdout)) == 3
+
+
+@pytest.mark.slow
+def test_bare_script_form_runs_with_this_python_and_leaves_losses_identical(
+    apply: Callable[..., Run], tmp_path: Path,
+) -> None:
+    args = ["--steps", "12", "--seed", "3"]
+    plain = subprocess.run([sys.executable, TRAIN, *args], env=child_env(), capture_output=True, text=True, check=True)
+    run = apply(MONITOR, "--", os.path.relpath(TRAIN, REPO), *args)
+    assert run.wait() == 0, run.stderr
+    assert losses(run.stdout) == losses(plain.stdout)
+    assert len(losses(plain.stdout)) == 12
+    assert "governing Sequential" in run.stderr
+
+
+# -- what a step is ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_manual_sgd_counts_one_step_per_backward_pass(
+    apply: Callable[..., Run], tmp_path: Path, free_port: int,
+) -> None:
+    hold = tmp_path / "hold"
+    run = apply(MONITOR, "--metrics-port", str(free_port), "--", sys.executable, TRAIN,
+                "--manual-sgd", "--steps", "3", "--accum", "2", "--hold-file", str(hold))
+    samples = wait_metrics(run, free_port, steps_are(6))  # 3 updates x 2 backward passes
+    assert value(samples, "hookpolicy_grad_l2_norm", rule="grad-norms", module="4") is not None
+    hold.touch()
+    assert run.wait() == 0
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_counts_optimizer_steps(
+    apply: Callable[..., Run], tmp_path: Path, free_port: int,
+) -> None:
+    hold = tmp_path / "hold"
+    run = apply(MONITOR, "--metrics-port", str(free_port), "--", sys.executable, TRAIN,
+                "--steps", "3", "--accum", "4", "--hold-file", str(hold))
+    samples = wait_metrics(run, free_port, steps_are(3))
+    time.sleep(0.3)
+    assert value(scrape(free_port) or [], "hookpolicy_steps_total", rank="0") == 3  # not 12
+    assert not value(samples, "hookpolicy_alerts_total", rule="nan-guard")
+    hold.touch()
+    assert run.wait() == 0
+
+
+@pytest.mark.slow
+def test_amp_bfloat16_autocast(apply: Callable[..., Run], tmp_path: Path, free_port: int) -> None:
+    hold = tmp_path / "hold"
+    run = apply(MONITOR, "--metrics-port", str(free_port), "--", sys.executable, TRAIN,
+                "--amp", "--steps", "4", "--hold-file", str(hold))
+    samples = wait_metrics(run, free_port, steps_are(4))
+    for module in ("0", "2", "4"):
+        assert value(samples, "hookpolicy_output_nonfinite", rule="layer-outputs", module=module) == 0
+        norm = value(samples, "hookpolicy_grad_l2_norm", rule="grad-norms", module=module)
+        assert norm is not None and 0 < norm < float("inf")
+    assert not value(samples, "hookpolicy_skipped_steps_total", rule="nan-guard")
+    hold.touch()
+    assert run.wait() == 0
+
+
+def _torchrun() -> list[str]:
+    beside = Path(sys.executable).with_name("torchrun")
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which("torchrun")
+    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_ranks_serve_on_port_and_port_plus_one(
+    apply: Callable[..., Run], tmp_path: Path, free_port: int,
+) -> None:
+    hold = tmp_path / "hold"
+    run = apply(MONITOR, "--metrics-port", str(free_port), "--", *_torchrun(), "--standalone",
+                "--nproc_per_node", "2", DDP, "--steps", "4", "--hold-file", str(hold))
+    rank0 = wait_metrics(run, free_port, steps_are(4, "0"), timeout=120)
+    rank1 = wait_metrics(run, free_port + 1, steps_are(4, "1"), timeout=60)
+    for module in ("0", "2", "4"):
+        norm0 = value(rank0, "hookpolicy_grad_l2_norm", rule="grad-norms", module=module, rank="0")
+        norm1 = value(rank1, "hookpolicy_grad_l2_norm", rule="grad-norms", module=module, rank="1")
+        assert norm0 is not None and norm0 > 0
+        assert norm0 == pytest.approx(norm1, rel=1e-6)  # read after DDP's all-reduce
+    assert {lab["rank"] for lab in labels_of(rank1, "hookpolicy_grad_l2_norm")} == {"1"}
+    hold.touch()
+    assert run.wait(180) == 0, run.stderr
+    out = losses(run.stdout)
+    by_rank = [[line.split(" loss ")[1] for line in out if line.startswith(f"rank {r} ")] for r in (0, 1)]
+    assert len(by_rank[0]) == len(by_rank[1]) == 4
+    assert by_rank[0][0] != by_rank[1][0]  # different data on each rank: only the gradients agree
+
+
+# -- exit statuses -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_halt_exits_3_with_the_one_line(apply: Callable[..., Run], tmp_path: Path) -> None:
+    policy = tmp_path / "guard.yaml"
+    policy.write_text(HALT_POLICY)
+    run = apply(str(policy), "--", sys.executable, TRAIN, "--steps", "10", "--nan-at", "4")
+    assert run.wait() == 3
+    line = "hookpolicy: halted by guard/nan-halt at step 4: non-finite gradients"
+    assert run.stderr.splitlines().count(line) == 1
+    assert "Traceback" not in run.stderr
+    assert [x.split(" loss")[0] for x in losses(run.stdout)] == [f"step {i}" for i in range(4)]
+
+
+@pytest.mark.slow
+def test_halt_under_torchrun_is_one_line_too(apply: Callable[..., Run], tmp_path: Path) -> None:
+    policy = tmp_path / "guard.yaml"
+    policy.write_text(HALT_POLICY)
+    run = apply(str(policy), "--", *_torchrun(), "--standalone", "--nproc_per_node", "2", DDP,
+                "--steps", "6", "--nan-at", "2")
+    assert run.wait(180) == 3
+    line = "hookpolicy: halted by guard/nan-halt at step 2: non-finite gradients"
+    assert run.stderr.splitlines()[-1] == line  # both ranks halted; the line is printed once
+    assert run.stderr.count(line) == 1
+    assert not [x for x in losses(run.stdout) if " step 2 " in x]
+
+
+@pytest.mark.slow
+def test_audit_never_halts(apply: Callable[..., Run], tmp_path: Path) -> None:
+    policy = tmp_path / "guard.yaml"
+    policy.write_text(HALT_POLICY)
+    run = apply(str(policy), "--audit", "--", sys.executable, TRAIN, "--steps", "6", "--nan-at", "2")
+    assert run.wait() == 0
+    assert "halted" not in run.stderr
+    assert len(losses(run.stdout)) == 6
+    alert = json.loads(next(line for line in run.stderr.splitlines() if line.startswith("{")))
+    assert (alert["event"], alert["mode"], alert["step"]) == ("alert", "audit", 2)
+
+
+@pytest.mark.slow
+def test_invalid_policy_runs_nothing(apply: Callable[..., Run], tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    script = tmp_path / "touch.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BROKEN_POLICY)
+    run = apply(MONITOR, str(bad), "--", sys.executable, str(script))
+    assert run.wait() == 1
+    assert re.search(rf"^{re.escape(str(bad))}:9:\d+: \$\.spec\.rules\[0\]\.trigger\.every: ", run.stderr, re.M)
+    assert "Traceback" not in run.stderr
+    assert not marker.exists()
+    # an invalid file in an ops-managed folder stops the run just the same
+    ops = tmp_path / "ops"
+    ops.mkdir()
+    shutil.copy(bad, ops / "guard.yaml")
+    run = apply(MONITOR, "--", sys.executable, str(script), env=child_env(HOOKPOLICY_POLICY_DIRS=str(ops)))
+    assert run.wait() == 1
+    assert str(ops / "guard.yaml") in run.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_script_status_passes_through(apply: Callable[..., Run], tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nprint('out', flush=True)\nprint('err', file=sys.stderr)\nsys.exit(7)\n")
+    run = apply(MONITOR, "--", sys.executable, str(script))
+    assert run.wait() == 7
+    assert run.stdout == "out\n"
+    assert "err\n" in run.stderr
+    run = apply(MONITOR, "--", "no-such-command-hookpolicy")
+    assert run.wait() == 127
+    assert "command not found: no-such-command-hookpolicy" in run.stderr
+
+
+@pytest.mark.slow
+def test_port_in_use_is_one_line_and_training_goes_on(apply: Callable[..., Run], free_port: int) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", free_port))
+        busy.listen()
+        run = apply(MONITOR, "--metrics-port", str(free_port), "--", sys.executable, TRAIN, "--steps", "5")
+        assert run.wait() == 0
+    errors = [line for line in run.stderr.splitlines() if "cannot serve metrics" in line]
+    assert len(errors) == 1
+    assert f"rank 0: cannot serve metrics on 127.0.0.1:{free_port}" in errors[0]
+    assert "Traceback" not in run.stderr
+    assert len(losses(run.stdout)) == 5
+
+
+# -- signals -----------------------------------------------------------------------------
+
+SIGTERM_SCRIPT = """\
+import atexit, json, sys, time
+
+REPORT = sys.argv[1]
+state = {}
+
+
+def report():
+    # Registered before torch is imported, so it runs after hookpolicy's own exit handler.
+    import torch.nn.modules.module as module_hooks
+    import torch.optim.optimizer as optimizer_hooks
+    model = state["model"]
+    counts = {
+        "model": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+                     for m in model.modules()),
+        "global_forward_pre": len(module_hooks._global_forward_pre_hooks),
+        "global_optimizer_pre": len(optimizer_hooks._global_optimizer_pre_hooks),
+        "global_optimizer_post": len(optimizer_hooks._global_optimizer_post_hooks),
+    }
+    with open(REPORT, "w") as out:
+        json.dump(counts, out)
+
+
+atexit.register(report)
+
+import torch  # noqa: E402
+
+torch.manual_seed(0)
+model = state["model"] = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+try:
+    step = 0
+    while True:
+        loss = model(torch.randn(16, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print(f"step {step} loss {loss.item()!r}", flush=True)
+        step += 1
+        time.sleep(0.05)
+finally:
+    print("script finally", flush=True)
+"""
+
+LOGGED_POLICY = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata:
+  name: logged
+spec:
+  rules:
+    - name: grads
+      match: {types: [Linear]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - capture: {stats: [l2_norm], log: {path: capture.jsonl}}
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_reaches_the_script_and_hooks_come_off(apply: Callable[..., Run], tmp_path: Path) -> None:
+    script, report, policy = tmp_path / "forever.py", tmp_path / "report.json", tmp_path / "logged.yaml"
+    script.write_text(SIGTERM_SCRIPT)
+    policy.write_text(LOGGED_POLICY)
+    log = tmp_path / "capture.jsonl"
+    run = apply(str(policy), "--", sys.executable, str(script), str(report),
+                env=child_env(HOOKPOLICY_OUTPUT_DIR=str(tmp_path)))
+    deadline = time.monotonic() + 90
+    while len(losses(run.stdout)) < 3:
+        assert run.proc.poll() is None, run.stderr
+        assert time.monotonic() < deadline, run.stderr
+        time.sleep(0.1)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(60) == 128 + signal.SIGTERM
+    assert "script finally" in run.stdout
+    assert json.loads(report.read_text()) == {
+        "model": 0, "global_forward_pre": 0, "global_optimizer_pre": 0, "global_optimizer_post": 0,
+    }
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) >= 2 * 3  # two Linear layers, every step so far
+    assert {r["module"] for r in records} == {"0", "2"}
+
+
+# -- reload ------------------------------------------------------------------------------
+
+
+def _revisions(samples: Samples) -> set[str]:
+    return {lab["revision"] for lab in labels_of(samples, "hookpolicy_policy_info")}
+
+
+@pytest.mark.slow
+def test_watch_swaps_a_valid_version_and_keeps_the_old_on_an_invalid_one(
+    apply: Callable[..., Run], tmp_path: Path, free_port: int,
+) -> None:
+    policy, stop = tmp_path / "watched.yaml", tmp_path / "stop"
+    policy.write_text(WATCHED_POLICY.replace("EVERY", "1"))
+    run = apply(str(policy), "--watch", "--metrics-port", str(free_port), "--", sys.executable, TRAIN,
+                "--steps", "100000", "--sleep", "0.03", "--stop-file", str(stop),
+                env=child_env(HOOKPOLICY_WATCH_INTERVAL="0.2"))
+    first = _revisions(wait_metrics(run, free_port, lambda s: bool(_revisions(s))))
+    assert len(first) == 1
+
+    policy.write_text(WATCHED_POLICY.replace("EVERY", "2"))
+    swapped = wait_metrics(run, free_port, lambda s: bool(_revisions(s)) and _revisions(s) != first)
+    second = _revisions(swapped)
+    assert len(second) == 1
+    assert value(swapped, "hookpolicy_config_last_reload_successful", rank="0") == 1
+    steps_before = value(swapped, "hookpolicy_steps_total", rank="0") or 0
+
+    policy.write_text(BROKEN_POLICY)
+    broken = wait_metrics(run, free_port, lambda s: value(s, "hookpolicy_config_last_reload_successful") == 0)
+    assert _revisions(broken) == second  # the old version stays
+    later = wait_metrics(run, free_port, lambda s: (value(s, "hookpolicy_steps_total") or 0) > steps_before + 5)
+    assert _revisions(later) == second
+    assert value(later, "hookpolicy_grad_l2_norm", rule="grads", module="4") is not None
+
+    stop.touch()
+    assert run.wait() == 0
+    assert "reloaded policies" in run.stderr
+    assert re.search(rf"^{re.escape(str(policy))}:9:\d+: \$\.spec\.rules\[0\]\.trigger\.every: ", run.stderr, re.M)
+
+
+@pytest.mark.slow
+def test_sighup_reloads_without_watch(apply: Callable[..., Run], tmp_path: Path, free_port: int) -> None:
+    policy, stop = tmp_path / "watched.yaml", tmp_path / "stop"
+    policy.write_text(WATCHED_POLICY.replace("EVERY", "1"))
+    run = apply(str(policy), "--metrics-port", str(free_port), "--", sys.executable, TRAIN,
+                "--steps", "100000", "--sleep", "0.03", "--stop-file", str(stop),
+                env=child_env(HOOKPOLICY_WATCH_INTERVAL="0.2"))
+    first = _revisions(wait_metrics(run, free_port, lambda s: bool(_revisions(s))))
+    policy.write_text(WATCHED_POLICY.replace("EVERY", "3"))
+    time.sleep(0.8)  # without --watch, a change alone does nothing
+    assert _revisions(scrape(free_port) or []) == first
+    run.proc.send_signal(signal.SIGHUP)
+    wait_metrics(run, free_port, lambda s: bool(_revisions(s)) and _revisions(s) != first)
+    stop.touch()
+    assert run.wait() == 0
+
+
+# -- the bootstrap -----------------------------------------------------------------------
+
+BOOT_ENV = {"HOOKPOLICY_BOOTSTRAP": "1", "HOOKPOLICY_POLICIES": MONITOR}
+
+
+def _python(code: str, python_path: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
+    env = child_env(PYTHONPATH=os.pathsep.join([BOOTSTRAP_DIR, *python_path]), **extra)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_bootstrap_imports_nothing_heavy_at_start_up() -> None:
+    done = _python("import sys; print('torch' in sys.modules, 'hookpolicy' in sys.modules)", [], **BOOT_ENV)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "False False\n", "")
+
+
+def test_bootstrap_runs_the_sitecustomize_it_shadows(tmp_path: Path) -> None:
+    theirs = tmp_path / "site"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_RAN'] = 'yes'\n")
+    code = "import os; print(os.environ.get('THEIRS_RAN'))"
+    for extra in (BOOT_ENV, {}):  # with the bootstrap on, and off
+        done = _python(code, [str(theirs)], **extra)
+        assert (done.returncode, done.stdout) == (0, "yes\n"), done.stderr
+
+
+@pytest.mark.slow
+def test_bootstrap_is_inert_without_its_variable() -> None:
+    code = ("import torch, sys, torch.nn.modules.module as m, torch.optim.optimizer as o; "
+            "print('hookpolicy' in sys.modules, len(m._global_forward_pre_hooks), len(o._global_optimizer_pre_hooks))")
+    assert _python(code, []).stdout == "False 0 0\n"
+    assert _python(code, [], **BOOT_ENV).stdout == "True 1 1\n"
+
+
+# -- discovery, in process ---------------------------------------------------------------
+
+def _global_hook_counts() -> tuple[int, int, int]:
+    import torch.nn.modules.module as module_hooks
+    import torch.optim.optimizer as optimizer_hooks
+
+    return (len(module_hooks._global_forward_pre_hooks), len(optimizer_hooks._global_optimizer_pre_hooks),
+            len(optimizer_hooks._global_optimizer_post_hooks))
+
+
+@pytest.fixture
+def discovery() -> Iterator[Discovery]:
+    before = _global_hook_counts()
+    d = Discovery(hookpolicy.load(MONITOR), registry=CollectorRegistry(), rank=0)
+    d.install()
+    try:
+        yield d
+    finally:
+        d.remove()
+        d.remove()  # idempotent
+    assert _global_hook_counts() == before
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def _train_step(model: nn.Module, opt: Optional[torch.optim.Optimizer], call: Optional[Callable[..., torch.Tensor]] = None,
+                micro: int = 1) -> None:
+    for _ in range(micro):
+        out = (call or model)(torch.randn(5, 4))
+        out.pow(2).mean().backward()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad()
+
+
+def test_discovery_governs_the_outermost_trained_model(discovery: Discovery) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model(torch.randn(2, 4))  # evaluation: nothing is governed
+    assert discovery.governed == []
+    _train_step(model, opt)
+    [governed] = discovery.governed
+    assert governed.model is model and governed.attached.step == 1
+    assert not discovery.watching_calls  # every stepped parameter is governed: the hook is gone
+    _train_step(model, opt)
+    assert [g.model for g in discovery.governed] == [model] and governed.attached.step == 2
+
+
+def test_discovery_leaves_a_target_network_alone(discovery: Discovery) -> None:
+    online, target = _mlp(), _mlp()
+    opt = torch.optim.SGD(online.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = (online(torch.randn(5, 4)) - target(torch.randn(5, 4))).pow(2).mean()  # target not in no_grad
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert [g.model for g in discovery.governed] == [online]
+    assert discovery.governed[0].attached.step == 2
+
+
+def test_discovery_replaces_a_part_by_the_model_that_contains_it(discovery: Discovery) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, opt, call=model[0])  # a part trained alone first
+    [part] = discovery.governed
+    assert part.model is model[0]
+    _train_step(model, opt)
+    [governed] = discovery.governed
+    assert governed.model is model
+    assert part.attached.removed  # the part's own attachment is gone
+    assert governed.attached.step == 2  # the count goes on
+
+
+def test_discovery_joins_parts_of_a_model_whose_forward_is_called_directly(discovery: Discovery) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, opt, call=model.forward)  # no hook sees `model` itself: its Linears look like models
+    assert {type(g.model) for g in discovery.governed} == {nn.Linear}
+    _train_step(model, opt, call=model.forward)  # the optimizer step found the one model owning them all
+    [governed] = discovery.governed
+    assert governed.model is model
+
+
+def test_discovery_under_manual_sgd_keeps_watching(discovery: Discovery) -> None:
+    model = _mlp()
+    for _ in range(3):
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                assert p.grad is not None
+                p.sub_(0.1 * p.grad)
+                p.grad = None
+    [governed] = discovery.governed
+    assert governed.attached.step == 3
+    assert discovery.watching_calls
+
+
+@pytest.mark.parametrize("watching", [False, True], ids=["hook-retired", "hook-installed"])
+def test_discovery_swaps_a_reload_between_steps_never_between_micro_batches(
+    discovery: Discovery, tmp_path: Path, watching: bool,
+) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, opt)
+    first = discovery.governed[0].attached
+    if watching:  # as while discovery is still looking: every module call is seen mid-step
+        discovery._install_forward()
+    changed = tmp_path / "monitor.yaml"
+    changed.write_text(Path(MONITOR).read_text().replace("every: 10", "every: 5"))
+    model(torch.randn(5, 4)).pow(2).mean().backward()  # micro-batch 1 of step 1
+    discovery.request_swap(hookpolicy.load(changed))
+    for _ in range(3):  # micro-batches 2..4: same step, no swap
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        assert discovery.governed[0].attached is first
+    opt.step()
+    opt.zero_grad()
+    assert first.step == 2 and not first.removed
+    _train_step(model, opt)  # the first call of step 2 swaps
+    second = discovery.governed[0].attached
+    assert second is not first and first.removed
+    assert second.policies[0].revision != first.policies[0].revision
+    assert second.step == 3
+    assert not discovery.watching_calls  # and the forward hook is retired again

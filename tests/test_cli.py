@@ -1,0 +1,265 @@
+"""The `hookpolicy` command line, through click's CliRunner (apply's runs are in test_apply.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from conftest import REPO
+from hookpolicy import __version__
+from hookpolicy.cli import cli
+from hookpolicy.schema import schema_json
+
+MONITOR = str(REPO / "policies" / "example-monitor.yaml")
+PROBLEM = re.compile(r"^(?P<file>.+):(?P<line>\d+):(?P<col>\d+): (?P<path>\$\S*): (?P<message>.+)$")
+
+BAD_POLICY = """\
+apiVersion: hookpolicy/v2
+kind: HookPolicy
+metadata:
+  name: Bad_Name
+spec:
+  rules:
+    - name: r
+      match: {modules: ["**"]}
+      trigger: {at: forward, every: 0}
+      target: grad
+      actions:
+        - capture: {stats: [l2_norm]}
+"""
+
+NOTHING_POLICY = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata:
+  name: nothing
+spec:
+  rules:
+    - name: convs
+      match: {types: [Conv2d]}
+      trigger: {at: forward}
+      target: output
+      actions:
+        - capture: {stats: [rms]}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HOOKPOLICY_POLICY_DIRS", raising=False)
+    monkeypatch.chdir(REPO)
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args), prog_name="hookpolicy")
+
+
+def assert_problem_lines(text: str) -> list[re.Match[str]]:
+    lines = text.splitlines()
+    assert lines, "no problem printed"
+    matches = [PROBLEM.match(line) for line in lines]
+    assert all(matches), f"not FILE:LINE:COL: $.path: message lines:\n{text}"
+    assert "Traceback" not in text
+    return [m for m in matches if m]
+
+
+# -- check -------------------------------------------------------------------------------
+
+
+def test_check_valid() -> None:
+    result = invoke("check", MONITOR)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == (
+        f"{MONITOR}: ok (example-monitor, 3 rules, revision {result.stdout.split('revision ')[1][:12]})"
+    )
+
+
+def test_check_invalid_prints_every_problem_in_position_form(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD_POLICY)
+    result = invoke("check", str(bad))
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    problems = assert_problem_lines(result.stderr)
+    assert {m["file"] for m in problems} == {str(bad)}
+    paths = {m["path"] for m in problems}
+    assert {"$.apiVersion", "$.metadata.name", "$.spec.rules[0].trigger.every"} <= paths
+    assert any(m["path"] == "$.apiVersion" and (m["line"], m["col"]) == ("1", "13") for m in problems)
+
+
+def test_check_missing_file_is_one_line() -> None:
+    result = invoke("check", "no/such/policy.yaml")
+    assert result.exit_code == 1
+    [problem] = assert_problem_lines(result.stderr)
+    assert problem["file"] == "no/such/policy.yaml"
+
+
+def test_check_reads_the_ops_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = tmp_path / "ops"
+    ops.mkdir()
+    (ops / "copy.yaml").write_text(Path(MONITOR).read_text())
+    monkeypatch.setenv("HOOKPOLICY_POLICY_DIRS", str(ops))
+    result = invoke("check", MONITOR)  # the same policy name twice
+    assert result.exit_code == 1
+    [problem] = assert_problem_lines(result.stderr)
+    assert problem["path"] == "$.metadata.name" and "duplicate policy name" in problem["message"]
+    assert invoke("check").exit_code == 0  # the folder alone is a valid source
+
+
+def test_check_without_any_policy_is_a_usage_error() -> None:
+    result = invoke("check")
+    assert result.exit_code == 2
+    assert "no policy given" in result.stderr
+
+
+# -- explain -----------------------------------------------------------------------------
+
+
+def test_explain_text_table() -> None:
+    result = invoke("explain", MONITOR, "--model", "examples.train_mlp:build_model")
+    assert result.exit_code == 0, result.output
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == ["RULE", "MODULE", "TYPE", "HOOK", "TARGET", "ACTIONS"]
+    assert len(rows) == 9
+    cells = rows[0].split(None, 5)
+    assert cells[:5] == ["example-monitor/nan-guard", "0", "Linear", "step", "grad(weight,bias)"]
+    assert "skip_step" in cells[5]
+    assert any(r.split()[:4] == ["example-monitor/layer-outputs", "4", "Linear", "forward"] for r in rows)
+
+
+def test_explain_json_and_warnings(tmp_path: Path) -> None:
+    nothing = tmp_path / "nothing.yaml"
+    nothing.write_text(NOTHING_POLICY)
+    result = invoke("explain", MONITOR, str(nothing), "--model", "examples.charlm:build_model", "--format", "json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert set(doc) == {"bindings", "warnings"}
+    heads = [b for b in doc["bindings"] if b["module"] == "head" and b["rule"] == "grad-norms"]
+    assert heads == [{
+        "policy": "example-monitor", "rule": "grad-norms", "priority": 50, "mode": "enforce", "module": "head",
+        "type": "Linear", "hook": "step", "target": "grad", "params": ["weight", "bias"], "select": [],
+        "actions": ["capture(l2_norm,abs_max per=module)"],
+    }]
+    assert any("nothing/convs" in w and "matches no module" in w for w in doc["warnings"])
+    text = invoke("explain", str(nothing), "--model", "examples.charlm:build_model")
+    assert text.exit_code == 0
+    assert "no rule binds" in text.stdout
+    assert re.search(r"^warning: nothing/convs: matches no module", text.stdout, re.M)
+
+
+def test_explain_accepts_a_module_instance_and_a_file_path(tmp_path: Path) -> None:
+    source = tmp_path / "mymodel.py"
+    source.write_text("import torch\nnet = torch.nn.Sequential(torch.nn.Linear(2, 2))\n")
+    result = invoke("explain", MONITOR, "--model", f"{source}:net", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert {b["module"] for b in json.loads(result.stdout)["bindings"]} == {"0"}
+
+
+@pytest.mark.parametrize(("spec", "code", "needle"), [
+    ("examples.train_mlp", 2, "is not MODULE:ATTR"),
+    ("no_such_module_hp:model", 2, "no module named 'no_such_module_hp'"),
+    ("examples.train_mlp:no_such_attr", 2, "has no attribute 'no_such_attr'"),
+    ("examples.charlm:TEXT", 2, "not an nn.Module or a zero-argument callable"),
+    ("examples.train_mlp:make_data", 1, "calling examples.train_mlp:make_data() failed: TypeError"),
+    ("examples.charlm:vocabulary", 1, "returned a list, not an nn.Module"),
+    ("missing/file.py:model", 2, "no such file"),
+])
+def test_explain_bad_model(spec: str, code: int, needle: str) -> None:
+    result = invoke("explain", MONITOR, "--model", spec)
+    assert result.exit_code == code, result.output
+    assert needle in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_explain_reports_an_error_in_the_user_module_in_one_line(tmp_path: Path) -> None:
+    broken = tmp_path / "broken_model_hp.py"
+    broken.write_text("import torch\nraise RuntimeError('no GPU here')\n")
+    for spec in (f"{broken}:model", ):
+        result = invoke("explain", MONITOR, "--model", spec)
+        assert result.exit_code == 1
+        assert result.stderr.strip().splitlines() == [
+            f"Error: importing {broken} failed: RuntimeError: no GPU here"]
+    exits = tmp_path / "exits_hp.py"
+    exits.write_text("import sys\nsys.exit(2)\n")
+    result = invoke("explain", MONITOR, "--model", f"{exits}:model")
+    assert result.exit_code == 1 and "called sys.exit(2)" in result.stderr
+
+
+def test_explain_invalid_policy(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD_POLICY)
+    result = invoke("explain", str(bad), "--model", "examples.train_mlp:build_model")
+    assert result.exit_code == 1
+    assert_problem_lines(result.stderr)
+
+
+# -- apply (what needs no subprocess) ----------------------------------------------------
+
+
+def test_apply_needs_a_command() -> None:
+    result = invoke("apply", MONITOR)
+    assert result.exit_code == 2
+    assert "missing '-- COMMAND'" in result.stderr
+
+
+def test_apply_invalid_policy_starts_nothing(tmp_path: Path) -> None:
+    bad, marker = tmp_path / "bad.yaml", tmp_path / "started"
+    bad.write_text(BAD_POLICY)
+    result = invoke("apply", str(bad), "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    assert result.exit_code == 1
+    assert_problem_lines(result.stderr)
+    assert not marker.exists()
+
+
+def test_apply_rejects_a_bad_port() -> None:
+    result = invoke("apply", MONITOR, "--metrics-port", "70000", "--", "true")
+    assert result.exit_code == 2
+
+
+# -- schema, export, version, help -------------------------------------------------------
+
+
+def test_schema_prints_the_json_schema() -> None:
+    result = invoke("schema")
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert doc["$schema"].startswith("http://json-schema.org/")
+    assert result.stdout.rstrip("\n") == schema_json().rstrip("\n")
+
+
+def test_export_verbs() -> None:
+    pytest.importorskip("hookpolicy.export")
+    rules = invoke("export", "prometheus-rules", MONITOR)
+    assert rules.exit_code == 0, rules.output
+    assert "groups" in rules.stdout
+    dashboard = invoke("export", "grafana", MONITOR)
+    assert dashboard.exit_code == 0, dashboard.output
+    assert isinstance(json.loads(dashboard.stdout), dict)
+
+
+def test_version() -> None:
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"hookpolicy, version {__version__}"
+
+
+@pytest.mark.parametrize("command", [
+    [], ["check"], ["explain"], ["apply"], ["schema"], ["export"], ["export", "prometheus-rules"],
+    ["export", "grafana"],
+])
+def test_help(command: list[str]) -> None:
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0
+    assert result.stdout.startswith("Usage: hookpolicy")
+
+
+def test_python_dash_m_is_the_same_cli() -> None:
+    done = subprocess.run([sys.executable, "-m", "hookpolicy", "check", MONITOR], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == invoke("check", MONITOR).stdout
