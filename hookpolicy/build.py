@@ -14,6 +14,7 @@ import math
 import ntpath
 import re
 import string
+import unicodedata
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
 from .errors import PolicyError, Problem
@@ -38,6 +39,10 @@ MESSAGE_FIELDS: tuple[str, ...] = (
 RESERVED_LABELS = frozenset({"policy", "revision", "mode", "rank"})
 #: at most this many problems of one file are reported.
 MAX_PROBLEMS = 100
+
+#: Unicode categories refused in paths: controls (NUL, line breaks), format characters
+#: (U+202E reverses what a listing shows), surrogates, line and paragraph separators.
+_CONTROL = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 _SAMPLE_FIELDS: Mapping[str, object] = {
     **{name: name for name in MESSAGE_FIELDS}, "step": 0, "rank": 0, **{stat: 0.0 for stat in STATS},
@@ -226,10 +231,22 @@ class _Checker:
         self.relative(_dict(body.get("log")).get("path"), path + ("log", "path"))
 
     def relative(self, value: Any, path: JsonPath) -> None:
-        """A path that must stay inside the output folder: relative, no `..` segment."""
+        """A path that must stay inside the output folder: relative, no `..` segment.
+
+        Control characters are refused too: a NUL (`"t\\0x"` in a double-quoted YAML
+        string) makes every file call raise ValueError, and a line break in a file name
+        only hides it.
+        """
         if not isinstance(value, str):
             return
-        if value.startswith(("/", "\\", "~")) or ntpath.splitdrive(value)[0]:
+        control = next((c for c in value if unicodedata.category(c) in _CONTROL), None)
+        if control is not None:
+            self.add(
+                path,
+                f"{value!r} contains the control character U+{ord(control):04X}; "
+                "a path is printable text",
+            )
+        elif value.startswith(("/", "\\", "~")) or ntpath.splitdrive(value)[0]:
             self.add(
                 path,
                 f"{value!r} must be relative to the output folder (no leading /, \\, ~ or drive)",

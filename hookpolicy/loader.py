@@ -76,9 +76,22 @@ def json_path(path: JsonPath) -> str:
         elif _IDENTIFIER.match(part):
             parts.append(f".{part}")
         else:
-            escaped = part.replace("\\", "\\\\").replace("'", "\\'")
-            parts.append(f"['{escaped}']")
+            parts.append(f"['{_escape_key(part)}']")
     return "".join(parts)
+
+
+_KEY_ESCAPES = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_key(key: str) -> str:
+    """A key quoted for a JSON path on one line: line breaks and other unprintables escaped.
+
+    A key may hold any character YAML allows, including line breaks (`"a\\nb": 1`,
+    U+2028); printed raw, one problem would span several lines of `hookpolicy check`.
+    """
+    return "".join(
+        _KEY_ESCAPES.get(c) or (c if c.isprintable() else f"\\u{ord(c):04x}") for c in key
+    )
 
 
 @dataclass(frozen=True)

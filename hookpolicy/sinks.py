@@ -8,6 +8,7 @@ temporary name and renamed, so a run killed mid-write leaves no partial file.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -20,7 +21,10 @@ import torch
 
 from .model import TensorFiles
 
-__all__ = ["BudgetSpent", "SinkError", "output_root", "safe_path", "JsonLines", "TensorWriter"]
+__all__ = [
+    "BudgetSpent", "SinkError", "TEMP_PREFIX", "file_name", "output_root", "safe_path", "JsonLines",
+    "TensorWriter",
+]
 
 
 class SinkError(OSError):
@@ -41,7 +45,10 @@ def safe_path(root: Path, relative: str) -> Path:
     if os.path.isabs(relative):
         raise SinkError(f"{relative!r} is absolute; policy paths are relative to {root}")
     candidate = (root / relative)
-    resolved = candidate.resolve()
+    try:
+        resolved = candidate.resolve()
+    except ValueError as exc:  # an embedded NUL: not a path at all
+        raise SinkError(f"{relative!r} is not a usable path: {exc}") from None
     if resolved != root and root not in resolved.parents:
         raise SinkError(f"{relative!r} resolves to {resolved}, outside the output folder {root}")
     return resolved
@@ -77,6 +84,35 @@ class JsonLines:
             self._file = None
 
 
+#: Temporary files start with this and end in `.partial`, never `.pt`: a `*.pt` glob
+#: finds only complete files, even after a run was killed in the middle of a write.
+TEMP_PREFIX = ".tmp-"
+#: File names are cut to this many bytes (most file systems allow 255).
+MAX_NAME_BYTES = 200
+
+
+def file_name(name: str) -> str:
+    """`name` as one safe file name: no separators, NULs or other control characters, short.
+
+    The parts of a tensor file's name come from the model (module names, dict keys of
+    outputs), which may hold any character. Unsafe ones become `_`; a name longer than
+    `MAX_NAME_BYTES` is cut and ends in a hash of the whole name, so it stays unique.
+    """
+    safe = "".join(
+        "_" if c in "/\\" or not (c.isprintable() or c == " ") else c for c in name
+    )
+    encoded = safe.encode("utf-8")
+    if len(encoded) <= MAX_NAME_BYTES and not safe.startswith("."):
+        return safe
+    stem, suffix = os.path.splitext(safe)
+    if len(suffix.encode("utf-8")) > 16:  # not an extension, just a dot in a long name
+        stem, suffix = safe, ""
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    room = MAX_NAME_BYTES - len(suffix.encode("utf-8")) - len(digest) - 1
+    cut = stem.encode("utf-8")[:room].decode("utf-8", "ignore").lstrip(".")
+    return f"{cut}-{digest}{suffix}"
+
+
 class TensorWriter:
     """Writes detached CPU copies as `.pt` files within `max_files` and `max_bytes`."""
 
@@ -101,8 +137,8 @@ class TensorWriter:
                 f"({self.bytes} written, {len(data)} more)"
             )
         self.folder.mkdir(parents=True, exist_ok=True)
-        final = safe_path(self.folder, name)
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".pt")
+        final = safe_path(self.folder, file_name(name))
+        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=TEMP_PREFIX, suffix=".partial")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

@@ -1,0 +1,1192 @@
+"""Faults in hooks, removal at awkward moments, long runs, atomic files, the exporter under load, signals.
+
+hookpolicy runs inside week-long training jobs; none of what is tested here may be the
+reason a run dies, leaks or loses data. The guarantees and the numbers these tests
+measured are in docs/reliability.md.
+
+Tests run as root in CI, where `chmod` does not stop writes: a folder that "became
+read-only" or a "full disk" is simulated with a file in place of the folder, or with
+`os.replace`/`open` raising `OSError(ENOSPC)`.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import logging
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.modules.module as module_hooks
+import torch.optim.optimizer as optimizer_hooks
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+import hookpolicy
+from hookpolicy import Halt, HookPolicyError, PolicySet
+from hookpolicy import sinks
+from hookpolicy.runtime import MAX_ERRORS
+
+from conftest import REPO
+
+HEADER = "apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata: {{name: {name}}}\nspec:\n  onError: {on_error}\n  rules:\n"
+
+
+def make_policy(folder: Path, rules: str, name: str = "p", on_error: str = "continue") -> PolicySet:
+    path = folder / f"{name}.yaml"
+    path.write_text(HEADER.format(name=name, on_error=on_error) + textwrap.indent(textwrap.dedent(rules), "    "))
+    return hookpolicy.load(path)
+
+
+def tiny(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: int = 6) -> float:
+    loss = model(torch.randn(batch, 4)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def module_hook_count(model: nn.Module) -> int:
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
+        + len(m._forward_hooks_always_called) + len(m._forward_hooks_with_kwargs)
+        for m in model.modules()
+    )
+
+
+def global_hook_counts() -> tuple[int, ...]:
+    """PyTorch's process-wide hooks: optimizer step pre/post, module forward pre/post, backward."""
+    return (
+        len(optimizer_hooks._global_optimizer_pre_hooks), len(optimizer_hooks._global_optimizer_post_hooks),
+        len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks),
+        len(module_hooks._global_backward_hooks), len(module_hooks._global_backward_pre_hooks),
+    )
+
+
+def sample(reg: CollectorRegistry, name: str, **labels: str) -> Optional[float]:
+    return reg.get_sample_value(name, {**labels, "rank": "0"})
+
+
+def errors_of(reg: CollectorRegistry, rule: str, policy: str = "p") -> float:
+    return sample(reg, "hookpolicy_hook_errors_total", policy=policy, rule=rule) or 0.0
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    assert text == "" or text.endswith("\n"), f"{path} ends in a partial line"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.fixture
+def out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The output folder for logs and tensor files."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
+def hookpolicy_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.INFO, logger="hookpolicy")
+    return caplog
+
+
+def messages(caplog: pytest.LogCaptureFixture, level: int, contains: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == level and contains in r.getMessage()]
+
+
+def disk_full(*args: Any, **kwargs: Any) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+# =========================================================================== faults in hooks
+
+DUMP_AND_NORMS = """\
+- name: dump
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm], tensors: {dir: tensors}}
+- name: norms
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm], log: {path: logs/norms.jsonl}}
+- name: outputs
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  actions:
+    - capture: {stats: [rms]}
+"""
+
+
+def test_disk_full_on_tensor_files_is_contained_under_continue(
+    tmp_path: Path, out: Path, monkeypatch: pytest.MonkeyPatch, hookpolicy_log: pytest.LogCaptureFixture,
+) -> None:
+    policy = make_policy(tmp_path, DUMP_AND_NORMS)
+    model, reg = tiny(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setattr(sinks.os, "replace", disk_full)
+    steps = MAX_ERRORS + 4
+    with policy.attach(model, registry=reg, rank=0):
+        for _ in range(steps):
+            before = model[0].weight.detach().clone()
+            train_step(model, opt)
+            assert not torch.equal(before, model[0].weight), "the update was not applied"
+
+    assert sample(reg, "hookpolicy_steps_total") == steps
+    # counted, and the rule switched off after MAX_ERRORS: it ran on 3 steps only
+    assert errors_of(reg, "dump") == MAX_ERRORS
+    assert sample(reg, "hookpolicy_actions_total", policy="p", rule="dump", action="capture", mode="enforce") == MAX_ERRORS
+    # the other rules never noticed
+    assert errors_of(reg, "norms") == 0 and errors_of(reg, "outputs") == 0
+    assert sample(reg, "hookpolicy_actions_total", policy="p", rule="norms", action="capture", mode="enforce") == steps
+    assert len(json_lines(out / "logs" / "norms.jsonl")) == 2 * steps
+    # logged once, with the traceback; the switch-off once
+    raised = messages(hookpolicy_log, logging.ERROR, "p/dump raised")
+    assert len(raised) == 1
+    assert "Traceback" in raised[0] and "No space left on device" in raised[0]
+    assert len(messages(hookpolicy_log, logging.ERROR, "p/dump switched off after")) == 1
+    # nothing half-written is left: the temporary file of each failed write is removed
+    assert list((out / "tensors").iterdir()) == []
+
+
+def test_a_capture_folder_that_turns_into_a_file_mid_run_is_contained(
+    tmp_path: Path, out: Path, hookpolicy_log: pytest.LogCaptureFixture,
+) -> None:
+    """Root ignores chmod, so "the folder became unwritable" is a file where the folder was."""
+    policy = make_policy(tmp_path, DUMP_AND_NORMS)
+    model, reg = tiny(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with policy.attach(model, registry=reg, rank=0):
+        for _ in range(2):
+            train_step(model, opt)
+        kept = out / "kept"
+        (out / "tensors").rename(kept)
+        (out / "tensors").write_text("not a folder any more")
+        for _ in range(6):
+            train_step(model, opt)
+    assert sample(reg, "hookpolicy_steps_total") == 8
+    assert errors_of(reg, "dump") == MAX_ERRORS
+    assert len(messages(hookpolicy_log, logging.ERROR, "p/dump raised")) == 1
+    files = sorted(kept.iterdir())
+    assert len(files) == 2 * 2 * 2  # 2 steps x 2 Linear x (weight, bias)
+    for file in files:
+        assert isinstance(torch.load(file, weights_only=True), torch.Tensor)
+
+
+def test_on_error_halt_stops_cleanly_removes_hooks_and_flushes_the_log(
+    tmp_path: Path, out: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    policy = make_policy(tmp_path, DUMP_AND_NORMS, on_error="halt")
+    model, reg = tiny(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    baseline = global_hook_counts()
+    with pytest.raises(Halt) as halted:
+        with policy.attach(model, registry=reg, rank=0):
+            for step in range(10):
+                if step == 3:
+                    monkeypatch.setattr(sinks.os, "replace", disk_full)
+                before = [p.detach().clone() for p in model.parameters()]
+                train_step(model, opt)
+    assert (halted.value.policy, halted.value.rule, halted.value.step) == ("p", "dump", 3)
+    assert "No space left on device" in halted.value.message
+    # the halting step's update was not applied
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert module_hook_count(model) == 0 and global_hook_counts() == baseline
+    assert errors_of(reg, "dump") == 1
+    records = json_lines(out / "logs" / "norms.jsonl")
+    assert sorted({r["step"] for r in records}) == [0, 1, 2, 3]
+    # training after the halt runs plain PyTorch: nothing of hookpolicy is left
+    train_step(model, opt)
+
+
+@pytest.mark.parametrize("budget", ["max_bytes: 4000", "max_files: 2"])
+def test_a_spent_budget_writes_nothing_more_warns_once_and_is_no_error(
+    tmp_path: Path, out: Path, hookpolicy_log: pytest.LogCaptureFixture, budget: str,
+) -> None:
+    """The configured end of a capture: a warning, never a hook error (nobody gets paged)."""
+    policy = make_policy(tmp_path, f"""\
+        - name: dump
+          match: {{modules: ["0"], params: [weight]}}
+          trigger: {{at: step}}
+          actions:
+            - capture: {{stats: [l2_norm], tensors: {{dir: tensors, {budget}}}}}
+    """)
+    model, reg = tiny(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with policy.attach(model, registry=reg, rank=0):
+        for _ in range(8):
+            train_step(model, opt)
+    files = sorted((out / "tensors").iterdir())
+    assert [f.name for f in files] == ["step00000000-0-grad-weight.pt", "step00000001-0-grad-weight.pt"]
+    assert sum(f.stat().st_size for f in files) <= 4000
+    assert errors_of(reg, "dump") == 0
+    assert len(messages(hookpolicy_log, logging.WARNING, "no more tensor files")) == 1
+    assert sample(reg, "hookpolicy_actions_total", policy="p", rule="dump", action="capture", mode="enforce") == 8
+    assert sample(reg, "hookpolicy_steps_total") == 8
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="runtime.py bug: Attached._readback writes JSON-lines logs outside _guarded/_fail, so an OSError of "
+           "a log sink (folder not creatable, disk full, unsafe symlink) propagates out of optimizer.step() and "
+           "kills training even under onError: continue, and is never counted in hookpolicy_hook_errors_total",
+)
+@pytest.mark.parametrize("fault", ["folder-is-a-file", "disk-full"])
+def test_a_log_sink_fault_is_contained_under_continue(
+    tmp_path: Path, out: Path, monkeypatch: pytest.MonkeyPatch, fault: str,
+) -> None:
+    policy = make_policy(tmp_path, DUMP_AND_NORMS.replace("tensors: {dir: tensors}", "tensors: {dir: t}"))
+    if fault == "folder-is-a-file":
+        (out / "logs").write_text("a file where the log folder should be")
+    else:
+        monkeypatch.setattr(sinks, "open", disk_full, raising=False)
+    model, reg = tiny(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with policy.attach(model, registry=reg, rank=0):
+        for _ in range(6):
+            train_step(model, opt)
+    assert sample(reg, "hookpolicy_steps_total") == 6
+    assert 1 <= errors_of(reg, "norms") <= MAX_ERRORS
+
+
+# =========================================================================== no hooks left behind
+
+
+class Flaky(nn.Module):
+    """Raises from its forward on chosen calls, from inside a child's forward."""
+
+    def __init__(self, fail_on: set[int]) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.out = nn.Linear(8, 2)
+        self.calls = 0
+        self.fail_on = fail_on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = torch.relu(self.inp(x))
+        if self.calls in self.fail_on:
+            raise ValueError(f"forward failed on call {self.calls}")
+        return self.out(h)
+
+
+EVERY_HOOK_POINT = """\
+- name: pre
+  match: {types: [Linear]}
+  trigger: {at: forward_pre}
+  actions: [{capture: {stats: [mean]}}]
+- name: fwd
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  actions: [{capture: {stats: [rms]}}, {clip: {min: -100, max: 100}}]
+- name: bwd-out
+  match: {types: [Linear]}
+  trigger: {at: backward}
+  target: grad_output
+  actions: [{capture: {stats: [l2_norm]}}]
+- name: bwd-in
+  match: {modules: [out]}
+  trigger: {at: backward}
+  target: grad_input
+  actions: [{capture: {stats: [l2_norm]}}]
+- name: grads
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  actions: [{capture: {stats: [l2_norm], log: {path: grads.jsonl}}}, {clip: {max_norm: 10}}]
+"""
+
+
+def test_a_forward_that_raises_leaves_no_hooks_behind(tmp_path: Path, out: Path) -> None:
+    policy = make_policy(tmp_path, EVERY_HOOK_POINT)
+    model = Flaky(fail_on={3})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    baseline = global_hook_counts()
+    with pytest.raises(ValueError, match="forward failed on call 3"):
+        with policy.attach(model, registry=CollectorRegistry(), rank=0):
+            for _ in range(5):
+                train_step(model, opt)
+    assert module_hook_count(model) == 0
+    assert global_hook_counts() == baseline
+    assert len(json_lines(out / "grads.jsonl")) == 2 * 2  # steps 0 and 1, both Linear layers, complete
+
+
+def test_training_goes_on_after_a_forward_that_raised(tmp_path: Path, out: Path) -> None:
+    """A caught exception mid-forward must not leave the runtime thinking it is still inside one."""
+    policy = make_policy(tmp_path, EVERY_HOOK_POINT)
+    model, reg = Flaky(fail_on={2, 3}), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with policy.attach(model, registry=reg, rank=0) as attached:
+        done = 0
+        while done < 5:
+            try:
+                train_step(model, opt)
+                done += 1
+            except ValueError:
+                opt.zero_grad()
+        assert attached.step == 5
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(2, 4))  # an evaluation forward: the phase must be right again
+        model.train()
+    assert sample(reg, "hookpolicy_steps_total") == 5
+    for rule in ("pre", "fwd", "bwd-out", "bwd-in", "grads"):
+        assert errors_of(reg, rule) == 0
+        assert (sample(reg, "hookpolicy_actions_total", policy="p", rule=rule, action="capture", mode="enforce") or 0) >= 5
+    assert module_hook_count(model) == 0
+
+
+# =========================================================================== remove while running
+
+LOGGED = """\
+- name: grads
+  match: {types: [Linear]}
+  trigger: {at: step}
+  actions: [{capture: {stats: [l2_norm], log: {path: grads.jsonl}}}]
+- name: outs
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  actions: [{capture: {stats: [rms], log: {path: outs.jsonl}}}]
+- name: backs
+  match: {types: [Linear]}
+  trigger: {at: backward}
+  actions: [{capture: {stats: [l2_norm]}}]
+"""
+
+
+class Remover(nn.Module):
+    """Calls `remove` of its own attachment from its forward or from a backward hook."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.where = where
+        self.calls = 0
+        self.remove: Callable[[], None] = lambda: None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.a(x)
+        if self.calls == 3 and self.where == "forward":
+            self.remove()
+        if self.calls == 3 and self.where == "backward":
+            h.register_hook(lambda grad: self.remove())
+        return self.b(h)
+
+
+@pytest.mark.parametrize("where", [
+    "forward", "backward", "optimizer-pre-hook", "optimizer-post-hook",
+    "global-optimizer-pre-hook-after", "global-optimizer-post-hook",
+])
+def test_remove_from_inside_a_step_is_safe(tmp_path: Path, out: Path, where: str) -> None:
+    policy = make_policy(tmp_path, LOGGED)
+    model = Remover(where)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    baseline = global_hook_counts()
+    calls = {"n": 0}
+
+    def remove_on_third(*args: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            attached.remove()
+
+    attached = policy.attach(model, registry=CollectorRegistry(), rank=0)
+    model.remove = attached.remove
+    extra = {
+        "optimizer-pre-hook": lambda: opt.register_step_pre_hook(remove_on_third),
+        "optimizer-post-hook": lambda: opt.register_step_post_hook(remove_on_third),
+        "global-optimizer-pre-hook-after": lambda: optimizer_hooks.register_optimizer_step_pre_hook(remove_on_third),
+        "global-optimizer-post-hook": lambda: optimizer_hooks.register_optimizer_step_post_hook(remove_on_third),
+    }.get(where)
+    handle = extra() if extra else None
+    try:
+        for _ in range(6):
+            train_step(model, opt)
+    finally:
+        if handle is not None:
+            handle.remove()
+        attached.remove()
+    assert attached.removed
+    assert module_hook_count(model) == 0 and global_hook_counts() == baseline
+    for name in ("grads.jsonl", "outs.jsonl"):
+        records = json_lines(out / name)
+        assert records and max(r["step"] for r in records) <= 3
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="steps.py bug: StepTracker.remove() deletes its handles from torch's global optimizer pre-hook "
+           "OrderedDict while optimizer.step() is iterating it (a user's global pre-hook registered before "
+           "attach calls remove()), so the step raises 'RuntimeError: OrderedDict mutated during iteration'; "
+           "removal from inside a step should be deferred to the post-hook",
+)
+def test_remove_from_a_global_optimizer_hook_registered_before_attach_is_safe(tmp_path: Path, out: Path) -> None:
+    policy = make_policy(tmp_path, LOGGED)
+    model = tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    holder: dict[str, Any] = {}
+    handle = optimizer_hooks.register_optimizer_step_pre_hook(lambda *a: holder["attached"].remove())
+    try:
+        holder["attached"] = policy.attach(model, registry=CollectorRegistry(), rank=0)
+        for _ in range(3):
+            train_step(model, opt)
+    finally:
+        handle.remove()
+        holder["attached"].remove()
+
+
+def test_remove_from_another_thread_while_training_is_safe(tmp_path: Path, out: Path) -> None:
+    policy = make_policy(tmp_path, LOGGED)
+    baseline = global_hook_counts()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, so removal lands inside hooks
+    rng = random.Random(0)
+    failures: list[BaseException] = []
+    try:
+        for trial in range(12):
+            model = tiny(trial)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            attached = policy.attach(model, registry=CollectorRegistry(), rank=0)
+            delay = rng.uniform(0, 0.02)
+            remover = threading.Thread(target=lambda: (time.sleep(delay), attached.remove()))
+            remover.start()
+            try:
+                for _ in range(40):
+                    train_step(model, opt)
+            except BaseException as exc:  # noqa: BLE001 - collected and reported below
+                failures.append(exc)
+            remover.join()
+            attached.remove()
+            assert module_hook_count(model) == 0
+    finally:
+        sys.setswitchinterval(interval)
+    assert failures == []
+    assert global_hook_counts() == baseline
+    for name in ("grads.jsonl", "outs.jsonl"):
+        if (out / name).exists():  # (a removal before the first step writes nothing)
+            json_lines(out / name)  # every line complete and parseable
+
+
+def test_attach_and_remove_many_times_leaks_no_hooks(tmp_path: Path, out: Path) -> None:
+    policy = make_policy(tmp_path, EVERY_HOOK_POINT)
+    model = Flaky(fail_on=set())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    baseline = global_hook_counts()
+    for _ in range(50):
+        with policy.attach(model, registry=CollectorRegistry(), rank=0):
+            train_step(model, opt)
+        assert module_hook_count(model) == 0
+        assert global_hook_counts() == baseline
+
+
+# =========================================================================== attach twice
+
+NORMS_A = """\
+- name: g
+  match: {types: [Linear]}
+  trigger: {at: step}
+  actions: [{capture: {stats: [l2_norm]}}]
+"""
+OUTS_B = """\
+- name: o
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  actions: [{capture: {stats: [rms]}}]
+"""
+
+
+def test_two_policies_attached_separately_to_one_model_work_independently(tmp_path: Path, out: Path) -> None:
+    """Decided: different policies may be attached one by one; each removal takes off its own hooks only."""
+    a, b = make_policy(tmp_path, NORMS_A, name="a"), make_policy(tmp_path, OUTS_B, name="b")
+    model, reg = tiny(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    baseline = global_hook_counts()
+    first = a.attach(model, registry=reg, rank=0)
+    second = b.attach(model, registry=reg, rank=0)
+    train_step(model, opt)
+    grad_norm = dict(policy="a", rule="g", module="0", tensor="")
+    out_rms = dict(policy="b", rule="o", module="0", tensor="")
+    assert sample(reg, "hookpolicy_grad_l2_norm", **grad_norm) is not None
+    assert sample(reg, "hookpolicy_output_rms", **out_rms) is not None
+
+    first.remove()  # takes off a's hooks only
+    assert sample(reg, "hookpolicy_grad_l2_norm", **grad_norm) is None
+    previous = sample(reg, "hookpolicy_output_rms", **out_rms)
+    train_step(model, opt)
+    assert sample(reg, "hookpolicy_output_rms", **out_rms) != previous  # b still runs
+    assert sample(reg, "hookpolicy_grad_l2_norm", **grad_norm) is None  # a does not
+    infos = [s.labels["policy"] for m in reg.collect() for s in m.samples if s.name == "hookpolicy_policy_info"]
+    assert infos == ["b"]
+    assert second.step == 2
+    second.remove()
+    assert module_hook_count(model) == 0 and global_hook_counts() == baseline
+
+
+def test_two_attachments_on_one_model_count_each_step_once(tmp_path: Path, out: Path) -> None:
+    a, b = make_policy(tmp_path, NORMS_A, name="a"), make_policy(tmp_path, OUTS_B, name="b")
+    model, reg = tiny(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with a.attach(model, registry=reg, rank=0), b.attach(model, registry=reg, rank=0):
+        for _ in range(3):
+            train_step(model, opt)
+    assert sample(reg, "hookpolicy_steps_total") == 3
+
+
+def test_the_same_policies_attached_twice_to_one_model_are_refused(tmp_path: Path, out: Path) -> None:
+    """Decided: refused with a clear error. Run twice, a policy would scale or clip twice and two
+    attachments would share (and on removal drop) one set of metric series."""
+    policy = make_policy(tmp_path, NORMS_A)
+    model, reg = tiny(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with policy.attach(model, registry=reg, rank=0):
+        installed = (module_hook_count(model), global_hook_counts())
+        with pytest.raises(HookPolicyError, match="already attached"):
+            policy.attach(model, registry=reg, rank=0).remove()
+        assert (module_hook_count(model), global_hook_counts()) == installed  # nothing half-installed
+        train_step(model, opt)
+    assert sample(reg, "hookpolicy_steps_total") == 1
+    with policy.attach(model, registry=reg, rank=0):  # once removed, it may be attached again
+        train_step(model, opt)
+
+
+def test_the_same_policies_on_two_models_work_independently(tmp_path: Path, out: Path) -> None:
+    policy = make_policy(tmp_path, NORMS_A)
+    one, two = tiny(0), tiny(1)
+    reg_one, reg_two = CollectorRegistry(), CollectorRegistry()
+    opt_one = torch.optim.SGD(one.parameters(), lr=0.1)
+    opt_two = torch.optim.SGD(two.parameters(), lr=0.1)
+    with policy.attach(one, registry=reg_one, rank=0) as a, policy.attach(two, registry=reg_two, rank=0) as b:
+        for _ in range(3):
+            train_step(one, opt_one)
+        train_step(two, opt_two)
+        assert (a.step, b.step) == (3, 1)
+    assert sample(reg_one, "hookpolicy_steps_total") == 3
+    assert sample(reg_two, "hookpolicy_steps_total") == 1
+
+
+# =========================================================================== long runs
+
+LONG_RUN_POLICY = """\
+- name: grads
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm, abs_max, nonfinite]}
+    - alert: {if: "nonfinite > 0", per: rule, severity: critical, then: skip_step}
+- name: outputs
+  match: {types: [Linear]}
+  trigger: {at: forward, every: 10}
+  actions:
+    - capture: {stats: [rms, zero_fraction], log: {path: logs/outputs.jsonl}}
+- name: grad-outputs
+  match: {modules: ["2"]}
+  trigger: {at: backward, every: 5}
+  actions:
+    - capture: {stats: [l2_norm], per: tensor, log: {path: logs/grad-outputs.jsonl}}
+- name: dump-files
+  match: {modules: ["0"], params: [weight]}
+  trigger: {at: step, every: 10}
+  target: weight
+  actions:
+    - capture: {tensors: {dir: tensors/files, max_files: 30}}
+- name: dump-bytes
+  match: {modules: ["4"], params: [weight]}
+  trigger: {at: step, every: 7}
+  target: weight
+  actions:
+    - capture: {tensors: {dir: tensors/bytes, max_bytes: 40000}}
+"""
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one intra-op thread, and a busy CI machine cannot slow them 10x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+def long_run(folder: Path, out: Path, steps: int, warmup: int = 100) -> dict[str, float]:
+    """Train a small MLP for `warmup + steps` steps under LONG_RUN_POLICY and check what it left.
+
+    Returns the measured numbers (for docs/reliability.md).
+    """
+    policy = make_policy(folder, LONG_RUN_POLICY, name="long")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    reg = CollectorRegistry()
+    seen: list[weakref.ref[torch.Tensor]] = []
+    spy = model[2].register_forward_hook(lambda m, a, o: seen.append(weakref.ref(o)))
+    baseline = global_hook_counts()
+    total = warmup + steps
+    started = time.perf_counter()
+    try:
+        with policy.attach(model, registry=reg, rank=0):
+            for step in range(total):
+                if step == warmup:
+                    tensors_before, rss_before = live_tensors(), resident_bytes()
+                    started = time.perf_counter()
+                if step == warmup + steps // 2:  # both tensor budgets are spent by now
+                    tensors_middle = live_tensors()
+                x = torch.randn(32, 16)
+                out_ = model(x)
+                loss = out_.pow(2).mean()
+                loss.backward()
+                grad = model[0].weight.grad
+                assert grad is not None
+                step_tensors = [weakref.ref(t) for t in (x, out_, loss, grad)]
+                opt.step()
+                opt.zero_grad()
+                del x, out_, loss, grad
+                if step % 97 == 0:  # every so often: nothing of this step outlives it
+                    gc.collect()
+                    alive = [r for r in step_tensors + seen if r() is not None]
+                    assert alive == [], f"step {step}: {len(alive)} tensors outlived their step"
+                    seen.clear()
+                seen = [r for r in seen if r() is not None]
+            elapsed = time.perf_counter() - started
+            rss_after, tensors_after = resident_bytes(), live_tensors()
+            assert sample(reg, "hookpolicy_steps_total") == total
+            assert sample(reg, "hookpolicy_grad_l2_norm", policy="long", rule="grads", module="4", tensor="") is not None
+    finally:
+        spy.remove()
+    assert module_hook_count(model) == 0 and global_hook_counts() == baseline
+    growth = rss_after - rss_before
+    assert growth < 50 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB over {steps} steps"
+    # No growth with the steps. (The first half may pin a few: a log handler that keeps records,
+    # as pytest's does, keeps the BudgetSpent exception logged once per writer, with its frames.)
+    assert tensors_after - tensors_middle <= 2, (tensors_before, tensors_middle, tensors_after)
+
+    # logs: exactly one record per evaluation, every line complete
+    outputs = json_lines(out / "logs" / "outputs.jsonl")
+    assert len(outputs) == 3 * len(range(0, total, 10))
+    grad_outputs = json_lines(out / "logs" / "grad-outputs.jsonl")
+    assert len(grad_outputs) == len(range(0, total, 5))
+    # tensor files: within their budgets, complete, nothing temporary left over
+    files = sorted((out / "tensors" / "files").iterdir())
+    assert len(files) == min(30, len(range(0, total, 10)))
+    by_bytes = sorted((out / "tensors" / "bytes").iterdir())
+    assert 0 < sum(f.stat().st_size for f in by_bytes) <= 40000
+    for file in files + by_bytes:
+        assert file.name.startswith("step") and file.suffix == ".pt", file
+        assert torch.load(file, weights_only=True).shape in ((32, 16), (4, 32))
+    return {
+        "steps": steps, "rss_growth_mib": growth / 2**20, "live_tensor_growth": tensors_after - tensors_middle,
+        "ms_per_step": 1000 * elapsed / steps,
+        "log_bytes": sum(p.stat().st_size for p in (out / "logs").iterdir()),
+        "tensor_files": len(files) + len(by_bytes),
+    }
+
+
+def test_a_long_run_keeps_memory_tensors_and_files_bounded(
+    tmp_path: Path, out: Path, one_thread: None, record_property: Callable[[str, object], None],
+) -> None:
+    """1,000 steps in CI; tests/test_soak.py runs 10,000 (`pytest -m soak`)."""
+    numbers = long_run(tmp_path, out, steps=1000)
+    for key, value in numbers.items():
+        record_property(key, value)
+    print(f"\nlong run: {numbers}")
+
+
+# =========================================================================== processes
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("HOOKPOLICY_POLICY_DIRS", None)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A child process whose stdout and stderr go to files (no pipe can fill up and block it)."""
+
+    def __init__(self, folder: Path, argv: list[str], env: dict[str, str]) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.out_path, self.err_path = folder / "stdout", folder / "stderr"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=err)
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float = 60, what: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None:
+                pytest.fail(f"exited ({self.proc.returncode}) before {what}; stderr:\n{self.stderr}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out waiting for {what}; stderr:\n{self.stderr}")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"did not finish in {timeout} s; stderr:\n{self.stderr}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        if proc.proc.poll() is None:
+            proc.proc.send_signal(signal.SIGTERM)
+            try:
+                proc.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def apply(procs: list[Proc], folder: Path, args: list[str], **env: str) -> Proc:
+    proc = Proc(folder, [sys.executable, "-m", "hookpolicy", "apply", *args], child_env(**env))
+    procs.append(proc)
+    return proc
+
+
+def scrape(port: int, timeout: float = 5) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as response:
+        assert response.status == 200
+        return response.read().decode("utf-8")
+
+
+def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], tuple[str, float]]:
+    """Every sample as (name, labels) -> (family type, value); fails on a torn or untyped family."""
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        assert family.type in ("counter", "gauge"), f"{family.name} has no TYPE line"
+        assert family.documentation, f"{family.name} has no HELP line"
+        name = re.escape(family.name) + ("(_total)?" if family.type == "counter" else "")
+        assert re.search(rf"^# HELP {name} \S", text, re.M), f"{family.name} has no HELP line"
+        assert re.search(rf"^# TYPE {name} {family.type}$", text, re.M), f"{family.name} has no TYPE line"
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = (family.type, s.value)
+    return samples
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+KILLED_SCRIPT = """\
+import sys, torch, hookpolicy
+torch.set_num_threads(1)
+model = torch.nn.Linear(1024, 1024)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+with hookpolicy.load(sys.argv[1]).attach(model):
+    step = 0
+    while True:
+        model(torch.randn(4, 1024)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        print(step, flush=True)
+        step += 1
+"""
+
+DUMP_WEIGHTS = """\
+- name: dump
+  match: {root: true, params: [weight]}
+  trigger: {at: step}
+  target: weight
+  actions:
+    - capture: {stats: [l2_norm, mean], per: tensor, tensors: {dir: tensors, max_files: 100000},
+                log: {path: dump.jsonl}}
+"""
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_write_leaves_no_partial_tensor_file(tmp_path: Path, procs: list[Proc]) -> None:
+    """SIGKILL a process that writes 4 MiB tensor files back to back; only complete files have final names."""
+    policy = tmp_path / "dump.yaml"
+    policy.write_text(HEADER.format(name="dump", on_error="continue") + textwrap.indent(DUMP_WEIGHTS, "    "))
+    script = tmp_path / "writer.py"
+    script.write_text(KILLED_SCRIPT)
+    leftovers = partial_lines = 0
+    for attempt, delay in enumerate((0.0, 0.013)):
+        out = tmp_path / f"out{attempt}"
+        out.mkdir()
+        proc = Proc(tmp_path / f"proc{attempt}", [sys.executable, str(script), str(policy)],
+                    child_env(HOOKPOLICY_OUTPUT_DIR=str(out)))
+        procs.append(proc)
+        folder = out / "tensors"
+        proc.wait_for(lambda: folder.is_dir() and len(list(folder.glob("step*.pt"))) >= 4, what="four tensor files")
+        time.sleep(delay)
+        proc.proc.send_signal(signal.SIGKILL)
+        assert proc.proc.wait(10) == -signal.SIGKILL
+        finals = sorted(folder.glob("step*.pt"))
+        others = sorted(set(folder.iterdir()) - set(finals))
+        assert len(finals) >= 4
+        for file in finals:  # each one complete
+            loaded = torch.load(file, weights_only=True)
+            assert loaded.shape == (1024, 1024), file
+        for file in others:  # at most a temporary file, never with a final name or a .pt suffix
+            assert file.name.startswith(sinks.TEMP_PREFIX) and not file.name.endswith(".pt"), file
+        assert sorted(folder.glob("*.pt")) == finals  # a `*.pt` glob finds complete files only
+        leftovers += len(others)
+        # the log: whole lines, each one written with a single flush
+        text = (out / "dump.jsonl").read_text()
+        complete = text[: text.rfind("\n") + 1]
+        records = [json.loads(line) for line in complete.splitlines()]
+        assert len(records) >= len(finals)
+        partial_lines += text != complete
+    print(f"\nkilled mid-run twice: {leftovers} temporary file(s) left behind, no partial .pt, "
+          f"{partial_lines} log(s) ending in a partial line")
+    assert partial_lines == 0
+
+
+# --------------------------------------------------------------------------- exporter under load
+
+SCRAPED_SCRIPT = """\
+import os, sys, time, torch
+torch.set_num_threads(1)
+times, stop = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                            torch.nn.Linear(256, 8))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+x = torch.randn(64, 64)
+with open(times, "w", buffering=1) as out:
+    while not os.path.exists(stop):
+        start, wall = time.perf_counter(), time.time()
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.write(f"{wall} {time.perf_counter() - start}\\n")
+"""
+
+SCRAPED_POLICY = """\
+- name: nan-guard
+  priority: 10
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - alert: {if: "nonfinite > 0", per: rule, severity: critical, then: skip_step}
+- name: grad-norms
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm, abs_max, nonfinite], per: tensor}
+- name: outputs
+  match: {types: [Linear]}
+  trigger: {at: forward, every: 5}
+  actions:
+    - capture: {stats: [rms, zero_fraction]}
+"""
+
+SCRAPERS = 50
+SCRAPES_EACH = 30
+LOAD_SECONDS = 4.0
+QUIET_SECONDS = 2.0
+
+
+def _scraper(port: int, deadline: float, latencies: list[float], errors: list[str]) -> None:
+    """Scrape in a loop; each scrape must parse and no counter may go down between two of them."""
+    last: dict[Any, float] = {}
+    for _ in range(SCRAPES_EACH):
+        if time.monotonic() > deadline:
+            return
+        start = time.perf_counter()
+        try:
+            text = scrape(port, timeout=30)
+            latencies.append(time.perf_counter() - start)  # the HTTP request alone
+            samples = parse(text)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        for key, (kind, value) in samples.items():
+            if kind == "counter" and key[0].endswith("_total"):
+                if value < last.get(key, 0.0):
+                    errors.append(f"counter {key} went down: {last[key]} -> {value}")
+                last[key] = value
+        if not any(key[0] == "hookpolicy_steps_total" for key in samples):
+            errors.append("hookpolicy_steps_total missing from a scrape")
+        if not any(key[0] == "hookpolicy_policy_info" and ("policy", "scraped") in key[1] for key in samples):
+            errors.append("a scrape without hookpolicy_policy_info{policy='scraped'}: another process's port?")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="exporter.py: serve() uses prometheus_client.start_http_server, whose ThreadingWSGIServer listens "
+           "with socketserver's default backlog of 5; with 50 scrapers connecting at once the kernel drops SYNs "
+           "and clients wait for TCP retransmission (1 s, 3 s, 7 s): measured p95 1.05 s, max 3-8 s, against "
+           "p95 0.25 s and max 0.28 s with a backlog of 128 (serve with a ThreadingWSGIServer subclass whose "
+           "request_queue_size is 128)",
+)
+def test_the_exporter_listens_with_room_for_fifty_simultaneous_connections(free_port: int) -> None:
+    from hookpolicy.exporter import serve
+
+    server = serve(CollectorRegistry(), free_port)
+    assert server is not None
+    try:
+        assert server.request_queue_size >= SCRAPERS
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def step_times(path: Path) -> list[tuple[float, float]]:
+    rows = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            rows.append((float(parts[0]), float(parts[1])))
+    return rows
+
+
+@pytest.mark.slow
+def test_fifty_concurrent_scrapers_get_whole_samples_and_barely_slow_training(
+    tmp_path: Path, procs: list[Proc], free_port: int, record_property: Callable[[str, object], None],
+) -> None:
+    policy, script = tmp_path / "scraped.yaml", tmp_path / "train.py"
+    policy.write_text(HEADER.format(name="scraped", on_error="continue") + textwrap.indent(SCRAPED_POLICY, "    "))
+    script.write_text(SCRAPED_SCRIPT)
+    times, stop = tmp_path / "times.txt", tmp_path / "stop"
+    proc = apply(procs, tmp_path / "apply", [str(policy), "--metrics-port", str(free_port), "--",
+                                             sys.executable, str(script), str(times), str(stop)])
+
+    def ready() -> bool:
+        try:
+            samples = parse(scrape(free_port))
+        except OSError:
+            return False
+        assert "cannot serve metrics" not in proc.stderr, proc.stderr  # the port was taken meanwhile
+        return (samples.get(("hookpolicy_steps_total", (("rank", "0"),))) or ("", 0))[1] > 50
+
+    proc.wait_for(ready, timeout=90, what="metrics")
+    quiet_before = (time.time(), time.time() + QUIET_SECONDS)
+    time.sleep(QUIET_SECONDS)
+    latencies: list[float] = []
+    errors: list[str] = []
+    load_start = time.time()
+    deadline = time.monotonic() + LOAD_SECONDS
+    threads = [threading.Thread(target=_scraper, args=(free_port, deadline, latencies, errors)) for _ in range(SCRAPERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    load = (load_start, time.time())
+    quiet_after = (time.time(), time.time() + QUIET_SECONDS)
+    time.sleep(QUIET_SECONDS)
+    stop.touch()
+    assert proc.wait(60) == 0, proc.stderr
+
+    assert errors == []
+    assert len(latencies) >= SCRAPERS  # every scraper got at least one whole scrape
+    rows = step_times(times)
+
+    def median_in(*windows: tuple[float, float]) -> float:
+        inside = [dt for wall, dt in rows if any(a <= wall < b for a, b in windows)]
+        assert len(inside) >= 20, f"only {len(inside)} steps in {windows}"
+        return statistics.median(inside)
+
+    quiet = median_in(quiet_before, quiet_after)
+    loaded = median_in(load)
+    slowdown = loaded / quiet
+    latencies.sort()
+    numbers = {
+        "scrapes": len(latencies), "scrapes_per_s": len(latencies) / (load[1] - load[0]),
+        "latency_p50_ms": 1000 * latencies[len(latencies) // 2],
+        "latency_p95_ms": 1000 * latencies[int(len(latencies) * 0.95)],
+        "latency_max_ms": 1000 * latencies[-1],
+        "step_ms_quiet": 1000 * quiet, "step_ms_scraped": 1000 * loaded, "step_slowdown": slowdown,
+    }
+    for key, value in numbers.items():
+        record_property(key, value)
+    print(f"\nexporter under load: {numbers}")
+    assert slowdown < 1.5, numbers  # loose on purpose: the measured number is in docs/reliability.md
+
+
+# --------------------------------------------------------------------------- signals
+
+SIGNALLED_SCRIPT = """\
+import atexit, json, os, signal, sys, time
+
+REPORT, MODE = sys.argv[1], sys.argv[2]
+state = {}
+
+
+def report():
+    # Registered before torch is imported, so it runs after hookpolicy's own exit handler.
+    import torch.nn.modules.module as module_hooks
+    import torch.optim.optimizer as optimizer_hooks
+    model = state["model"]
+    counts = {
+        "model": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+                     for m in model.modules()),
+        "global_forward_pre": len(module_hooks._global_forward_pre_hooks),
+        "global_optimizer_pre": len(optimizer_hooks._global_optimizer_pre_hooks),
+        "global_optimizer_post": len(optimizer_hooks._global_optimizer_post_hooks),
+    }
+    with open(REPORT, "w") as out:
+        json.dump(counts, out)
+
+
+atexit.register(report)
+
+import torch  # noqa: E402
+
+if MODE == "own-sigterm-handler":
+    def on_term(signum, frame):
+        print("script: SIGTERM handled by the script", flush=True)
+        raise SystemExit(0)
+    signal.signal(signal.SIGTERM, on_term)
+
+torch.manual_seed(0)
+model = state["model"] = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+step = 0
+try:
+    while True:
+        loss = model(torch.randn(16, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print(f"step {step} loss {loss.item()!r}", flush=True)
+        step += 1
+        time.sleep(0.02)
+except KeyboardInterrupt:
+    print("script: KeyboardInterrupt", flush=True)
+    raise
+"""
+
+LOGGED_POLICY = """\
+- name: grads
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm], log: {path: capture.jsonl}}
+- name: outputs
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  actions:
+    - capture: {stats: [rms], log: {path: outputs.jsonl}}
+"""
+
+NO_HOOKS_LEFT = {"model": 0, "global_forward_pre": 0, "global_optimizer_pre": 0, "global_optimizer_post": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, mode, status, said", [
+    (signal.SIGINT, "plain", 128 + signal.SIGINT, "script: KeyboardInterrupt"),
+    (signal.SIGTERM, "own-sigterm-handler", 0, "script: SIGTERM handled by the script"),
+], ids=["ctrl-c", "sigterm-to-the-scripts-handler"])
+def test_a_signal_to_apply_reaches_the_script_removes_hooks_and_flushes_logs(
+    tmp_path: Path, procs: list[Proc], sig: int, mode: str, status: int, said: str,
+) -> None:
+    policy, script, report = tmp_path / "logged.yaml", tmp_path / "forever.py", tmp_path / "report.json"
+    policy.write_text(HEADER.format(name="logged", on_error="continue") + textwrap.indent(LOGGED_POLICY, "    "))
+    script.write_text(SIGNALLED_SCRIPT)
+    proc = apply(procs, tmp_path / "apply", [str(policy), "--", sys.executable, str(script), str(report), mode],
+                 HOOKPOLICY_OUTPUT_DIR=str(tmp_path))
+    proc.wait_for(lambda: len(re.findall(r"^step \d+ ", proc.stdout, re.M)) >= 5, what="five steps")
+    proc.proc.send_signal(sig)
+    assert proc.wait(60) == status, proc.stderr
+    assert said in proc.stdout
+    assert json.loads(report.read_text()) == NO_HOOKS_LEFT
+    steps = len(re.findall(r"^step \d+ ", proc.stdout, re.M))
+    grads = json_lines(tmp_path / "capture.jsonl")
+    assert len(grads) >= 2 * steps  # two Linear layers, every completed step: flushed
+    outputs = json_lines(tmp_path / "outputs.jsonl")
+    assert len(outputs) >= 2 * steps
+    assert "Traceback" not in proc.stderr or mode == "plain"
+
+
+@pytest.mark.slow
+def test_sighup_with_a_broken_policy_keeps_the_old_one(tmp_path: Path, procs: list[Proc], free_port: int) -> None:
+    policy, stop = tmp_path / "watched.yaml", tmp_path / "stop"
+    policy.write_text(HEADER.format(name="watched", on_error="continue") + textwrap.indent(LOGGED_POLICY, "    "))
+    proc = apply(procs, tmp_path / "apply", [
+        str(policy), "--metrics-port", str(free_port), "--", sys.executable, str(REPO / "examples" / "train_mlp.py"),
+        "--steps", "100000", "--sleep", "0.02", "--stop-file", str(stop),
+    ], HOOKPOLICY_OUTPUT_DIR=str(tmp_path), HOOKPOLICY_WATCH_INTERVAL="0.1")
+
+    def metrics() -> dict[Any, tuple[str, float]]:
+        try:
+            return parse(scrape(free_port))
+        except OSError:
+            return {}
+
+    def info(samples: dict[Any, tuple[str, float]]) -> set[str]:
+        return {dict(labels)["revision"] for (name, labels) in samples if name == "hookpolicy_policy_info"}
+
+    def steps(samples: dict[Any, tuple[str, float]]) -> float:
+        return samples.get(("hookpolicy_steps_total", (("rank", "0"),)), ("", 0.0))[1]
+
+    def reload_ok(samples: dict[Any, tuple[str, float]]) -> Optional[float]:
+        found = samples.get(("hookpolicy_config_last_reload_successful", (("rank", "0"),)))
+        return None if found is None else found[1]
+
+    proc.wait_for(lambda: steps(metrics()) > 3, timeout=90, what="metrics")
+    old = info(metrics())
+    assert len(old) == 1 and reload_ok(metrics()) == 1
+
+    policy.write_text(policy.read_text().replace("at: step", "at: stepp"))
+    proc.proc.send_signal(signal.SIGHUP)
+    proc.wait_for(lambda: reload_ok(metrics()) == 0, timeout=30, what="the failed reload")
+    at_failure = steps(metrics())
+    proc.wait_for(lambda: steps(metrics()) > at_failure + 10, timeout=30, what="ten more steps")
+    later = metrics()
+    assert info(later) == old  # the old policy stays, and keeps working
+    assert reload_ok(later) == 0
+    norms = [v for (name, labels), (_, v) in later.items()
+             if name == "hookpolicy_grad_l2_norm" and dict(labels)["rule"] == "grads"]
+    assert len(norms) == 3  # the three Linear layers of train_mlp.py
+    stop.touch()
+    assert proc.wait(60) == 0, proc.stderr
+    assert "reload failed; keeping the current policies" in proc.stderr
+    assert re.search(rf"^{re.escape(str(policy))}:\d+:\d+: \$\.spec\.rules\[0\]\.trigger\.at: ", proc.stderr, re.M)
