@@ -432,7 +432,7 @@ class Attached:
                             published[(stat_family(p.target, stat), (*rs.key, module, tensor))] = stats[stat]
                         if action.log is not None:
                             shown = {s: _json_number(stats[s]) for s in action.stats}
-                            self._log_sink(rs, index, action.log.path).write([{**base, "stats": shown}])
+                            self._write_log(rs, index, action.log.path, {**base, "stats": shown})
                         continue
                     fired = self._evaluate_alert(rs, index, action, module, tensor, stats)
                     firing[action.severity] = firing.get(action.severity, False) or fired
@@ -440,10 +440,10 @@ class Attached:
                         continue
                     message = _render(action, base, stats)
                     self.store.inc("hookpolicy_alerts", (*rs.key, action.severity))
-                    self._log_sink(rs, -1, None).write([{
+                    self._write_log(rs, -1, None, {
                         **base, "stats": {k: _json_number(v) for k, v in stats.items()}, "event": "alert",
                         "severity": action.severity, "then": action.then, "mode": rs.mode, "message": message,
-                    }])
+                    })
                     if rs.enforce and not final:
                         if action.then == "skip_step":
                             skip = True
@@ -478,6 +478,8 @@ class Attached:
 
     def _write_copies(self, entry: _Entry) -> None:
         rs = entry.rule
+        if rs.errors >= MAX_ERRORS:
+            return
         for index, module, name, tensor in entry.copies:
             action = rs.rule.actions[index]
             assert isinstance(action, Capture) and action.tensors is not None
@@ -490,17 +492,26 @@ class Attached:
                 stem = f"step{self.step:08d}-{module or 'root'}-{entry.target}" + (f"-{name}" if name else "")
                 writer.write(stem.replace("/", "_") + ".pt", tensor.cpu())
             except BudgetSpent as exc:
-                log.warning("%s/%s: %s; no more tensor files are written", *rs.key, exc)
+                log.warning("%s/%s: %s; no more tensor files are written", *rs.key, str(exc))
             except OSError as exc:  # a full disk, a read-only folder, an unsafe path
                 self._fail(rs, exc)
                 return
 
-    def _log_sink(self, rs: _RuleState, index: int, path: Optional[str]) -> JsonLines:
-        """The JSON-lines sink of a capture (by action index); index -1 is the alert stream (stderr)."""
-        sink = rs.logs.get(index)
-        if sink is None:
-            sink = rs.logs[index] = JsonLines(self._root, path)
-        return sink
+    def _write_log(self, rs: _RuleState, index: int, path: Optional[str], record: dict[str, Any]) -> None:
+        """Append a record to a capture's JSON lines (by action index; -1: the alert stream, stderr).
+
+        A sink that cannot write (a full disk, a folder that is a file, a symlink out of the
+        output folder) is a fault of the rule, handled by `onError` like a raising hook.
+        """
+        if rs.errors >= MAX_ERRORS:
+            return
+        try:
+            sink = rs.logs.get(index)
+            if sink is None:
+                sink = rs.logs[index] = JsonLines(self._root, path)
+            sink.write([record])
+        except OSError as exc:
+            self._fail(rs, exc)
 
     def _flush_counters(self) -> None:
         for labels, count in self._counts.items():
