@@ -18,27 +18,25 @@ on exceptions, through the context manager) takes all of them off again.
 from __future__ import annotations
 
 import logging
-import math
 import os
-import string
 import time
 import traceback
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from prometheus_client import CollectorRegistry
 from torch.utils.hooks import RemovableHandle
 
-from .actions import MutateOp, Program, StatsOp, compile_rule, mutate
+from .actions import StatsOp, compile_rule, mutate
 from .errors import Halt, HookPolicyError
-from .metrics import MetricsStore, stat_family, store_for
+from .metrics import MetricsStore, store_for
 from .model import Alert, Capture, Policy, Rule
 from .plan import Binding, Plan, build_plan
-from .sinks import BudgetSpent, JsonLines, TensorWriter, output_root
-from .stats import combine, finish, tensor_partials
+from .readback import MAX_ERRORS, Entry, Readback, RuleState
+from .sinks import output_root
+from .stats import tensor_partials
 from .steps import StepTracker
 from .structure import named_tensors, replace_tensors, selector
 
@@ -46,45 +44,7 @@ __all__ = ["Attached", "MAX_ERRORS"]
 
 log = logging.getLogger("hookpolicy")
 
-#: A rule that raised this many times is switched off (`onError: continue`).
-MAX_ERRORS = 3
-
 Named = list[tuple[str, torch.Tensor]]
-
-
-@dataclass
-class _RuleState:
-    """Everything the runtime keeps for one rule of one policy."""
-
-    policy: Policy
-    rule: Rule
-    program: Program
-    mode: str
-    bindings: list[Binding] = field(default_factory=list)
-    errors: int = 0
-    writers: dict[int, TensorWriter] = field(default_factory=dict)
-    logs: dict[int, JsonLines] = field(default_factory=dict)
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.policy.name, self.rule.name)
-
-    @property
-    def enforce(self) -> bool:
-        return self.mode == "enforce"
-
-
-@dataclass
-class _Entry:
-    """The device-side statistics of one execution of a statistics pass."""
-
-    rule: _RuleState
-    op: StatsOp
-    target: str
-    rows: list[tuple[str, str]]  # (module, tensor) per matrix row
-    numels: list[int]
-    matrix: torch.Tensor
-    copies: list[tuple[int, str, str, torch.Tensor]]  # (action index, module, tensor, copy)
 
 
 class Attached:
@@ -109,19 +69,18 @@ class Attached:
         self.rank = _default_rank() if rank is None else rank
         self.step = start_step
         self.store: MetricsStore = store_for(registry, self.rank)
-        self._root = output_root()
-        self._rules: dict[tuple[str, str], _RuleState] = {}
+        self._rules: dict[tuple[str, str], RuleState] = {}
         for b in self.plan.bindings:
             rs = self._rules.get(b.key)
             if rs is None:
                 mode = "audit" if audit else b.rule.mode
-                rs = self._rules[b.key] = _RuleState(b.policy, b.rule, compile_rule(b.rule), mode)
+                rs = self._rules[b.key] = RuleState(b.policy, b.rule, compile_rule(b.rule), mode)
             rs.bindings.append(b)
         self._selectors = {key: selector(rs.rule.select) for key, rs in self._rules.items()}
-        self._buffer: list[_Entry] = []
+        self._buffer: list[Entry] = []
         self._counts: dict[tuple[str, ...], float] = defaultdict(float)
         self._seconds: dict[tuple[str, str], float] = defaultdict(float)
-        self._streaks: dict[tuple[Any, ...], int] = {}
+        self._report = Readback(self.store, self.policies, output_root(), self.rank, self._fail, self._seconds)
         self._active: Optional[frozenset[tuple[str, str]]] = None
         self._module_handles: list[RemovableHandle] = []
         self._train = True
@@ -303,13 +262,13 @@ class Attached:
                     output, changed = replace_tensors(output, new), True
         return output if changed else None
 
-    def _grad_hook(self, rs: _RuleState, b: Binding, name: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
+    def _grad_hook(self, rs: RuleState, b: Binding, name: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
         if rs.errors >= MAX_ERRORS or grad is None or grad.numel() == 0:
             return None
         new = self._guarded(rs, self._run_named, rs, b, [(name, grad)])
         return new[name] if new else None
 
-    def _hook_grad_input(self, rs: _RuleState, b: Binding, inputs: Any) -> tuple[Any, bool]:
+    def _hook_grad_input(self, rs: RuleState, b: Binding, inputs: Any) -> tuple[Any, bool]:
         """Route each input through an identity view whose gradient is this module's own."""
         views: dict[str, torch.Tensor] = {}
         for name, t in _input_tensors(inputs, self._selectors[b.key]):
@@ -326,7 +285,7 @@ class Attached:
         self._versions[id(b)] = [(v, v._version) for v in views.values()]
         return _replace_inputs(inputs, views), True
 
-    def _check_grad_input(self, rs: _RuleState, b: Binding, inputs: Any) -> None:
+    def _check_grad_input(self, rs: RuleState, b: Binding, inputs: Any) -> None:
         for view, version in self._versions.pop(id(b), []):
             if view._version != version and b.key not in self._warned_inplace:
                 self._warned_inplace.add(b.key)
@@ -335,14 +294,14 @@ class Attached:
                     "use grad_output of the module before it", *b.key, b.module or "<root>",
                 )
 
-    def _run_named(self, rs: _RuleState, b: Binding, named: Named) -> Optional[dict[str, torch.Tensor]]:
+    def _run_named(self, rs: RuleState, b: Binding, named: Named) -> Optional[dict[str, torch.Tensor]]:
         if not named:
             return None
         rows = [(b.module, name) for name, _ in named]
         new = self._execute(rs, b.target, rows, [t for _, t in named], inplace=False)
         return None if new is None else {name: t for (name, _), t in zip(named, new)}
 
-    def _run_step_rule(self, rs: _RuleState) -> None:
+    def _run_step_rule(self, rs: RuleState) -> None:
         rows: list[tuple[str, str]] = []
         tensors: list[torch.Tensor] = []
         for b in rs.bindings:
@@ -356,7 +315,7 @@ class Attached:
             self._execute(rs, b.target, rows, tensors, inplace=True)
 
     def _execute(
-        self, rs: _RuleState, target: str, rows: list[tuple[str, str]], tensors: list[torch.Tensor], inplace: bool,
+        self, rs: RuleState, target: str, rows: list[tuple[str, str]], tensors: list[torch.Tensor], inplace: bool,
     ) -> Optional[list[torch.Tensor]]:
         """Run a rule's program on tensors; returns replacements when a mutation applied."""
         changed = False
@@ -367,7 +326,7 @@ class Attached:
                     for index, _ in op.tensors for (module, name), t in zip(rows, tensors)
                 ]
                 matrix = tensor_partials(tensors, op.kinds)
-                self._buffer.append(_Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies))
+                self._buffer.append(Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies))
                 for _, action in op.actions:
                     self._counts[(*rs.key, "capture" if isinstance(action, Capture) else "alert", rs.mode)] += 1
             else:
@@ -377,7 +336,7 @@ class Attached:
                     changed = True
         return tensors if changed else None
 
-    def _guarded(self, rs: _RuleState, fn: Any, *args: Any) -> Any:
+    def _guarded(self, rs: RuleState, fn: Any, *args: Any) -> Any:
         """Call a hook body, timing it; an exception is contained per the policy's onError."""
         start = time.perf_counter()
         try:
@@ -388,7 +347,7 @@ class Attached:
         finally:
             self._seconds[rs.key] += time.perf_counter() - start
 
-    def _fail(self, rs: _RuleState, exc: BaseException) -> None:
+    def _fail(self, rs: RuleState, exc: BaseException) -> None:
         rs.errors += 1
         self.store.inc("hookpolicy_hook_errors", rs.key)
         if rs.policy.on_error == "halt":
@@ -405,58 +364,12 @@ class Attached:
 
     # -- readback ----------------------------------------------------------------------
     def _readback(self, final: bool = False) -> bool:
-        """Fetch the step's statistics with one transfer and act on them; True to skip the step.
+        """Report the buffered statistics (one transfer) and decide the step; True to skip it.
 
         `final` (at `remove()`) publishes what is left but takes no skip or halt decision.
         """
-        start = time.perf_counter()
         entries, self._buffer = self._buffer, []
-        passes: dict[tuple[tuple[str, str], int], _Pass] = {}
-        for entry, rows in zip(entries, _fetch([e.matrix for e in entries])):
-            passes.setdefault((entry.rule.key, entry.op.segment), _Pass(entry.rule, entry.op, entry.target)).add(entry, rows)
-        fetch_share = (time.perf_counter() - start) / max(1, len(passes))  # the transfer serves every pass
-        published: dict[tuple[str, tuple[str, ...]], float] = {}
-        skip = False
-        halt: Optional[Halt] = None
-        now = time.time()
-        for p in passes.values():
-            pass_start = time.perf_counter()
-            rs = p.rule
-            firing: dict[str, bool] = {}
-            for index, action in p.op.actions:
-                for (module, tensor), stats in p.statistics(action.per):
-                    base = {"time": now, "step": self.step, "rank": self.rank, "policy": rs.policy.name,
-                            "rule": rs.rule.name, "module": module, "target": p.target, "tensor": tensor}
-                    if isinstance(action, Capture):
-                        for stat in action.stats:
-                            published[(stat_family(p.target, stat), (*rs.key, module, tensor))] = stats[stat]
-                        if action.log is not None:
-                            shown = {s: _json_number(stats[s]) for s in action.stats}
-                            self._write_log(rs, index, action.log.path, {**base, "stats": shown})
-                        continue
-                    fired = self._evaluate_alert(rs, index, action, module, tensor, stats)
-                    firing[action.severity] = firing.get(action.severity, False) or fired
-                    if not fired:
-                        continue
-                    message = _render(action, base, stats)
-                    self.store.inc("hookpolicy_alerts", (*rs.key, action.severity))
-                    self._write_log(rs, -1, None, {
-                        **base, "stats": {k: _json_number(v) for k, v in stats.items()}, "event": "alert",
-                        "severity": action.severity, "then": action.then, "mode": rs.mode, "message": message,
-                    })
-                    if rs.enforce and not final:
-                        if action.then == "skip_step":
-                            skip = True
-                            self.store.inc("hookpolicy_skipped_steps", rs.key)
-                        elif action.then == "halt" and halt is None:
-                            halt = Halt(rs.policy.name, rs.rule.name, self.step, message)
-            for severity, on in firing.items():
-                self.store.set("hookpolicy_alert_firing", (*rs.key, severity), 1.0 if on else 0.0)
-            self._seconds[rs.key] += fetch_share + time.perf_counter() - pass_start
-        for entry in entries:
-            if entry.copies:
-                self._write_copies(entry)
-        self.store.set_stats(published, {p.name: p.max_series for p in self.policies})
+        skip, halt = self._report.run(entries, self.step, final)
         self._flush_counters()
         if halt is not None:
             raise self._halting(halt)
@@ -468,51 +381,6 @@ class Attached:
             self._on_halt(halt)
         return halt
 
-    def _evaluate_alert(
-        self, rs: _RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
-    ) -> bool:
-        key = (rs.key, index, module, tensor)
-        streak = self._streaks.get(key, 0) + 1 if action.condition.evaluate(stats) else 0
-        self._streaks[key] = streak
-        return streak >= action.for_
-
-    def _write_copies(self, entry: _Entry) -> None:
-        rs = entry.rule
-        if rs.errors >= MAX_ERRORS:
-            return
-        for index, module, name, tensor in entry.copies:
-            action = rs.rule.actions[index]
-            assert isinstance(action, Capture) and action.tensors is not None
-            writer = rs.writers.get(index)
-            try:
-                if writer is None:
-                    writer = rs.writers[index] = TensorWriter(self._root, action.tensors)
-                if writer.spent:
-                    continue
-                stem = f"step{self.step:08d}-{module or 'root'}-{entry.target}" + (f"-{name}" if name else "")
-                writer.write(stem.replace("/", "_") + ".pt", tensor.cpu())
-            except BudgetSpent as exc:
-                log.warning("%s/%s: %s; no more tensor files are written", *rs.key, str(exc))
-            except OSError as exc:  # a full disk, a read-only folder, an unsafe path
-                self._fail(rs, exc)
-                return
-
-    def _write_log(self, rs: _RuleState, index: int, path: Optional[str], record: dict[str, Any]) -> None:
-        """Append a record to a capture's JSON lines (by action index; -1: the alert stream, stderr).
-
-        A sink that cannot write (a full disk, a folder that is a file, a symlink out of the
-        output folder) is a fault of the rule, handled by `onError` like a raising hook.
-        """
-        if rs.errors >= MAX_ERRORS:
-            return
-        try:
-            sink = rs.logs.get(index)
-            if sink is None:
-                sink = rs.logs[index] = JsonLines(self._root, path)
-            sink.write([record])
-        except OSError as exc:
-            self._fail(rs, exc)
-
     def _flush_counters(self) -> None:
         for labels, count in self._counts.items():
             self.store.inc("hookpolicy_actions", labels, count)
@@ -521,7 +389,7 @@ class Attached:
         self._counts.clear()
         self._seconds.clear()
 
-    def _ordered_rules(self, hook: str) -> list[_RuleState]:
+    def _ordered_rules(self, hook: str) -> list[RuleState]:
         active = self._active or frozenset()
         return [rs for key, rs in self._rules.items()
                 if rs.rule.trigger.at == hook and key in active and rs.errors < MAX_ERRORS]
@@ -576,64 +444,8 @@ def _groups(rows: Sequence[tuple[str, str]], per: str) -> list[list[int]]:
     return list(by_module.values())
 
 
-def _fetch(matrices: Sequence[torch.Tensor]) -> list[list[list[float]]]:
-    """Every matrix as nested lists, with one device-to-host transfer per device."""
-    out: list[list[list[float]]] = [[] for _ in matrices]
-    by_device: dict[torch.device, list[int]] = defaultdict(list)
-    for i, m in enumerate(matrices):
-        by_device[m.device].append(i)
-    for indices in by_device.values():
-        flat = torch.cat([matrices[i].reshape(-1) for i in indices]).tolist()
-        pos = 0
-        for i in indices:
-            rows, cols = matrices[i].shape
-            out[i] = [flat[pos + r * cols: pos + (r + 1) * cols] for r in range(rows)]
-            pos += rows * cols
-    return out
-
-
-class _StatFormat(dict[str, Any]):
-    def __missing__(self, key: str) -> float:
-        return math.nan
-
-
-def _render(action: Alert, base: dict[str, Any], stats: dict[str, float]) -> str:
-    fields = _StatFormat(base, severity=action.severity, condition=action.source, **stats)
-    fields["module"] = base["module"] or "<root>"
-    return string.Formatter().vformat(action.message, (), fields)
-
-
-def _json_number(value: float) -> Union[float, int]:
-    """Counts print as ints; NaN and Inf stay floats (JSON `NaN`/`Infinity`), never hidden."""
-    if value.is_integer() and abs(value) < 2**53:
-        return int(value)
-    return value
-
-
 def _default_rank() -> int:
     for var in ("RANK", "LOCAL_RANK"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 0
-
-
-class _Pass:
-    """One statistics pass of one rule over a step: rows grouped by `per`, ready to finish."""
-
-    def __init__(self, rule: _RuleState, op: StatsOp, target: str) -> None:
-        self.rule, self.op, self.target = rule, op, target
-        self._groups: dict[str, dict[tuple[str, str], tuple[list[list[float]], list[int]]]] = {
-            a.per: {} for _, a in op.actions
-        }
-
-    def add(self, entry: _Entry, rows: list[list[float]]) -> None:
-        for (module, tensor), row, n in zip(entry.rows, rows, entry.numels):
-            for per, groups in self._groups.items():
-                key = (module, tensor) if per == "tensor" else ((module, "") if per == "module" else ("", ""))
-                bucket = groups.setdefault(key, ([], []))
-                bucket[0].append(row)
-                bucket[1].append(n)
-
-    def statistics(self, per: str) -> Iterable[tuple[tuple[str, str], dict[str, float]]]:
-        for key, (rows, numels) in self._groups[per].items():
-            yield key, finish(combine(rows, numels, self.op.kinds), sum(numels), self.op.stats)

@@ -1,0 +1,249 @@
+"""The once-per-step readback: buffered device partials in, statistics and decisions out.
+
+The runtime's hooks leave `Entry` objects (small partial matrices, still on the device)
+in a buffer. At a step boundary `Readback.run` fetches all of them with one transfer per
+device, finishes the statistics per group (`per: tensor | module | rule`), publishes
+them to the metrics store, writes the JSON-lines and tensor-file sinks, evaluates the
+alerts with their `for:` streaks, and returns the step's decision: skip it, halt, or go
+on. Nothing here runs inside a hook.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import string
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+
+from .actions import Program, StatsOp
+from .errors import Halt
+from .metrics import MetricsStore, stat_family
+from .model import Alert, Capture, Policy, Rule
+from .plan import Binding
+from .sinks import BudgetSpent, JsonLines, TensorWriter
+from .stats import combine, finish
+
+__all__ = ["MAX_ERRORS", "Entry", "Readback", "RuleState"]
+
+log = logging.getLogger("hookpolicy")
+
+#: A rule that raised this many times is switched off (`onError: continue`).
+MAX_ERRORS = 3
+
+
+@dataclass
+class RuleState:
+    """Everything kept for one rule of one policy while it is attached."""
+
+    policy: Policy
+    rule: Rule
+    program: Program
+    mode: str
+    bindings: list[Binding] = field(default_factory=list)
+    errors: int = 0
+    writers: dict[int, TensorWriter] = field(default_factory=dict)
+    logs: dict[int, JsonLines] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.policy.name, self.rule.name)
+
+    @property
+    def enforce(self) -> bool:
+        return self.mode == "enforce"
+
+
+@dataclass
+class Entry:
+    """The device-side statistics of one execution of a statistics pass."""
+
+    rule: RuleState
+    op: StatsOp
+    target: str
+    rows: list[tuple[str, str]]  # (module, tensor) per matrix row
+    numels: list[int]
+    matrix: torch.Tensor
+    copies: list[tuple[int, str, str, torch.Tensor]]  # (action index, module, tensor, copy)
+
+
+class Readback:
+    """Turns a step's buffered entries into metrics, log records, tensor files and a decision.
+
+    `fail(rule, exc)` is the runtime's `onError` handling, for sinks that cannot write;
+    time spent here is added to `seconds` (by rule), which feeds `hookpolicy_hook_seconds_total`.
+    """
+
+    def __init__(
+        self, store: MetricsStore, policies: Sequence[Policy], root: Path, rank: int,
+        fail: Callable[[RuleState, BaseException], None], seconds: dict[tuple[str, str], float],
+    ) -> None:
+        self.store = store
+        self.rank = rank
+        self.seconds = seconds
+        self._root = root
+        self._fail = fail
+        self._max_series = {p.name: p.max_series for p in policies}
+        self._streaks: dict[tuple[Any, ...], int] = {}
+        self._step = 0
+
+    def run(self, entries: list[Entry], step: int, final: bool) -> tuple[bool, Optional[Halt]]:
+        """Report one step's entries; returns (skip the step, the Halt to raise or None).
+
+        `final` (at `remove()`) publishes what is left but takes no skip or halt decision.
+        """
+        start = time.perf_counter()
+        self._step = step
+        passes: dict[tuple[tuple[str, str], int], _Pass] = {}
+        for entry, rows in zip(entries, _fetch([e.matrix for e in entries])):
+            passes.setdefault((entry.rule.key, entry.op.segment), _Pass(entry.rule, entry.op, entry.target)).add(entry, rows)
+        fetch_share = (time.perf_counter() - start) / max(1, len(passes))  # the transfer serves every pass
+        published: dict[tuple[str, tuple[str, ...]], float] = {}
+        skip = False
+        halt: Optional[Halt] = None
+        now = time.time()
+        for p in passes.values():
+            pass_start = time.perf_counter()
+            rs = p.rule
+            firing: dict[str, bool] = {}
+            for index, action in p.op.actions:
+                for (module, tensor), stats in p.statistics(action.per):
+                    base = {"time": now, "step": self._step, "rank": self.rank, "policy": rs.policy.name,
+                            "rule": rs.rule.name, "module": module, "target": p.target, "tensor": tensor}
+                    if isinstance(action, Capture):
+                        for stat in action.stats:
+                            published[(stat_family(p.target, stat), (*rs.key, module, tensor))] = stats[stat]
+                        if action.log is not None:
+                            shown = {s: _json_number(stats[s]) for s in action.stats}
+                            self._write_log(rs, index, action.log.path, {**base, "stats": shown})
+                        continue
+                    fired = self._evaluate_alert(rs, index, action, module, tensor, stats)
+                    firing[action.severity] = firing.get(action.severity, False) or fired
+                    if not fired:
+                        continue
+                    message = _render(action, base, stats)
+                    self.store.inc("hookpolicy_alerts", (*rs.key, action.severity))
+                    self._write_log(rs, -1, None, {
+                        **base, "stats": {k: _json_number(v) for k, v in stats.items()}, "event": "alert",
+                        "severity": action.severity, "then": action.then, "mode": rs.mode, "message": message,
+                    })
+                    if rs.enforce and not final:
+                        if action.then == "skip_step":
+                            skip = True
+                            self.store.inc("hookpolicy_skipped_steps", rs.key)
+                        elif action.then == "halt" and halt is None:
+                            halt = Halt(rs.policy.name, rs.rule.name, self._step, message)
+            for severity, on in firing.items():
+                self.store.set("hookpolicy_alert_firing", (*rs.key, severity), 1.0 if on else 0.0)
+            self.seconds[rs.key] += fetch_share + time.perf_counter() - pass_start
+        for entry in entries:
+            if entry.copies:
+                self._write_copies(entry)
+        self.store.set_stats(published, self._max_series)
+        return skip, halt
+
+    def _evaluate_alert(
+        self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
+    ) -> bool:
+        key = (rs.key, index, module, tensor)
+        streak = self._streaks.get(key, 0) + 1 if action.condition.evaluate(stats) else 0
+        self._streaks[key] = streak
+        return streak >= action.for_
+
+    def _write_copies(self, entry: Entry) -> None:
+        rs = entry.rule
+        if rs.errors >= MAX_ERRORS:
+            return
+        for index, module, name, tensor in entry.copies:
+            action = rs.rule.actions[index]
+            assert isinstance(action, Capture) and action.tensors is not None
+            writer = rs.writers.get(index)
+            try:
+                if writer is None:
+                    writer = rs.writers[index] = TensorWriter(self._root, action.tensors)
+                if writer.spent:
+                    continue
+                stem = f"step{self._step:08d}-{module or 'root'}-{entry.target}" + (f"-{name}" if name else "")
+                writer.write(stem.replace("/", "_") + ".pt", tensor.cpu())
+            except BudgetSpent as exc:
+                log.warning("%s/%s: %s; no more tensor files are written", *rs.key, str(exc))
+            except OSError as exc:  # a full disk, a read-only folder, an unsafe path
+                self._fail(rs, exc)
+                return
+
+    def _write_log(self, rs: RuleState, index: int, path: Optional[str], record: dict[str, Any]) -> None:
+        """Append a record to a capture's JSON lines (by action index; -1: the alert stream, stderr).
+
+        A sink that cannot write (a full disk, a folder that is a file, a symlink out of the
+        output folder) is a fault of the rule, handled by `onError` like a raising hook.
+        """
+        if rs.errors >= MAX_ERRORS:
+            return
+        try:
+            sink = rs.logs.get(index)
+            if sink is None:
+                sink = rs.logs[index] = JsonLines(self._root, path)
+            sink.write([record])
+        except OSError as exc:
+            self._fail(rs, exc)
+
+
+def _fetch(matrices: Sequence[torch.Tensor]) -> list[list[list[float]]]:
+    """Every matrix as nested lists, with one device-to-host transfer per device."""
+    out: list[list[list[float]]] = [[] for _ in matrices]
+    by_device: dict[torch.device, list[int]] = defaultdict(list)
+    for i, m in enumerate(matrices):
+        by_device[m.device].append(i)
+    for indices in by_device.values():
+        flat = torch.cat([matrices[i].reshape(-1) for i in indices]).tolist()
+        pos = 0
+        for i in indices:
+            rows, cols = matrices[i].shape
+            out[i] = [flat[pos + r * cols: pos + (r + 1) * cols] for r in range(rows)]
+            pos += rows * cols
+    return out
+
+
+class _StatFormat(dict[str, Any]):
+    def __missing__(self, key: str) -> float:
+        return math.nan
+
+
+def _render(action: Alert, base: dict[str, Any], stats: dict[str, float]) -> str:
+    fields = _StatFormat(base, severity=action.severity, condition=action.source, **stats)
+    fields["module"] = base["module"] or "<root>"
+    return string.Formatter().vformat(action.message, (), fields)
+
+
+def _json_number(value: float) -> Union[float, int]:
+    """Counts print as ints; NaN and Inf stay floats (JSON `NaN`/`Infinity`), never hidden."""
+    if value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value
+
+
+class _Pass:
+    """One statistics pass of one rule over a step: rows grouped by `per`, ready to finish."""
+
+    def __init__(self, rule: RuleState, op: StatsOp, target: str) -> None:
+        self.rule, self.op, self.target = rule, op, target
+        self._groups: dict[str, dict[tuple[str, str], tuple[list[list[float]], list[int]]]] = {
+            a.per: {} for _, a in op.actions
+        }
+
+    def add(self, entry: Entry, rows: list[list[float]]) -> None:
+        for (module, tensor), row, n in zip(entry.rows, rows, entry.numels):
+            for per, groups in self._groups.items():
+                key = (module, tensor) if per == "tensor" else ((module, "") if per == "module" else ("", ""))
+                bucket = groups.setdefault(key, ([], []))
+                bucket[0].append(row)
+                bucket[1].append(n)
+
+    def statistics(self, per: str) -> Iterable[tuple[tuple[str, str], dict[str, float]]]:
+        for key, (rows, numels) in self._groups[per].items():
+            yield key, finish(combine(rows, numels, self.op.kinds), sum(numels), self.op.stats)
