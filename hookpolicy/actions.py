@@ -105,21 +105,23 @@ def clip_norm(
     """Clip each group of tensors to a joint `norm_type` norm of at most `max_norm`."""
     with torch.no_grad():
         norms = torch._foreach_norm(tensors, norm_type)
-        coefs: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+        group_coefs: list[torch.Tensor] = []
         for group in groups:
             if len(group) == 1:
                 total = norms[group[0]]
             else:
                 total = torch.linalg.vector_norm(torch.stack([norms[i] for i in group]), norm_type)
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            group_coefs.append(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        if inplace and len(groups) == 1:  # the common case (`per: rule`): one coefficient, no list
+            torch._foreach_mul_(tensors, group_coefs[0])
+            return tensors
+        coefs: list[torch.Tensor] = [group_coefs[0]] * len(tensors)
+        for group, coef in zip(groups, group_coefs):
             for i in group:
                 coefs[i] = coef
-    if inplace:
-        with torch.no_grad():
-            if len(groups) == 1:
-                torch._foreach_mul_(tensors, coefs[0].to(tensors[0].device))
-            else:
-                torch._foreach_mul_(tensors, coefs)
-        return tensors
+        if inplace:
+            torch._foreach_mul_(tensors, coefs)
+            return tensors
+    # Out of place (forward and backward targets): outside no_grad, so autograd sees the scaling.
     return [t * c for t, c in zip(tensors, coefs)]
 

@@ -1,14 +1,31 @@
 """Statistics without host syncs: device-side partials in hooks, finished on the host once a step.
 
 A hook never reads a value back. It reduces each target tensor to a few *partials*
-(its norm, sum, min, max, count of zeros, count of non-finite elements) with as few
-passes as it can (one `_foreach_norm` over a list of tensors, one `aminmax` per tensor),
-and leaves a small float64 matrix on the device: one row per tensor, one column per
-partial. The runtime concatenates every matrix of a step and reads them back with one
-transfer; `combine` and `finish` then turn rows into the statistics of spec section 4 in
-plain Python. Partials combine exactly across tensors, calls and micro-batches, so
-`per: module` (weight and bias together) and `per: rule` are a sum over rows, not a
-second pass over the data.
+(its sum of squares, sum, min, max, count of nonzero and of finite elements) with as few passes
+over the data as it can, and leaves a small float64 matrix on the device: one row per
+tensor, one column per partial, built with one `stack`. The runtime concatenates every
+matrix of a step and reads them back with one transfer; `combine` and `finish` then turn
+rows into the statistics of spec section 4 in plain Python. Partials combine exactly
+across tensors, calls and micro-batches, so `per: module` (weight and bias together) and
+`per: rule` are a sum over rows, not a second pass over the data.
+
+The passes, chosen by measurement (`bench/run.py`; numbers in docs/benchmarks.md):
+
+- l2_norm, rms (the `sumsq` partial): for a single contiguous float32/float64 CPU tensor
+  (a forward or backward target) one `dot(x, x)` (MKL's dot is faster than torch's norm
+  kernel on data still in cache, and more accurate: blocked sums); otherwise (a step
+  rule's parameter list, CUDA, half types, strided tensors) one `_foreach_norm` over the
+  whole list, accumulating in float32: one fused kernel on CUDA, a C++ loop on CPU.
+- min, max, abs_max: one `aminmax` per tensor (abs_max is `max(-min, max)`).
+- mean, std (`sum`, `m2`): on CPU the sum, then `x - mean` into the scratch buffer and its
+  dot product with itself (two passes, vectorized: `var_mean` is a scalar loop there,
+  about 30x slower); on CUDA one `var_mean`. With `m2` at hand, l2_norm and rms need no
+  pass of their own: `sumsq = m2 + sum**2 / n`.
+- zero_fraction: `count_nonzero(x)`, one pass (`x == 0` and a count would be two).
+- nonfinite: an exact count of NaN and +-Inf without `isfinite` (which is four
+  element-wise kernels on CPU): `1 + 0 * x` is 1 where x is finite and NaN elsewhere, so
+  its `nansum` counts the finite elements, and `nonfinite = numel - finite` on the host.
+  The sum is exact: float32 up to 2**24 elements, float64 beyond.
 
 Conventions: `std` is the unbiased standard deviation (`torch.std`'s default); every
 statistic but `nonfinite` and `numel` propagates NaN and Inf, as torch's reductions do.
@@ -17,82 +34,247 @@ statistic but `nonfinite` and `numel` propagates NaN and Inf, as torch's reducti
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Mapping, Sequence
+import threading
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["PARTIALS", "partials_for", "tensor_partials", "combine", "finish"]
+__all__ = ["PARTIALS", "partials_for", "tensor_partials", "resolve_counts", "combine", "finish"]
 
 #: The partials a hook computes, in column order.
-PARTIALS: tuple[str, ...] = ("norm", "sum", "m2", "min", "max", "zeros", "nonfinite")
+PARTIALS: tuple[str, ...] = ("sumsq", "sum", "m2", "min", "max", "nonzero", "finite")
 
 _NEEDS: Mapping[str, tuple[str, ...]] = {
-    "l2_norm": ("norm",),
+    "l2_norm": ("sumsq",),
     "mean": ("sum",),
     "std": ("sum", "m2"),
-    "rms": ("norm",),
+    "rms": ("sumsq",),
     "min": ("min",),
     "max": ("max",),
     "abs_max": ("min", "max"),
-    "zero_fraction": ("zeros",),
-    "nonfinite": ("nonfinite",),
+    "zero_fraction": ("nonzero",),
+    "nonfinite": ("finite",),
     "numel": (),
 }
 
+#: float32 holds every integer up to 2**24 exactly: a count of ones summed in float32 is exact up to there.
+_EXACT_FLOAT32 = 1 << 24
+_DOT_DTYPES = (torch.float32, torch.float64)
+
 
 def partials_for(stats: Iterable[str]) -> tuple[str, ...]:
-    """The partial columns needed for `stats`, in `PARTIALS` order (computed once, at compile time)."""
+    """The partial columns needed for `stats`, in `PARTIALS` order (computed once, at compile time).
+
+    With `sum` and `m2` at hand, the sum of squares is `m2 + sum**2 / n` (two positive
+    terms, no cancellation), so `sumsq` is then not a pass of its own.
+    """
     wanted = {p for s in stats for p in _NEEDS[s]}
+    if "m2" in wanted:
+        wanted.discard("sumsq")
     return tuple(p for p in PARTIALS if p in wanted)
 
 
-def tensor_partials(tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> torch.Tensor:
+def tensor_partials(
+    tensors: Sequence[torch.Tensor], kinds: Sequence[str], *, defer_counts: bool = False,
+) -> torch.Tensor:
     """Reduce each tensor to the partials `kinds`: a `[len(tensors), len(kinds)]` float64 matrix.
 
     Runs on the tensors' device and never synchronizes. Tensors must be non-empty and
     floating point; the caller filters. `numel` is not a column: shapes are known on the
     host already.
+
+    `defer_counts=True` skips the pass that counts finite elements: the `finite` column
+    holds a placeholder instead (the row's sum of squares, which is finite exactly when
+    no element is NaN or Inf, barring overflow), and `resolve_counts` must replace it
+    after the readback, while the tensors still hold the same values. That suits `step`
+    targets (gradients and weights live until the optimizer step), and only when nothing
+    clips or scales them in between; never forward or backward targets.
     """
     n = len(tensors)
     if not kinds:
         return torch.empty((n, 0), dtype=torch.float64, device=tensors[0].device)
+    if any(t.requires_grad for t in tensors):  # forward targets: no graph for the statistics
+        with torch.no_grad():
+            return _partials(tensors, kinds, defer_counts)
+    return _partials(tensors, kinds, defer_counts)
+
+
+def _partials(tensors: Sequence[torch.Tensor], kinds: Sequence[str], defer_counts: bool) -> torch.Tensor:
+    # One 0-d tensor per cell, row-major, stacked once: a handful of small operators per
+    # call however many partials are asked for (each costs 1-3 us of dispatch on CPU).
+    columns: list[Sequence[torch.Tensor]] = []
+    norms = -1  # the column holding norms that still need squaring (the `_foreach_norm` path)
+    squares: Optional[Sequence[torch.Tensor]] = None
+    minmax = _minmax(tensors) if ("min" in kinds or "max" in kinds) else None
+    moments = _moments(tensors) if "m2" in kinds else None
+    for kind in kinds:
+        if kind == "sumsq":
+            col, are_norms = _sums_of_squares(tensors)
+            norms = len(columns) if are_norms else -1
+            squares = col
+        elif kind == "sum":
+            col = moments[0] if moments is not None else [_sum(t) for t in tensors]
+        elif kind == "m2" and moments is not None:
+            col = moments[1]
+        elif kind == "min" and minmax is not None:
+            col = minmax[0]
+        elif kind == "max" and minmax is not None:
+            col = minmax[1]
+        elif kind == "nonzero":
+            col = [torch.count_nonzero(t).to(torch.float64) for t in tensors]  # one pass; NaN counts as nonzero
+        elif defer_counts:  # finite, as a placeholder: any partial that is finite only when every element is
+            col = squares if squares is not None else (moments[1] if moments is not None
+                                                        else _sums_of_squares(tensors)[0])
+        else:  # finite
+            col = [_finite(t) for t in tensors]
+        columns.append(col)
+    n = len(tensors)
+    cells = [col[0] for col in columns] if n == 1 else [c for row in zip(*columns) for c in row]
+    matrix = torch.stack(cells).view(n, len(columns)).to(torch.float64)
+    if norms >= 0:
+        matrix[:, norms].square_()  # squared in float64, which never overflows
+    return matrix
+
+
+def resolve_counts(rows: list[list[float]], tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> None:
+    """Replace the `finite` placeholders of `tensor_partials(..., defer_counts=True)` in `rows`, in place.
+
+    A finite placeholder means every element is finite: the count is `numel`, no work.
+    Only the tensors whose placeholder is NaN or Inf are counted, with one read per device:
+    the normal step costs nothing here.
+    """
+    if "finite" not in kinds:
+        return
+    col = list(kinds).index("finite")
+    pending: dict[torch.device, list[int]] = {}
+    for i, (row, t) in enumerate(zip(rows, tensors)):
+        if math.isfinite(row[col]):
+            row[col] = float(t.numel())
+        else:
+            pending.setdefault(t.device, []).append(i)
     with torch.no_grad():
-        columns: list[torch.Tensor] = []
-        minmax = _minmax(tensors) if ("min" in kinds or "max" in kinds) else None
-        moments = _moments(tensors) if "m2" in kinds else None
-        for kind in kinds:
-            if kind == "norm":
-                col = torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32))
-            elif kind == "sum":
-                col = (moments[0] if moments is not None
-                       else torch.stack([t.sum(dtype=torch.float64) for t in tensors]))
-            elif kind == "m2" and moments is not None:
-                col = moments[1]
-            elif kind == "min" and minmax is not None:
-                col = minmax[0]
-            elif kind == "max" and minmax is not None:
-                col = minmax[1]
-            elif kind == "zeros":
-                col = torch.stack([torch.count_nonzero(t == 0) for t in tensors])
-            else:  # nonfinite
-                col = torch.stack([torch.count_nonzero(~torch.isfinite(t)) for t in tensors])
-            columns.append(col.to(torch.float64))
-        return torch.stack(columns, dim=1)
+        for indices in pending.values():
+            counts = torch.stack([_finite(tensors[i]).double() for i in indices]).tolist()
+            for i, count in zip(indices, counts):
+                rows[i][col] = count
 
 
-def _minmax(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs = [torch.aminmax(t.detach()) for t in tensors]
-    return torch.stack([p.min.float() for p in pairs]), torch.stack([p.max.float() for p in pairs])
+def _sums_of_squares(tensors: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], bool]:
+    """Per tensor its sum of squares (False), or its norm (True) where `_foreach_norm` serves better.
+
+    A single CPU tensor (a forward or backward hook's usual target) takes MKL's `dot`; a
+    list (a step rule's parameters) takes one `_foreach_norm` call, whose per-tensor
+    dispatch is in C++ (about 2.5 us a tensor against 4 for a Python loop of dots).
+    """
+    if len(tensors) == 1:
+        t = tensors[0]
+        if t.is_cpu and t.dtype in _DOT_DTYPES and t.is_contiguous():
+            flat = t.view(-1) if t.dim() != 1 else t
+            return [torch.dot(flat, flat)], False
+    wide = [t.dtype in _DOT_DTYPES for t in tensors]
+    if all(wide):
+        return torch._foreach_norm(list(tensors), 2), True
+    if not any(wide):  # half types: accumulate in float32
+        return torch._foreach_norm(list(tensors), 2, dtype=torch.float32), True
+    return [torch.linalg.vector_norm(t, dtype=None if w else torch.float32) for t, w in zip(tensors, wide)], True
 
 
-def _moments(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per tensor (sum, m2) from `var_mean`, which is accurate where sum-of-squares cancels."""
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum, accumulated like `torch.sum` (float32 for float32 and half types, float64 for float64)."""
+    return t.sum() if t.dtype in _DOT_DTYPES else t.sum(dtype=torch.float32)
+
+
+def _minmax(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    pairs = [torch.aminmax(t) for t in tensors]
+    return [p.min for p in pairs], [p.max for p in pairs]
+
+
+def _moments(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per tensor (sum, m2): never the sum of squares minus n * mean**2, which cancels.
+
+    On CUDA one `var_mean` (Welford, one pass). On CPU, where `var_mean` is a scalar loop
+    (about 40x slower than a sum), two vectorized passes: the sum, then the squares of the
+    deviations from the mean as a dot product, the deviations going through the scratch.
+    """
     sums, m2s = [], []
     for t in tensors:
-        var, mean = torch.var_mean(t.float(), correction=0)
-        sums.append(mean * t.numel())
-        m2s.append(var * t.numel())
-    return torch.stack(sums), torch.stack(m2s)
+        x = t if t.dtype in _DOT_DTYPES else t.float()
+        n = x.numel()
+        if not x.is_cpu:
+            var, mean = torch.var_mean(x, correction=0)
+            sums.append(mean * n)
+            m2s.append(var * n)
+            continue
+        total = x.sum()
+        m2: Optional[torch.Tensor] = None
+        for part in _chunks(x):
+            dev = torch.sub(part, total, alpha=1.0 / n, out=_scratch(part.numel(), x.dtype))  # x - mean
+            sq = torch.dot(dev, dev)
+            m2 = sq if m2 is None else m2.add_(sq)
+        assert m2 is not None  # tensors are never empty
+        sums.append(total)
+        m2s.append(m2)
+    return sums, m2s
+
+
+#: A 0-d CPU tensor, which torch treats as a scalar on every device.
+_ONE = torch.ones(())
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """The number of finite elements of `t`, exactly, in one element-wise kernel and a sum.
+
+    `1 + 0 * x` (one `add` with `alpha=0`) is 1 for finite x and NaN for NaN and +-Inf,
+    since `0 * inf` is NaN; the NaN-skipping sum counts the ones.
+    """
+    n = t.numel()
+    acc = torch.float64 if t.dtype == torch.float64 or n > _EXACT_FLOAT32 else torch.float32
+    if not t.is_cpu or n < _SCRATCH_MIN:
+        return torch.nansum(torch.add(_ONE, t, alpha=0), dtype=acc)
+    if n <= _SCRATCH_ELEMENTS and t.is_contiguous():  # the common case, without the chunk loop
+        return torch.nansum(torch.add(_ONE, t.view(-1), alpha=0, out=_scratch(n, t.dtype)), dtype=acc)
+    total: Optional[torch.Tensor] = None
+    for part in _chunks(t):
+        count = torch.nansum(torch.add(_ONE, part, alpha=0, out=_scratch(part.numel(), part.dtype)), dtype=acc)
+        total = count if total is None else total.add_(count)
+    assert total is not None  # tensors are never empty
+    return total
+
+
+# -- scratch memory ------------------------------------------------------------------------
+# An element-wise intermediate (`1 + 0 * x`, `x - mean`) as big as a target tensor
+# is a fresh multi-megabyte allocation on every call; on CPU that means page faults, which
+# measured at twice the cost of the arithmetic (bench/run.py, GPT activations). So on CPU
+# the intermediates go to a buffer reused per thread and dtype, and tensors larger than
+# `_SCRATCH_ELEMENTS` are processed in chunks of that size (16 MiB of float32), which
+# bounds the memory kept. CUDA's caching allocator makes allocation cheap there, and a
+# shared buffer would race across streams, so CUDA tensors keep fresh intermediates.
+
+_SCRATCH_ELEMENTS = 1 << 22
+#: Below this many elements an allocation is cheap (glibc's heap, no page faults).
+_SCRATCH_MIN = 1 << 15
+_local = threading.local()
+
+
+def _chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """`t` as 1-D pieces of at most `_SCRATCH_ELEMENTS` on CPU (views when `t` is contiguous)."""
+    if not t.is_cpu:
+        yield t
+        return
+    flat = t.reshape(-1)
+    for start in range(0, flat.numel(), _SCRATCH_ELEMENTS):
+        yield flat[start:start + _SCRATCH_ELEMENTS]
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU buffer of `numel` elements, owned by this thread and reused by the next call."""
+    buffers: Optional[dict[torch.dtype, torch.Tensor]] = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 def combine(
@@ -103,13 +285,13 @@ def combine(
     `m2` (the sum of squared deviations from the mean) merges with Chan et al.'s
     parallel formula, which needs each row's element count.
     """
+    if len(rows) == 1:  # one tensor, one call: the partials are already merged
+        return dict(zip(kinds, rows[0]))
     merged: dict[str, float] = {}
     for i, kind in enumerate(kinds):
         values = [row[i] for row in rows]
         if kind == "m2":
             merged[kind] = _merge_m2(values, [row[kinds.index("sum")] for row in rows], numels)
-        elif kind == "norm":
-            merged[kind] = math.sqrt(math.fsum(v * v for v in values))
         elif kind == "min":
             merged[kind] = _nan_aware(min, values)
         elif kind == "max":
@@ -145,13 +327,19 @@ def finish(partials: Mapping[str, float], numel: int, stats: Iterable[str]) -> d
     return out
 
 
+def _sumsq(p: Mapping[str, float], n: int) -> float:
+    if "sumsq" in p:
+        return p["sumsq"]
+    return p["m2"] + p["sum"] * p["sum"] / n if n else 0.0  # see partials_for
+
+
 def _finish_one(stat: str, p: Mapping[str, float], n: int) -> float:
     if stat == "numel":
         return float(n)
     if stat == "nonfinite":
-        return p["nonfinite"]
+        return float(n) - p["finite"]
     if stat == "l2_norm":
-        return p["norm"]
+        return math.sqrt(_sumsq(p, n))
     if stat == "min":
         return p["min"]
     if stat == "max":
@@ -163,9 +351,9 @@ def _finish_one(stat: str, p: Mapping[str, float], n: int) -> float:
     if stat == "mean":
         return p["sum"] / n
     if stat == "rms":
-        return p["norm"] / math.sqrt(n)
+        return math.sqrt(_sumsq(p, n) / n)
     if stat == "zero_fraction":
-        return p["zeros"] / n
+        return (n - p["nonzero"]) / n
     # std, unbiased like torch.std
     if n < 2:
         return math.nan

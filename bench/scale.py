@@ -1,0 +1,98 @@
+"""Variant 6: compiling and attaching on a 10,001-module model, and a 10,000-series scrape."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+import hookpolicy
+
+from models import wide_model
+from timing import Summary, summarize
+from variants import POLICIES
+
+__all__ = ["ScaleResult", "measure_scale"]
+
+
+@dataclass
+class ScaleResult:
+    modules: int
+    linears: int
+    bindings: int
+    hooks: int
+    load: Summary
+    plan: Summary
+    attach: Summary
+    remove: Summary
+    series: int
+    scrape_bytes: int
+    readback_step: Summary
+    plain_step: Summary
+    scrape: Summary
+    scrape_cpu: Summary  # CPU time of the scraping thread: what the scrape costs without other tenants
+
+
+def _hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def measure_scale(repeats: int, scrapes: int, device: torch.device) -> ScaleResult:
+    model = wide_model().to(device)
+    modules = sum(1 for _ in model.modules())
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    loads, plans, attaches, removes = [], [], [], []
+    bindings = hooks = 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        policy = hookpolicy.load(POLICIES / "monitor.yaml")
+        loads.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        plan = policy.plan(model)
+        plans.append(time.perf_counter() - start)
+        bindings = len(plan.bindings)
+        start = time.perf_counter()
+        attached = policy.attach(model, registry=CollectorRegistry())
+        attaches.append(time.perf_counter() - start)
+        hooks = _hooks(model)
+        start = time.perf_counter()
+        attached.remove()
+        removes.append(time.perf_counter() - start)
+
+    # The scrape: one training step publishes l2_norm and nonfinite of 5,000 Linear layers.
+    registry = CollectorRegistry()
+    scraper = hookpolicy.load(POLICIES / "scrape.yaml")
+    x = torch.randn(16, 8, device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    plain, readback = [], []
+    for _ in range(repeats):  # the same step without a policy, for the readback's cost
+        model(x).square().mean().backward()
+        start = time.perf_counter()
+        opt.step()
+        plain.append(time.perf_counter() - start)
+        opt.zero_grad(set_to_none=True)
+    attached = scraper.attach(model, registry=registry)
+    try:
+        for _ in range(repeats):
+            model(x).square().mean().backward()
+            start = time.perf_counter()
+            opt.step()  # hookpolicy's readback of 10,000 statistics runs in its pre-hook
+            readback.append(time.perf_counter() - start)
+            opt.zero_grad(set_to_none=True)
+        text = generate_latest(registry)
+        series = sum(1 for line in text.decode().splitlines()
+                     if line.startswith(("hookpolicy_grad_l2_norm{", "hookpolicy_grad_nonfinite{")))
+        times, cpu = [], []
+        for _ in range(scrapes):
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            generate_latest(registry)
+            times.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - cpu_start)
+    finally:
+        attached.remove()
+    return ScaleResult(
+        modules, linears, bindings, hooks, summarize(loads), summarize(plans), summarize(attaches),
+        summarize(removes), series, len(text), summarize(readback), summarize(plain), summarize(times), summarize(cpu),
+    )
