@@ -31,6 +31,7 @@ import hookpolicy
 from conftest import REPO
 from hookpolicy.discovery import Discovery
 from hookpolicy.launch import BOOTSTRAP_DIR
+from child_scripts import HOOK_REPORT
 
 MONITOR = str(REPO / "policies" / "example-monitor.yaml")
 TRAIN = str(REPO / "examples" / "train_mlp.py")
@@ -421,28 +422,7 @@ SIGTERM_SCRIPT = """\
 import atexit, json, sys, time
 
 REPORT = sys.argv[1]
-state = {}
-
-
-def report():
-    # Registered before torch is imported, so it runs after hookpolicy's own exit handler.
-    import torch.nn.modules.module as module_hooks
-    import torch.optim.optimizer as optimizer_hooks
-    model = state["model"]
-    counts = {
-        "model": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-                     for m in model.modules()),
-        "global_forward_pre": len(module_hooks._global_forward_pre_hooks),
-        "global_optimizer_pre": len(optimizer_hooks._global_optimizer_pre_hooks),
-        "global_optimizer_post": len(optimizer_hooks._global_optimizer_post_hooks),
-    }
-    with open(REPORT, "w") as out:
-        json.dump(counts, out)
-
-
-atexit.register(report)
-
-import torch  # noqa: E402
+""" + HOOK_REPORT + """\
 
 torch.manual_seed(0)
 model = state["model"] = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

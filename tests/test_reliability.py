@@ -44,6 +44,7 @@ from hookpolicy import sinks
 from hookpolicy.runtime import MAX_ERRORS
 
 from conftest import REPO
+from child_scripts import HOOK_REPORT
 
 HEADER = "apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata: {{name: {name}}}\nspec:\n  onError: {on_error}\n  rules:\n"
 
@@ -1042,28 +1043,7 @@ SIGNALLED_SCRIPT = """\
 import atexit, json, os, signal, sys, time
 
 REPORT, MODE = sys.argv[1], sys.argv[2]
-state = {}
-
-
-def report():
-    # Registered before torch is imported, so it runs after hookpolicy's own exit handler.
-    import torch.nn.modules.module as module_hooks
-    import torch.optim.optimizer as optimizer_hooks
-    model = state["model"]
-    counts = {
-        "model": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-                     for m in model.modules()),
-        "global_forward_pre": len(module_hooks._global_forward_pre_hooks),
-        "global_optimizer_pre": len(optimizer_hooks._global_optimizer_pre_hooks),
-        "global_optimizer_post": len(optimizer_hooks._global_optimizer_post_hooks),
-    }
-    with open(REPORT, "w") as out:
-        json.dump(counts, out)
-
-
-atexit.register(report)
-
-import torch  # noqa: E402
+""" + HOOK_REPORT + """\
 
 if MODE == "own-sigterm-handler":
     def on_term(signum, frame):
