@@ -727,7 +727,8 @@ def test_no_host_sync_inside_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPat
           actions: [{capture: {stats: [l2_norm, abs_max]}}, {clip: {max_norm: 1.0}}]
     """)
     model, _ = fresh()
-    with pol.attach(model) as attached:
+    reg = CollectorRegistry()
+    with pol.attach(model, registry=reg) as attached:
         def forbidden(*a: Any, **k: Any) -> Any:
             raise AssertionError("host sync inside a hook")
 
@@ -737,3 +738,7 @@ def test_no_host_sync_inside_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPat
             x, y = batches(1)[0]
             nn.functional.mse_loss(model(x), y).backward()
         assert len(attached._buffer) > 0  # statistics waiting on the device for the readback
+        # A sync inside a hook raises there, and onError would contain it: so also check
+        # that no hook failed, or this test could not fail.
+        for rule in ("fwd", "bwd"):
+            assert sample(reg, "hookpolicy_hook_errors_total", rule=rule) == 0
