@@ -27,7 +27,7 @@ from .metrics import MetricsStore, stat_family
 from .model import Alert, Capture, Policy, Rule
 from .plan import Binding
 from .sinks import BudgetSpent, JsonLines, TensorWriter
-from .stats import combine, finish
+from .stats import combine, finish, resolve_counts
 
 __all__ = ["MAX_ERRORS", "Entry", "Readback", "RuleState"]
 
@@ -49,14 +49,19 @@ class RuleState:
     errors: int = 0
     writers: dict[int, TensorWriter] = field(default_factory=dict)
     logs: dict[int, JsonLines] = field(default_factory=dict)
+    key: tuple[str, str] = field(init=False)
+    enforce: bool = field(init=False)
+    #: per program op, the hookpolicy_actions_total labels one execution of it increments
+    count_keys: list[list[tuple[str, ...]]] = field(init=False)
 
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.policy.name, self.rule.name)
-
-    @property
-    def enforce(self) -> bool:
-        return self.mode == "enforce"
+    def __post_init__(self) -> None:
+        self.key = (self.policy.name, self.rule.name)
+        self.enforce = self.mode == "enforce"
+        self.count_keys = [
+            [(*self.key, "capture" if isinstance(a, Capture) else "alert", self.mode) for _, a in op.actions]
+            if isinstance(op, StatsOp) else [(*self.key, op.name, self.mode)]
+            for op in self.program
+        ]
 
 
 @dataclass
@@ -70,6 +75,8 @@ class Entry:
     numels: list[int]
     matrix: torch.Tensor
     copies: list[tuple[int, str, str, torch.Tensor]]  # (action index, module, tensor, copy)
+    #: step targets whose `finite` counts wait for the readback (stats.resolve_counts)
+    deferred: Optional[list[torch.Tensor]] = None
 
 
 class Readback:
@@ -101,7 +108,14 @@ class Readback:
         self._step = step
         passes: dict[tuple[tuple[str, str], int], _Pass] = {}
         for entry, rows in zip(entries, _fetch([e.matrix for e in entries])):
-            passes.setdefault((entry.rule.key, entry.op.segment), _Pass(entry.rule, entry.op, entry.target)).add(entry, rows)
+            if entry.deferred is not None:
+                resolve_counts(rows, entry.deferred, entry.op.kinds)
+                entry.deferred = None
+            pkey = (entry.rule.key, entry.op.segment)
+            pass_ = passes.get(pkey)
+            if pass_ is None:
+                pass_ = passes[pkey] = _Pass(entry.rule, entry.op, entry.target)
+            pass_.add(entry, rows)
         fetch_share = (time.perf_counter() - start) / max(1, len(passes))  # the transfer serves every pass
         published: dict[tuple[str, tuple[str, ...]], float] = {}
         skip = False

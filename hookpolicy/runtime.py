@@ -77,6 +77,12 @@ class Attached:
                 rs = self._rules[b.key] = RuleState(b.policy, b.rule, compile_rule(b.rule), mode)
             rs.bindings.append(b)
         self._selectors = {key: selector(rs.rule.select) for key, rs in self._rules.items()}
+        # A step rule's count of finite elements waits for the readback (no pass over the
+        # gradients in a normal step, see stats.resolve_counts) unless some step rule clips or
+        # scales the gradients in between, which could change what the count would see.
+        self._defer_step_counts = not any(
+            not isinstance(op, StatsOp) for rs in self._rules.values() if rs.rule.trigger.at == "step" for op in rs.program
+        )
         self._buffer: list[Entry] = []
         self._counts: dict[tuple[str, ...], float] = defaultdict(float)
         self._seconds: dict[tuple[str, str], float] = defaultdict(float)
@@ -306,31 +312,36 @@ class Attached:
         tensors: list[torch.Tensor] = []
         for b in rs.bindings:
             for pname in b.params:
-                param = getattr(b.obj, pname)
+                param = b.obj._parameters.get(pname)
+                if param is None:  # not a registered parameter (a property, a wrapper's alias)
+                    param = getattr(b.obj, pname)
                 t = param.grad if b.target == "grad" else param.detach()
                 if t is not None and t.numel() > 0:
                     rows.append((b.module, pname))
                     tensors.append(t)
         if tensors:
-            self._execute(rs, b.target, rows, tensors, inplace=True)
+            self._execute(rs, b.target, rows, tensors, inplace=True, defer=self._defer_step_counts)
 
     def _execute(
         self, rs: RuleState, target: str, rows: list[tuple[str, str]], tensors: list[torch.Tensor], inplace: bool,
+        defer: bool = False,
     ) -> Optional[list[torch.Tensor]]:
         """Run a rule's program on tensors; returns replacements when a mutation applied."""
         changed = False
-        for op in rs.program:
+        for op, count_keys in zip(rs.program, rs.count_keys):
             if isinstance(op, StatsOp):
                 copies = [
                     (index, module, name, t.detach().clone())
                     for index, _ in op.tensors for (module, name), t in zip(rows, tensors)
                 ]
-                matrix = tensor_partials(tensors, op.kinds)
-                self._buffer.append(Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies))
-                for _, action in op.actions:
-                    self._counts[(*rs.key, "capture" if isinstance(action, Capture) else "alert", rs.mode)] += 1
+                deferred = defer and "finite" in op.kinds
+                matrix = tensor_partials(tensors, op.kinds, defer_counts=True) if deferred else tensor_partials(tensors, op.kinds)
+                self._buffer.append(Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies,
+                                          list(tensors) if deferred else None))
+                for key in count_keys:
+                    self._counts[key] += 1
             else:
-                self._counts[(*rs.key, op.name, rs.mode)] += 1
+                self._counts[count_keys[0]] += 1
                 if rs.enforce:
                     tensors = mutate(op.action, list(tensors), _groups(rows, getattr(op.action, "per", "tensor")), inplace)
                     changed = True

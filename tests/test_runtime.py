@@ -742,3 +742,26 @@ def test_no_host_sync_inside_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         # that no hook failed, or this test could not fail.
         for rule in ("fwd", "bwd"):
             assert sample(reg, "hookpolicy_hook_errors_total", rule=rule) == 0
+
+
+def test_step_nonfinite_count_is_exact(tmp_path: Path) -> None:
+    """Step rules count non-finite gradient elements at the readback: the count stays exact."""
+    pol = make_policy(tmp_path, """
+        - name: g
+          match: {modules: ["head", "inp"]}
+          trigger: {at: step}
+          actions: [{capture: {stats: [nonfinite, l2_norm], per: tensor}}, {alert: {if: "nonfinite > 0", then: skip_step}}]
+    """)
+    model, opt = fresh()
+    x, y = batches(1)[0]
+    with pol.attach(model):
+        nn.functional.mse_loss(model(x), y).backward()
+        g = model.head.weight.grad
+        g[0, 0], g[0, 1], g[1, 2] = float("nan"), float("inf"), float("-inf")
+        model.inp.bias.grad[3] = float("inf")
+        opt.step()
+    assert _last[("g", "nonfinite", "head", "weight")] == 3
+    assert _last[("g", "nonfinite", "inp", "bias")] == 1
+    assert _last[("g", "nonfinite", "head", "bias")] == 0
+    assert _last[("g", "l2_norm", "head", "bias")] == pytest.approx(
+        torch.linalg.vector_norm(model.head.bias.grad).item(), rel=1e-6)
