@@ -10,7 +10,7 @@ Each step also records whether other processes used the CPU while it ran (from
 undisturbed steps when there are enough of them (see `run.py`). Each variant's per-step
 times give a median and p10/p90; a ratio is the variant's quantile over the floor's same
 quantile. The 95% interval of the median ratio is a
-bootstrap over rounds. A gated variant (`every: 10`) is split into its active and
+bootstrap over the steps. A gated variant (`every: 10`) is split into its active and
 inactive steps, and its cost per step is the amortized
 `(median(active) + 9 * median(inactive)) / 10`.
 """
