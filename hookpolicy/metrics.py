@@ -90,11 +90,6 @@ class MetricsStore:
             for labels in [lab for lab in series if not keep(lab)]:
                 del series[labels]
 
-    def value(self, family: str, labels: Labels = ()) -> Optional[float]:
-        """The current value of an engine series (for tests and the runtime's own use)."""
-        with self._lock:
-            return self._engine.get(family, {}).get(labels)
-
     # -- statistic families ------------------------------------------------------------
     def set_stats(self, values: dict[tuple[str, Labels], float], max_series: dict[str, int]) -> None:
         """Publish one step's statistics: {(family, (policy, rule, module, tensor)): value}.
@@ -130,10 +125,6 @@ class MetricsStore:
                     del series[labels]
             self._series.pop(policy, None)
             self._warned.discard(policy)
-
-    def stat_value(self, family: str, labels: Labels) -> Optional[float]:
-        with self._lock:
-            return self._stats.get(family, {}).get(labels)
 
     # -- scrape ------------------------------------------------------------------------
     def snapshot(self) -> tuple[dict[str, dict[Labels, float]], dict[str, dict[Labels, float]]]:

@@ -98,12 +98,13 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
     """Compile policies against a model; never touches the model beyond reading its tree."""
     entries = iter_modules(model)
     ordered = sorted(
-        ((policy, rule) for policy in policies for rule in policy.rules),
-        key=lambda pr: (pr[1].priority, policies.index(pr[0]), pr[1].index),
+        ((rule.priority, p_index, rule.index, policy, rule)
+         for p_index, policy in enumerate(policies) for rule in policy.rules),
+        key=lambda item: item[:3],
     )
     bindings: list[Binding] = []
     warnings: list[str] = []
-    for policy, rule in ordered:
+    for *_, policy, rule in ordered:
         matcher = Matcher(rule.match)
         found = [e for e in entries if matcher.matches(e.name, e.module, e.name == "")]
         where = f"{policy.name}/{rule.name}"

@@ -63,6 +63,11 @@ class RuleState:
             for op in self.program
         ]
 
+    @property
+    def off(self) -> bool:
+        """Switched off by `onError: continue` after `MAX_ERRORS` errors."""
+        return self.errors >= MAX_ERRORS
+
 
 @dataclass
 class Entry:
@@ -171,7 +176,7 @@ class Readback:
 
     def _write_copies(self, entry: Entry) -> None:
         rs = entry.rule
-        if rs.errors >= MAX_ERRORS:
+        if rs.off:
             return
         for index, module, name, tensor in entry.copies:
             action = rs.rule.actions[index]
@@ -196,7 +201,7 @@ class Readback:
         A sink that cannot write (a full disk, a folder that is a file, a symlink out of the
         output folder) is a fault of the rule, handled by `onError` like a raising hook.
         """
-        if rs.errors >= MAX_ERRORS:
+        if rs.off:
             return
         try:
             sink = rs.logs.get(index)

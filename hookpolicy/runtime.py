@@ -176,7 +176,7 @@ class Attached:
         """Install hooks for the rules active at `self.step`; nothing changes if the set is the same."""
         active = frozenset(
             key for key, rs in self._rules.items()
-            if rs.errors < MAX_ERRORS and rs.rule.trigger.active_at(self.step)
+            if not rs.off and rs.rule.trigger.active_at(self.step)
         )
         if active == self._active:
             return
@@ -236,7 +236,7 @@ class Attached:
         changed = False
         for b in bindings:
             rs = self._rules[b.key]
-            if rs.errors >= MAX_ERRORS or not self._phase_ok(rs.rule, b.obj):
+            if rs.off or not self._phase_ok(rs.rule, b.obj):
                 continue
             if b.target == "grad_input":
                 inputs, hooked = self._guarded(rs, self._hook_grad_input, rs, b, inputs) or (inputs, False)
@@ -252,7 +252,7 @@ class Attached:
         changed = False
         for b in bindings:
             rs = self._rules[b.key]
-            if rs.errors >= MAX_ERRORS or not self._phase_ok(rs.rule, module):
+            if rs.off or not self._phase_ok(rs.rule, module):
                 continue
             keep = self._selectors[b.key]
             if b.target == "grad_output":
@@ -269,7 +269,7 @@ class Attached:
         return output if changed else None
 
     def _grad_hook(self, rs: RuleState, b: Binding, name: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        if rs.errors >= MAX_ERRORS or grad is None or grad.numel() == 0:
+        if rs.off or grad is None or grad.numel() == 0:
             return None
         new = self._guarded(rs, self._run_named, rs, b, [(name, grad)])
         return new[name] if new else None
@@ -403,7 +403,7 @@ class Attached:
     def _ordered_rules(self, hook: str) -> list[RuleState]:
         active = self._active or frozenset()
         return [rs for key, rs in self._rules.items()
-                if rs.rule.trigger.at == hook and key in active and rs.errors < MAX_ERRORS]
+                if rs.rule.trigger.at == hook and key in active and not rs.off]
 
 
 #: model -> names of the policies attached to it, so a policy is never applied twice to one model.

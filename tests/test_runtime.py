@@ -765,3 +765,24 @@ def test_step_nonfinite_count_is_exact(tmp_path: Path) -> None:
     assert _last[("g", "nonfinite", "head", "bias")] == 0
     assert _last[("g", "l2_norm", "head", "bias")] == pytest.approx(
         torch.linalg.vector_norm(model.head.bias.grad).item(), rel=1e-6)
+
+
+def test_grad_input_warns_when_it_cannot_be_observed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An in-place module rewrites the identity view; a first layer's input needs no grad."""
+    pol = make_policy(tmp_path, """
+        - name: gi
+          match: {types: [ReLU, Linear]}
+          trigger: {at: backward}
+          target: grad_input
+          actions: [{capture: {stats: [l2_norm]}}]
+    """)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    with pol.attach(model):
+        for _ in range(2):  # warned once, not per call
+            model(torch.randn(3, 4)).sum().backward()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings.count("p/gi: 1 modifies its input in place, so its grad_input cannot be observed; "
+                          "use grad_output of the module before it") == 1
+    assert warnings.count("p/gi: no input of 0 requires grad, so its grad_input never fires") == 1
+    assert _last[("gi", "l2_norm", "2", "")] > 0  # the last Linear's grad_input is observed
