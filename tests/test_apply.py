@@ -72,20 +72,7 @@ spec:
         - capture: {stats: [l2_norm]}
 """
 
-BROKEN_POLICY = """\
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata:
-  name: watched
-spec:
-  rules:
-    - name: grads
-      match: {types: [Linear]}
-      trigger: {at: step, every: 0}
-      target: grad
-      actions:
-        - capture: {stats: [l2_norm]}
-"""
+BROKEN_POLICY = WATCHED_POLICY.replace("EVERY", "0")  # every: 0 is out of range
 
 Samples = list[tuple[str, dict[str, str], float]]
 
