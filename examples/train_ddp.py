@@ -53,7 +53,10 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        print(f"rank {rank} step {step} loss {loss.item()!r}", flush=True)
+        # One write per line: the ranks share stdout, and print() writes the newline
+        # separately when Python runs unbuffered (PYTHONUNBUFFERED), so lines would interleave.
+        sys.stdout.write(f"rank {rank} step {step} loss {loss.item()!r}\n")
+        sys.stdout.flush()
         if args.sleep:
             time.sleep(args.sleep)
     if args.hold_file:
