@@ -30,6 +30,7 @@ from torch import nn
 import hookpolicy
 from conftest import REPO
 from hookpolicy.discovery import Discovery
+from hookpolicy.exporter import RENDER_INTERVAL
 from hookpolicy.launch import BOOTSTRAP_DIR
 from child_scripts import HOOK_REPORT
 
@@ -261,7 +262,7 @@ def test_gradient_accumulation_counts_optimizer_steps(
     run = apply(MONITOR, "--metrics-port", str(free_port), "--", sys.executable, TRAIN,
                 "--steps", "3", "--accum", "4", "--hold-file", str(hold))
     samples = wait_metrics(run, free_port, steps_are(3))
-    time.sleep(0.3)
+    time.sleep(0.3 + RENDER_INTERVAL)  # a scrape after a fresh rendering
     assert value(scrape(free_port) or [], "hookpolicy_steps_total", rank="0") == 3  # not 12
     assert not value(samples, "hookpolicy_alerts_total", rule="nan-guard")
     hold.touch()
@@ -516,7 +517,7 @@ def test_sighup_reloads_without_watch(apply: Callable[..., Run], tmp_path: Path,
                 env=child_env(HOOKPOLICY_WATCH_INTERVAL="0.2"))
     first = _revisions(wait_metrics(run, free_port, lambda s: bool(_revisions(s))))
     policy.write_text(WATCHED_POLICY.replace("EVERY", "3"))
-    time.sleep(0.8)  # without --watch, a change alone does nothing
+    time.sleep(0.8 + RENDER_INTERVAL)  # without --watch, a change alone does nothing
     assert _revisions(scrape(free_port) or []) == first
     run.proc.send_signal(signal.SIGHUP)
     wait_metrics(run, free_port, lambda s: bool(_revisions(s)) and _revisions(s) != first)
