@@ -228,7 +228,11 @@ class _Checker:
         if "log" in body and "stats" not in body:
             self.add(path + ("log",), "log writes statistics: add stats to this capture", key=True)
         self.relative(_dict(body.get("tensors")).get("dir"), path + ("tensors", "dir"))
-        self.relative(_dict(body.get("log")).get("path"), path + ("log", "path"))
+        log = _dict(body.get("log"))
+        self.relative(log.get("path"), path + ("log", "path"))
+        for key in ("max_bytes", "keep"):
+            if key in log and "path" not in log:
+                self.add(path + ("log", key), f"{key} rotates a log file: add a path (stderr is not rotated)", key=True)
 
     def relative(self, value: Any, path: JsonPath) -> None:
         """A path that must stay inside the output folder: relative, no `..` segment.
@@ -411,7 +415,9 @@ def _capture(body: dict[str, Any], at: str) -> Capture:
             max_files=int(tensors.get("max_files", 1000)),
             max_bytes=int(tensors.get("max_bytes", 1 << 30)),
         ),
-        log=None if log is None else LogSink(path=log.get("path")),
+        log=None if log is None else LogSink(
+            path=log.get("path"), max_bytes=int(log.get("max_bytes", 100 << 20)), keep=int(log.get("keep", 1)),
+        ),
     )
 
 

@@ -84,9 +84,15 @@ class TensorFiles:
 
 @dataclass(frozen=True)
 class LogSink:
-    """`capture.log`: JSON lines to `path`, or to stderr when `path` is None."""
+    """`capture.log`: JSON lines to `path`, or to stderr when `path` is None.
+
+    A file is rotated (`path` -> `path.1` -> ... -> `path.<keep>`) before the next
+    records would take it past `max_bytes`, so a log takes at most `(keep + 1) * max_bytes`.
+    """
 
     path: Optional[str] = None
+    max_bytes: int = 100 << 20
+    keep: int = 1
 
 
 @dataclass(frozen=True)

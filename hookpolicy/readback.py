@@ -24,7 +24,7 @@ import torch
 from .actions import Program, StatsOp
 from .errors import Halt
 from .metrics import MetricsStore, stat_family
-from .model import Alert, Capture, Policy, Rule
+from .model import Alert, Capture, LogSink, Policy, Rule
 from .plan import Binding
 from .sinks import BudgetSpent, JsonLines, TensorWriter
 from .stats import combine, finish, resolve_counts
@@ -139,7 +139,7 @@ class Readback:
                             published[(stat_family(p.target, stat), (*rs.key, module, tensor))] = stats[stat]
                         if action.log is not None:
                             shown = {s: _json_number(stats[s]) for s in action.stats}
-                            self._write_log(rs, index, action.log.path, {**base, "stats": shown})
+                            self._write_log(rs, index, action.log, {**base, "stats": shown})
                         continue
                     fired = self._evaluate_alert(rs, index, action, module, tensor, stats)
                     firing[action.severity] = firing.get(action.severity, False) or fired
@@ -195,7 +195,7 @@ class Readback:
                 self._fail(rs, exc)
                 return
 
-    def _write_log(self, rs: RuleState, index: int, path: Optional[str], record: dict[str, Any]) -> None:
+    def _write_log(self, rs: RuleState, index: int, sink: Optional[LogSink], record: dict[str, Any]) -> None:
         """Append a record to a capture's JSON lines (by action index; -1: the alert stream, stderr).
 
         A sink that cannot write (a full disk, a folder that is a file, a symlink out of the
@@ -204,10 +204,10 @@ class Readback:
         if rs.off:
             return
         try:
-            sink = rs.logs.get(index)
-            if sink is None:
-                sink = rs.logs[index] = JsonLines(self._root, path)
-            sink.write([record])
+            writer = rs.logs.get(index)
+            if writer is None:
+                writer = rs.logs[index] = JsonLines(self._root, sink)
+            writer.write([record])
         except OSError as exc:
             self._fail(rs, exc)
 

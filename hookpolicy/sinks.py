@@ -3,7 +3,8 @@
 Both write only at step boundaries (never inside a hook), only under their output
 folder (`HOOKPOLICY_OUTPUT_DIR`, else the working directory): a path that resolves
 outside it, through `..` or a symbolic link, is refused. Tensor files are written to a
-temporary name and renamed, so a run killed mid-write leaves no partial file.
+temporary name and renamed, so a run killed mid-write leaves no partial file. A log file
+is rotated before it would grow past its `max_bytes`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -19,7 +21,7 @@ from typing import Any, Mapping, Optional, TextIO
 
 import torch
 
-from .model import TensorFiles
+from .model import LogSink, TensorFiles
 
 __all__ = [
     "BudgetSpent", "SinkError", "TEMP_PREFIX", "file_name", "output_root", "safe_path", "JsonLines",
@@ -55,28 +57,60 @@ def safe_path(root: Path, relative: str) -> Path:
 
 
 class JsonLines:
-    """One JSON object a line, to a file under the output root or to stderr."""
+    """One JSON object a line, to a file under the output root or to stderr.
 
-    def __init__(self, root: Path, path: Optional[str]) -> None:
+    A file is rotated (`path` -> `path.1` -> ... -> `path.<keep>`, the oldest dropped)
+    before a write would take it past `max_bytes`, so it exceeds that only when one
+    record alone does. The ranks of a machine may share a file: each write goes to the
+    file now at the path, so a writer follows a rotation another process made (as
+    logging's `WatchedFileHandler` does). Two processes rotating at the same moment may
+    drop one rotated file between them; the bound holds.
+    """
+
+    def __init__(self, root: Path, sink: Optional[LogSink]) -> None:
         self._file: Optional[TextIO] = None
-        self._target = None if path is None else safe_path(root, path)
+        self._sink = sink or LogSink()
+        self._target = None if self._sink.path is None else safe_path(root, self._sink.path)
 
     def write(self, records: list[dict[str, Any]]) -> None:
         if not records:
             return
-        stream = self._stream()
-        stream.write("".join(json.dumps(r, allow_nan=True) + "\n" for r in records))
+        data = "".join(json.dumps(r, allow_nan=True) + "\n" for r in records)
+        stream = sys.stderr if self._target is None else self._stream(self._target, len(data.encode("utf-8")))
+        stream.write(data)
         stream.flush()
 
-    def _stream(self) -> TextIO:
-        if self._target is None:
-            return sys.stderr
+    def _stream(self, target: Path, incoming: int) -> TextIO:
+        try:
+            here: Optional[os.stat_result] = os.lstat(target)
+        except FileNotFoundError:
+            here = None
+        if here is not None and stat.S_ISLNK(here.st_mode):
+            raise SinkError(f"{target} is a symbolic link; refusing to write through it")
+        if self._file is not None:
+            mine = os.fstat(self._file.fileno())
+            if here is None or (mine.st_dev, mine.st_ino) != (here.st_dev, here.st_ino):
+                self.close()  # rotated or removed meanwhile (by another rank): follow the path
+        if here is not None and here.st_size > 0 and here.st_size + incoming > self._sink.max_bytes:
+            self.close()
+            self._rotate(target)
         if self._file is None:
-            self._target.parent.mkdir(parents=True, exist_ok=True)
-            if self._target.is_symlink():
-                raise SinkError(f"{self._target} is a symbolic link; refusing to write through it")
-            self._file = open(self._target, "a", encoding="utf-8")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(target, "a", encoding="utf-8")
         return self._file
+
+    def _rotate(self, target: Path) -> None:
+        """`path.<keep-1>` -> `path.<keep>`, ..., `path` -> `path.1` (with keep 0: `path` removed)."""
+        names = [str(target)] + [f"{target}.{n}" for n in range(1, self._sink.keep + 1)]
+        moves = reversed(list(zip(names, names[1:])))
+        for older, newer in moves if self._sink.keep else [(str(target), None)]:
+            try:
+                if newer is None:
+                    os.unlink(older)
+                else:
+                    os.replace(older, newer)
+            except FileNotFoundError:
+                pass  # not there yet, or another rank moved it first
 
     def close(self) -> None:
         if self._file is not None:

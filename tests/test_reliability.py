@@ -42,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import hookpolicy
 from hookpolicy import Halt, HookPolicyError, PolicySet
 from hookpolicy import sinks
+from hookpolicy.model import LogSink
 from hookpolicy.runtime import MAX_ERRORS
 
 from conftest import REPO
@@ -604,7 +605,7 @@ LONG_RUN_POLICY = """\
   match: {modules: ["2"]}
   trigger: {at: backward, every: 5}
   actions:
-    - capture: {stats: [l2_norm], per: tensor, log: {path: logs/grad-outputs.jsonl}}
+    - capture: {stats: [l2_norm], per: tensor, log: {path: logs/grad-outputs.jsonl, max_bytes: 8000, keep: 2}}
 - name: dump-files
   match: {modules: ["0"], params: [weight]}
   trigger: {at: step, every: 10}
@@ -694,8 +695,12 @@ def long_run(folder: Path, out: Path, steps: int, warmup: int = 100) -> dict[str
     # logs: exactly one record per evaluation, every line complete
     outputs = json_lines(out / "logs" / "outputs.jsonl")
     assert len(outputs) == 3 * len(range(0, total, 10))
-    grad_outputs = json_lines(out / "logs" / "grad-outputs.jsonl")
-    assert len(grad_outputs) == len(range(0, total, 5))
+    # a rotated log: at most keep + 1 files within max_bytes, holding the latest records, no gap
+    rotated = [out / "logs" / name for name in ("grad-outputs.jsonl.2", "grad-outputs.jsonl.1", "grad-outputs.jsonl")]
+    assert sorted(p.name for p in (out / "logs").iterdir()) == sorted(["outputs.jsonl", *(p.name for p in rotated)])
+    assert all(0 < p.stat().st_size <= 8000 for p in rotated)
+    kept = [r["step"] for p in rotated for r in json_lines(p)]
+    assert kept == list(range(0, total, 5))[-len(kept):] and len(kept) > 8000 // 300
     # tensor files: within their budgets, complete, nothing temporary left over
     files = sorted((out / "tensors" / "files").iterdir())
     assert len(files) == min(30, len(range(0, total, 10)))
@@ -720,6 +725,70 @@ def test_a_long_run_keeps_memory_tensors_and_files_bounded(
     for key, value in numbers.items():
         record_property(key, value)
     print(f"\nlong run: {numbers}")
+
+
+def rotating(root: Path, max_bytes: int, keep: int) -> "sinks.JsonLines":
+    return sinks.JsonLines(root, LogSink(path="logs/x.jsonl", max_bytes=max_bytes, keep=keep))
+
+
+def record(step: int) -> dict[str, Any]:
+    return {"step": step, "stats": {"l2_norm": 1.0}}  # 40 bytes a line
+
+
+def test_a_log_rotates_before_it_would_pass_max_bytes_and_keeps_the_newest(tmp_path: Path) -> None:
+    log = rotating(tmp_path, max_bytes=100, keep=2)
+    for step in range(20):
+        log.write([record(step)])
+    log.close()
+    names = ["x.jsonl.2", "x.jsonl.1", "x.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == sorted(names)
+    files = [tmp_path / "logs" / name for name in names]
+    assert [f.stat().st_size for f in files] == [80, 80, 80]  # two 40-byte lines; a third would pass 100
+    assert [r["step"] for f in files for r in json_lines(f)] == list(range(14, 20))
+
+
+def test_keep_zero_starts_the_log_over(tmp_path: Path) -> None:
+    log = rotating(tmp_path, max_bytes=100, keep=0)
+    for step in range(5):
+        log.write([record(step)])
+    log.close()
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["x.jsonl"]
+    assert [r["step"] for r in json_lines(tmp_path / "logs" / "x.jsonl")] == [4]
+
+
+def test_a_record_larger_than_max_bytes_is_written_whole_in_a_file_of_its_own(tmp_path: Path) -> None:
+    log = rotating(tmp_path, max_bytes=10, keep=1)
+    log.write([record(0)])
+    log.write([record(1)])
+    log.close()
+    assert [r["step"] for r in json_lines(tmp_path / "logs" / "x.jsonl.1")] == [0]
+    assert [r["step"] for r in json_lines(tmp_path / "logs" / "x.jsonl")] == [1]
+
+
+def test_writers_sharing_a_log_follow_each_others_rotations(tmp_path: Path) -> None:
+    """Like two ranks (or two rules) appending to one path: the bound holds, nothing is written to a rotated file."""
+    first, second = rotating(tmp_path, max_bytes=200, keep=1), rotating(tmp_path, max_bytes=200, keep=1)
+    for step in range(0, 40, 2):
+        first.write([record(step)])
+        second.write([record(step + 1)])
+    first.close()
+    second.close()
+    files = [tmp_path / "logs" / name for name in ("x.jsonl.1", "x.jsonl")]
+    assert all(f.stat().st_size <= 200 for f in files)
+    assert [r["step"] for f in files for r in json_lines(f)] == list(range(30, 40))
+
+
+def test_a_symlink_put_in_place_of_an_open_log_is_not_written_through(tmp_path: Path) -> None:
+    log = rotating(tmp_path, max_bytes=1000, keep=1)
+    log.write([record(0)])
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (tmp_path / "logs" / "x.jsonl").unlink()
+    (tmp_path / "logs" / "x.jsonl").symlink_to(victim)
+    with pytest.raises(sinks.SinkError, match="symbolic link"):
+        log.write([record(1)])
+    log.close()
+    assert victim.read_text() == "precious\n"
 
 
 # =========================================================================== processes
