@@ -371,13 +371,13 @@ def test_safe_path_refuses_escapes_with_a_sink_error(tmp_path: Path, relative: s
 
 
 def test_the_exporter_binds_loopback_unless_told_otherwise(free_port: int) -> None:
-    from hookpolicy import cli, discovery, launch
+    from hookpolicy import child, cli, launch
     from hookpolicy.exporter import serve
 
     assert inspect.signature(serve).parameters["addr"].default == "127.0.0.1"
     assert launch.Launch(sources=()).metrics_addr == "127.0.0.1"
-    assert discovery.ChildConfig.from_env({}).metrics_addr == "127.0.0.1"
-    assert discovery.ChildConfig.from_env({launch.ENV_METRICS_ADDR: ""}).metrics_addr == "127.0.0.1"
+    assert child.ChildConfig.from_env({}).metrics_addr == "127.0.0.1"
+    assert child.ChildConfig.from_env({launch.ENV_METRICS_ADDR: ""}).metrics_addr == "127.0.0.1"
     option = next(p for p in cli.apply.params if p.name == "metrics_addr")
     assert option.default == "127.0.0.1"
     server = serve(CollectorRegistry(), free_port)
