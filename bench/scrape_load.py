@@ -3,8 +3,8 @@
     python bench/scrape_load.py                 # 3 rounds, ~2 minutes on 2 CPU cores
     python bench/scrape_load.py --rounds 5 --layers 200
 
-A training process (an MLP of `--layers` hidden Linear layers, one torch thread, a
-policy with a NaN guard, per-tensor gradient statistics and output statistics) records
+A training process (an MLP of `--layers` hidden Linear layers, one torch thread,
+`policies/scraped.yaml`: a NaN guard, per-tensor gradient statistics, output statistics) records
 every step's duration. The harness measures 2 s with no scraper, 4 s with 50 threads in
 another process each scraping in a loop (one scrape every `--period` seconds, so every
 server is offered the same load; 0.25 s is 200 scrapes a second, where Prometheus sends
@@ -45,31 +45,7 @@ SERVERS = ("hookpolicy", "stock", "elsewhere")
 SCRAPERS = 50
 QUIET_S, LOAD_S, WARM_S = 2.0, 4.0, 3.0
 
-POLICY = """\
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata: {name: scraped}
-spec:
-  limits: {maxSeries: 100000}
-  rules:
-    - name: nan-guard
-      match: {modules: ["**"]}
-      trigger: {at: step}
-      target: grad
-      actions:
-        - alert: {if: "nonfinite > 0", per: rule, severity: critical, then: skip_step}
-    - name: grad-norms
-      match: {types: [Linear]}
-      trigger: {at: step}
-      target: grad
-      actions:
-        - capture: {stats: [l2_norm, abs_max, nonfinite], per: tensor}
-    - name: outputs
-      match: {types: [Linear]}
-      trigger: {at: forward, every: 5}
-      actions:
-        - capture: {stats: [rms, zero_fraction]}
-"""
+POLICY = Path(__file__).resolve().parent / "policies" / "scraped.yaml"
 
 
 def free_port() -> int:
@@ -92,9 +68,7 @@ def train(server: str, port: int, layers: int, folder: Path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), *hidden, torch.nn.Linear(64, 8))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     registry = CollectorRegistry()
-    policy_file = folder / "policy.yaml"
-    policy_file.write_text(POLICY)
-    hookpolicy.load(policy_file).attach(model, registry=registry)
+    hookpolicy.load(POLICY).attach(model, registry=registry)
     x = torch.randn(64, 64)
 
     def step() -> None:

@@ -971,26 +971,7 @@ with open(times, "w", buffering=1) as out:
         out.write(f"{wall} {time.perf_counter() - start}\\n")
 """
 
-SCRAPED_POLICY = """\
-- name: nan-guard
-  priority: 10
-  match: {modules: ["**"]}
-  trigger: {at: step}
-  target: grad
-  actions:
-    - alert: {if: "nonfinite > 0", per: rule, severity: critical, then: skip_step}
-- name: grad-norms
-  match: {types: [Linear]}
-  trigger: {at: step}
-  target: grad
-  actions:
-    - capture: {stats: [l2_norm, abs_max, nonfinite], per: tensor}
-- name: outputs
-  match: {types: [Linear]}
-  trigger: {at: forward, every: 5}
-  actions:
-    - capture: {stats: [rms, zero_fraction]}
-"""
+SCRAPED_POLICY = REPO / "bench" / "policies" / "scraped.yaml"  # bench/scrape_load.py times the same
 
 SCRAPERS = 50
 SCRAPES_EACH = 30
@@ -1142,8 +1123,7 @@ def step_times(path: Path) -> list[tuple[float, float]]:
 def test_fifty_concurrent_scrapers_get_whole_samples(
     tmp_path: Path, procs: list[Proc], free_port: int, record_property: Callable[[str, object], None],
 ) -> None:
-    policy, script = tmp_path / "scraped.yaml", tmp_path / "train.py"
-    policy.write_text(HEADER.format(name="scraped", on_error="continue") + textwrap.indent(SCRAPED_POLICY, "    "))
+    policy, script = SCRAPED_POLICY, tmp_path / "train.py"
     script.write_text(SCRAPED_SCRIPT)
     times, stop = tmp_path / "times.txt", tmp_path / "stop"
     proc = apply(procs, tmp_path / "apply", [str(policy), "--metrics-port", str(free_port), "--",
