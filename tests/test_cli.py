@@ -263,3 +263,35 @@ def test_python_dash_m_is_the_same_cli() -> None:
     done = subprocess.run([sys.executable, "-m", "hookpolicy", "check", MONITOR], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout == invoke("check", MONITOR).stdout
+
+
+# -- the README's two commands -----------------------------------------------------------
+
+
+def readme_commands() -> tuple[str, str]:
+    """(run the bundled example, run the tests): the indented command lines of "The two commands"."""
+    section = (REPO / "README.md").read_text().split("## The two commands", 1)[1].split("\n## ", 1)[0]
+    example, tests = [line.strip() for line in section.splitlines() if line.startswith("    pip install")]
+    return example, tests
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    _, tests = readme_commands()
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert tests in ci
+
+
+@pytest.mark.slow
+def test_the_readme_example_command_runs_and_serves_metrics(free_port: int) -> None:
+    """The README's main-job command as written, on a free port and for 3 steps instead of 200."""
+    example, _ = readme_commands()
+    apply = example.split(" && ")[-1]
+    assert re.search(r"--metrics-port 9400 .*--steps 200$", apply), apply
+    argv = apply.replace("--metrics-port 9400", f"--metrics-port {free_port}").replace("--steps 200", "--steps 3").split()
+    assert argv[:2] == ["hookpolicy", "apply"] and argv[argv.index("--") + 1] == "python"
+    argv[0:1] = [sys.executable, "-m", "hookpolicy"]
+    argv[argv.index("--") + 1] = sys.executable
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"metrics on http://127.0.0.1:{free_port}/metrics" in done.stderr
+    assert "governing" in done.stderr
