@@ -91,6 +91,17 @@ class _Server(WSGIServer):
 
     request_queue_size = BACKLOG
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that timed out or hung up is dropped quietly; anything else is one line.
+
+        (socketserver's default prints a traceback on the training script's stderr.)
+        """
+        kind, exc = sys.exc_info()[:2]
+        if isinstance(exc, OSError):
+            return
+        sys.stderr.write(f"hookpolicy: a metrics request from {client_address[0]} failed: "
+                         f"{getattr(kind, '__name__', kind)}: {exc}\n")
+
 
 class _Server6(_Server):
     address_family = socket.AF_INET6
