@@ -271,8 +271,7 @@ def export() -> None:
 @click.argument("policies", nargs=-1, metavar="POLICY...")
 def export_prometheus_rules(policies: tuple[str, ...]) -> None:
     """Prometheus alerting rules for the policies' alerts (promtool check rules passes)."""
-    exporting = _export_module()
-    text = exporting.prometheus_rules(_load(_sources(policies)))
+    text = _export_module("export").prometheus_rules(_load(_sources(policies)))
     click.echo(text, nl=not text.endswith("\n"))
 
 
@@ -280,14 +279,13 @@ def export_prometheus_rules(policies: tuple[str, ...]) -> None:
 @click.argument("policies", nargs=-1, metavar="POLICY...")
 def export_grafana(policies: tuple[str, ...]) -> None:
     """A Grafana dashboard (JSON) for the policies' metrics."""
-    exporting = _export_module()
-    text = exporting.grafana_dashboard(_load(_sources(policies)))
+    text = _export_module("grafana").grafana_dashboard(_load(_sources(policies)))
     click.echo(text, nl=not text.endswith("\n"))
 
 
-def _export_module() -> Any:
+def _export_module(name: str) -> Any:
     try:
-        return importlib.import_module("hookpolicy.export")
+        return importlib.import_module(f"hookpolicy.{name}")
     except ImportError as exc:
         raise click.ClickException(f"the exporters are not available in this installation ({exc})") from None
 

@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from .actions import StatsOp, compile_rule, mutate
 from .errors import Halt, HookPolicyError
 from .metrics import MetricsStore, store_for
-from .model import Alert, Capture, Policy, Rule
+from .model import Alert, Policy, Rule
 from .plan import Binding, Plan, build_plan
 from .readback import MAX_ERRORS, Entry, Readback, RuleState
 from .sinks import output_root

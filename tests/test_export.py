@@ -16,10 +16,11 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 import hookpolicy
-from hookpolicy.export import exported_families, grafana_dashboard, prometheus_rules
+from hookpolicy.export import exported_families, prometheus_rules
+from hookpolicy.grafana import grafana_dashboard
 from hookpolicy.metrics import ENGINE_FAMILIES
 from hookpolicy.model import Alert, Capture, Policy
-from test_policies import batch, make_model, train_step
+from test_policies import make_model, train_step
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = sorted((ROOT / "policies").glob("*.y*ml"))

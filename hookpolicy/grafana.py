@@ -1,0 +1,272 @@
+"""A Grafana dashboard generated from policies (`hookpolicy export grafana`).
+
+A pure function of the typed policies, like `hookpolicy.export`: datasource, job and rank
+template variables; one panel per captured statistic family with a series per module;
+panels for alerts, skipped steps, hook errors and the step rate. Every `expr` names a
+family of `hookpolicy.export.exported_families` (tests/test_export.py checks it against
+a real run's scrape).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Iterable, Sequence
+
+from .export import STALL_SECONDS, promql_string, stat_families
+from .model import STATS, Capture, Policy, Rule
+
+__all__ = ["grafana_dashboard"]
+
+_UNITS = {"zero_fraction": "percentunit"}
+
+_DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+
+
+def _regex_alternatives(values: Iterable[str]) -> str:
+    """`a|b` for a PromQL `=~` matcher, regex metacharacters escaped."""
+    special = set("\\.^$*+?()[]{}|")
+    escaped = ("".join("\\" + c if c in special else c for c in v) for v in values)
+    return "|".join(escaped)
+
+
+def _filters(policy_regex: str | None = None) -> str:
+    parts = ['job=~"$job"', 'rank=~"$rank"']
+    if policy_regex is not None:
+        parts.append(f"policy=~{promql_string(policy_regex)}")
+    return ", ".join(parts)
+
+
+class _Layout:
+    """Places panels two to a row of the 24-column grid, rows between sections."""
+
+    def __init__(self) -> None:
+        self.panels: list[dict[str, Any]] = []
+        self.y = 0
+        self.x = 0
+        self.next_id = 1
+
+    def row(self, title: str) -> None:
+        if self.x:
+            self.y += 8
+            self.x = 0
+        self.panels.append({
+            "type": "row", "title": title, "id": self.next_id, "collapsed": False, "panels": [],
+            "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y},
+        })
+        self.next_id += 1
+        self.y += 1
+
+    def add(self, panel: dict[str, Any], width: int = 12) -> None:
+        if self.x + width > 24:
+            self.y += 8
+            self.x = 0
+        panel["id"] = self.next_id
+        panel["gridPos"] = {"h": 8, "w": width, "x": self.x, "y": self.y}
+        self.next_id += 1
+        self.panels.append(panel)
+        self.x += width
+        if self.x >= 24:
+            self.y += 8
+            self.x = 0
+
+
+def _target(expr: str, legend: str, ref: str = "A", instant: bool = False, fmt: str = "time_series") -> dict[str, Any]:
+    target: dict[str, Any] = {
+        "datasource": dict(_DATASOURCE), "refId": ref, "expr": expr, "legendFormat": legend,
+        "range": not instant, "instant": instant, "format": fmt,
+    }
+    return target
+
+
+def _timeseries(
+    title: str, description: str, targets: list[dict[str, Any]], unit: str = "short",
+    bars: bool = False, min_zero: bool = False,
+) -> dict[str, Any]:
+    custom: dict[str, Any] = {"drawStyle": "bars" if bars else "line", "lineWidth": 1, "fillOpacity": 10 if bars else 0,
+                              "showPoints": "never", "spanNulls": False}
+    defaults: dict[str, Any] = {"unit": unit, "custom": custom}
+    if min_zero:
+        defaults["min"] = 0
+    return {
+        "type": "timeseries", "title": title, "description": description, "datasource": dict(_DATASOURCE),
+        "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                    "tooltip": {"mode": "multi", "sort": "desc"}},
+    }
+
+
+def _stat_panel(family: str, feeds: list[tuple[Policy, Rule, Capture]]) -> dict[str, Any]:
+    stat = next(s for s in STATS if family.endswith("_" + s))
+    target = family[len("hookpolicy_"):-len(stat) - 1]
+    keys = list(dict.fromkeys((p.name, r.name) for p, r, _ in feeds))
+    pers = {c.per for _, _, c in feeds}
+    legend: list[str] = []
+    if len(keys) > 1:
+        legend.append("{{policy}}/{{rule}}")
+    if pers - {"rule"}:
+        legend.append("{{module}}")
+    if "tensor" in pers:
+        legend.append("{{tensor}}")
+    if not legend:
+        legend.append("{{rule}}")
+    legend.append("rank {{rank}}")
+    policies = _regex_alternatives(dict.fromkeys(p.name for p, _, _ in feeds))
+    rules = _regex_alternatives(dict.fromkeys(r.name for _, r, _ in feeds))
+    expr = f"{family}{{{_filters(policies)}, rule=~{promql_string(rules)}}}"
+    where = ", ".join(f"{p}/{r}" for p, r in keys)
+    description = (
+        f"{stat} of the {target} tensors selected by {where}, read once per evaluated step "
+        f"(per {', '.join(sorted(pers))}); the module label is \"\" for per: rule."
+    )
+    return _timeseries(family, description, [_target(expr, " ".join(legend))], unit=_UNITS.get(stat, "short"))
+
+
+def _variable(name: str, label: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name, "label": label, "type": "query", "datasource": dict(_DATASOURCE),
+        "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
+        "refresh": 2, "sort": 3, "multi": True, "includeAll": True, "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "options": [], "hide": 0,
+    }
+
+
+def grafana_dashboard(policies: Sequence[Policy]) -> str:
+    """A Grafana dashboard (JSON, for import or provisioning) for the policies' metrics.
+
+    Template variables: `DS_PROMETHEUS` (the data source; also an `__inputs` entry, so
+    the import dialog asks for it), `job` and `rank`. Panels: the training engine (step
+    rate, seconds since the last step, hookpolicy's own time per step), alerts (firing,
+    skipped steps, hook errors, dropped series), then one timeseries per exported
+    statistic family. Every `expr` names only families in `exported_families(policies)`.
+    """
+    names = [p.name for p in policies]
+    mine = _regex_alternatives(names) if names else "$^"
+    f_all, f_mine = _filters(), _filters(mine)
+    layout = _Layout()
+
+    layout.row("Training")
+    layout.add(_timeseries(
+        "Steps per second", "Optimizer steps evaluated by hookpolicy per second, per rank.",
+        [_target(f"sum by (job, instance, rank) (rate(hookpolicy_steps_total{{{f_all}}}[5m]))", "{{instance}} rank {{rank}}")],
+        unit="short", min_zero=True))
+    layout.add(_timeseries(
+        "Seconds since the last step",
+        f"Rises linearly while a run is stalled; the HookpolicyTrainingStalled alert fires above {STALL_SECONDS}s.",
+        [_target(f"time() - hookpolicy_last_step_timestamp_seconds{{{f_all}}}", "{{instance}} rank {{rank}}")],
+        unit="s", min_zero=True))
+    layout.add(_timeseries(
+        "hookpolicy seconds per step",
+        "Time spent inside hookpolicy's hooks per optimizer step, by rule: the overhead the policies add.",
+        [_target(
+            f"sum by (job, instance, rank, policy, rule) (rate(hookpolicy_hook_seconds_total{{{f_mine}}}[5m]))"
+            f" / on (job, instance, rank) group_left sum by (job, instance, rank) "
+            f"(rate(hookpolicy_steps_total{{{f_all}}}[5m]))",
+            "{{policy}}/{{rule}} rank {{rank}}")],
+        unit="s", min_zero=True))
+    layout.add(_timeseries(
+        "Actions per second", "Actions run by rule, action and mode (audit actions change nothing).",
+        [_target(f"sum by (policy, rule, action, mode) (rate(hookpolicy_actions_total{{{f_mine}}}[5m]))",
+                 "{{policy}}/{{rule}} {{action}} ({{mode}})")],
+        unit="short", min_zero=True))
+
+    layout.row("Alerts")
+    layout.add({
+        "type": "state-timeline", "title": "Alerts firing",
+        "description": "hookpolicy_alert_firing: 1 while an alert's condition holds (after its for: count).",
+        "datasource": dict(_DATASOURCE),
+        "targets": [_target(f"max by (policy, rule, severity, rank) (hookpolicy_alert_firing{{{f_mine}}})",
+                            "{{policy}}/{{rule}} {{severity}} rank {{rank}}")],
+        "fieldConfig": {"defaults": {
+            "min": 0, "max": 1, "unit": "none",
+            "color": {"mode": "thresholds"},
+            "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "red", "value": 1}]},
+            "mappings": [{"type": "value", "options": {"0": {"text": "ok", "index": 0}, "1": {"text": "firing", "index": 1}}}],
+        }, "overrides": []},
+        "options": {"showValue": "never", "mergeValues": True, "rowHeight": 0.9,
+                    "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True}},
+    })
+    layout.add(_timeseries(
+        "Alert evaluations that fired", "increase(hookpolicy_alerts_total) per interval, by rule and severity.",
+        [_target(f"sum by (policy, rule, severity) (increase(hookpolicy_alerts_total{{{f_mine}}}[$__rate_interval]))",
+                 "{{policy}}/{{rule}} {{severity}}")],
+        bars=True, min_zero=True))
+    layout.add(_timeseries(
+        "Skipped steps", "Optimizer steps not applied because of a skip_step alert.",
+        [_target(f"sum by (policy, rule, rank) (increase(hookpolicy_skipped_steps_total{{{f_mine}}}[$__rate_interval]))",
+                 "{{policy}}/{{rule}} rank {{rank}}")],
+        bars=True, min_zero=True))
+    layout.add(_timeseries(
+        "Hook errors", "Errors raised inside hookpolicy's hooks; a rule is switched off after 3 (onError: continue).",
+        [_target(f"sum by (policy, rule, rank) (increase(hookpolicy_hook_errors_total{{{f_mine}}}[$__rate_interval]))",
+                 "{{policy}}/{{rule}} rank {{rank}}")],
+        bars=True, min_zero=True))
+    layout.add(_timeseries(
+        "Series dropped (maxSeries)", "Statistic series not exported because spec.limits.maxSeries was reached.",
+        [_target(f"sum by (policy, rank) (increase(hookpolicy_series_dropped_total{{{f_mine}}}[$__rate_interval]))",
+                 "{{policy}} rank {{rank}}")],
+        bars=True, min_zero=True))
+    layout.add({
+        "type": "table", "title": "Applied policies",
+        "description": "hookpolicy_policy_info: the live revision (content hash) of each policy, and whether a reload failed.",
+        "datasource": dict(_DATASOURCE),
+        "targets": [
+            _target(f"max by (instance, rank, policy, revision, mode) (hookpolicy_policy_info{{{f_mine}}})", "",
+                    ref="A", instant=True, fmt="table"),
+        ],
+        "fieldConfig": {"defaults": {}, "overrides": []},
+        "options": {"showHeader": True},
+        "transformations": [{"id": "organize", "options": {"excludeByName": {"Time": True, "Value": True}}}],
+    })
+
+    families = stat_families(policies)
+    by_target: dict[str, list[str]] = {}
+    for family in families:
+        stat = next(s for s in STATS if family.endswith("_" + s))
+        by_target.setdefault(family[len("hookpolicy_"):-len(stat) - 1], []).append(family)
+    for target, members in by_target.items():
+        layout.row(f"Statistics: {target}")
+        for family in members:
+            layout.add(_stat_panel(family, families[family]))
+
+    digest = hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()[:12]
+    dashboard: dict[str, Any] = {
+        "__inputs": [{
+            "name": "DS_PROMETHEUS", "label": "Prometheus", "description": "The Prometheus that scrapes hookpolicy.",
+            "type": "datasource", "pluginId": "prometheus", "pluginName": "Prometheus",
+        }],
+        "__requires": [
+            {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.0.0"},
+            {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
+            {"type": "panel", "id": "timeseries", "name": "Time series", "version": ""},
+            {"type": "panel", "id": "state-timeline", "name": "State timeline", "version": ""},
+            {"type": "panel", "id": "table", "name": "Table", "version": ""},
+        ],
+        "title": "hookpolicy: " + (", ".join(names) or "engine"),
+        "description": "Generated by `hookpolicy export grafana` from " + (", ".join(p.source for p in policies) or "no policy"),
+        "uid": f"hookpolicy-{digest}",
+        "tags": ["hookpolicy", *names],
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-6h", "to": "now"},
+        "timepicker": {},
+        "timezone": "",
+        "annotations": {"list": [{
+            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
+            "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard",
+        }]},
+        "links": [],
+        "templating": {"list": [
+            {"name": "DS_PROMETHEUS", "label": "Data source", "type": "datasource", "query": "prometheus",
+             "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
+            _variable("job", "Job", "label_values(hookpolicy_steps_total, job)"),
+            _variable("rank", "Rank", 'label_values(hookpolicy_steps_total{job=~"$job"}, rank)'),
+        ]},
+        "panels": layout.panels,
+    }
+    return json.dumps(dashboard, indent=2) + "\n"
+
