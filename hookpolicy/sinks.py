@@ -69,6 +69,7 @@ class JsonLines:
 
     def __init__(self, root: Path, sink: Optional[LogSink]) -> None:
         self._file: Optional[TextIO] = None
+        self._root = root
         self._sink = sink or LogSink()
         self._target = None if self._sink.path is None else safe_path(root, self._sink.path)
 
@@ -87,16 +88,20 @@ class JsonLines:
             here = None
         if here is not None and stat.S_ISLNK(here.st_mode):
             raise SinkError(f"{target} is a symbolic link; refusing to write through it")
+        full = here is not None and here.st_size > 0 and here.st_size + incoming > self._sink.max_bytes
         if self._file is not None:
             mine = os.fstat(self._file.fileno())
-            if here is None or (mine.st_dev, mine.st_ino) != (here.st_dev, here.st_ino):
-                self.close()  # rotated or removed meanwhile (by another rank): follow the path
-        if here is not None and here.st_size > 0 and here.st_size + incoming > self._sink.max_bytes:
-            self.close()
+            if here is not None and (mine.st_dev, mine.st_ino) == (here.st_dev, here.st_ino) and not full:
+                return self._file
+            self.close()  # full, or rotated or removed meanwhile (by another rank): follow the path
+        # Opening anew (and maybe rotating first): the path must still lead where it did.
+        assert self._sink.path is not None
+        if safe_path(self._root, self._sink.path) != target:  # a folder on the way became a symlink
+            raise SinkError(f"{self._sink.path!r} no longer resolves to {target}; refusing to write elsewhere")
+        if full:
             self._rotate(target)
-        if self._file is None:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(target, "a", encoding="utf-8")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(target, "a", encoding="utf-8")
         return self._file
 
     def _rotate(self, target: Path) -> None:

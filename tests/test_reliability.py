@@ -791,6 +791,22 @@ def test_a_symlink_put_in_place_of_an_open_log_is_not_written_through(tmp_path: 
     assert victim.read_text() == "precious\n"
 
 
+def test_a_log_folder_turned_into_a_symlink_is_not_followed_when_the_log_rotates(tmp_path: Path) -> None:
+    root, outside = tmp_path / "out", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    log = rotating(root, max_bytes=50, keep=1)
+    log.write([record(0)])
+    (root / "logs").rename(root / "moved")
+    (root / "logs").symlink_to(outside, target_is_directory=True)
+    (outside / "x.jsonl").write_text("precious\n" * 10)  # full: it would be rotated, outside
+    with pytest.raises(sinks.SinkError, match="outside the output folder"):
+        log.write([record(1)])  # the file at the path is another: it would be opened anew, through the link
+    log.close()
+    assert [p.name for p in outside.iterdir()] == ["x.jsonl"]
+    assert (outside / "x.jsonl").read_text() == "precious\n" * 10
+
+
 # =========================================================================== processes
 
 
