@@ -30,8 +30,8 @@ __all__ = ["serve", "BACKLOG", "RENDER_INTERVAL", "REQUEST_TIMEOUT", "RenderCach
 #: dropped by the kernel and retried after 1, 3, 7 s; 128 is the common kernel default.
 BACKLOG = 128
 
-#: Seconds a rendering of the registry is served again. Prometheus scrapes every 15-60 s,
-#: so a scrape never sees it; 50 clients scraping in a loop get one rendering a second.
+#: Seconds a rendering of the registry is served again. Prometheus, scraping every
+#: 15-60 s, always gets a fresh one; 50 clients scraping in a loop share one a second.
 RENDER_INTERVAL = 1.0
 
 #: The request fields prometheus_client's WSGI app answers by (format, compression, name[]).
