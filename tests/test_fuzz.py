@@ -101,7 +101,7 @@ spec:
       match: {types: [torch.nn.Linear], exclude: ["lm_head"]}
       trigger: {at: forward, phase: any}
       actions:
-        - capture: {stats: [rms, zero_fraction], log: {path: logs/out.jsonl}}
+        - capture: {stats: [rms, zero_fraction], log: {path: logs/out.jsonl, max_bytes: 4096, keep: 2}}
         - scale: {factor: 1.0}
     - name: grad-out
       match: {modules: ["re:transformer\\\\.h\\\\.\\\\d+\\\\.attn\\\\.c_proj"]}
@@ -527,7 +527,7 @@ def valid_rule(draw: st.DrawFn, name: str) -> dict[str, Any]:
         if kind == "capture":
             actions.append({"capture": {"stats": stats, "per": per}})
         elif kind == "log":
-            actions.append({"capture": {"stats": stats, "log": {"path": f"logs/{name}.jsonl"}}})
+            actions.append({"capture": {"stats": stats, "log": {"path": f"logs/{name}.jsonl", "max_bytes": 600, "keep": 1}}})
         elif kind == "tensors":
             actions.append({"capture": {"tensors": {"dir": f"tensors/{name}", "max_files": 3, "max_bytes": 20000}}})
         elif kind in ("clip", "clamp", "scale") and changes_input_too_late:
