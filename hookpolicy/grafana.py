@@ -97,6 +97,12 @@ def _timeseries(
     }
 
 
+def _increase_panel(title: str, description: str, metric: str, by: str, legend: str, filters: str) -> dict[str, Any]:
+    """Bars of a counter's increase per interval, summed by the labels `by`."""
+    expr = f"sum by ({by}) (increase({metric}{{{filters}}}[$__rate_interval]))"
+    return _timeseries(title, description, [_target(expr, legend)], bars=True, min_zero=True)
+
+
 def _stat_panel(family: str, feeds: list[tuple[Policy, Rule, Capture]]) -> dict[str, Any]:
     stat = next(s for s in STATS if family.endswith("_" + s))
     target = family[len("hookpolicy_"):-len(stat) - 1]
@@ -187,26 +193,18 @@ def grafana_dashboard(policies: Sequence[Policy]) -> str:
         "options": {"showValue": "never", "mergeValues": True, "rowHeight": 0.9,
                     "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True}},
     })
-    layout.add(_timeseries(
+    layout.add(_increase_panel(
         "Alert evaluations that fired", "increase(hookpolicy_alerts_total) per interval, by rule and severity.",
-        [_target(f"sum by (policy, rule, severity) (increase(hookpolicy_alerts_total{{{f_mine}}}[$__rate_interval]))",
-                 "{{policy}}/{{rule}} {{severity}}")],
-        bars=True, min_zero=True))
-    layout.add(_timeseries(
+        "hookpolicy_alerts_total", "policy, rule, severity", "{{policy}}/{{rule}} {{severity}}", f_mine))
+    layout.add(_increase_panel(
         "Skipped steps", "Optimizer steps not applied because of a skip_step alert.",
-        [_target(f"sum by (policy, rule, rank) (increase(hookpolicy_skipped_steps_total{{{f_mine}}}[$__rate_interval]))",
-                 "{{policy}}/{{rule}} rank {{rank}}")],
-        bars=True, min_zero=True))
-    layout.add(_timeseries(
+        "hookpolicy_skipped_steps_total", "policy, rule, rank", "{{policy}}/{{rule}} rank {{rank}}", f_mine))
+    layout.add(_increase_panel(
         "Hook errors", "Errors raised inside hookpolicy's hooks; a rule is switched off after 3 (onError: continue).",
-        [_target(f"sum by (policy, rule, rank) (increase(hookpolicy_hook_errors_total{{{f_mine}}}[$__rate_interval]))",
-                 "{{policy}}/{{rule}} rank {{rank}}")],
-        bars=True, min_zero=True))
-    layout.add(_timeseries(
+        "hookpolicy_hook_errors_total", "policy, rule, rank", "{{policy}}/{{rule}} rank {{rank}}", f_mine))
+    layout.add(_increase_panel(
         "Series dropped (maxSeries)", "Statistic series not exported because spec.limits.maxSeries was reached.",
-        [_target(f"sum by (policy, rank) (increase(hookpolicy_series_dropped_total{{{f_mine}}}[$__rate_interval]))",
-                 "{{policy}} rank {{rank}}")],
-        bars=True, min_zero=True))
+        "hookpolicy_series_dropped_total", "policy, rank", "{{policy}} rank {{rank}}", f_mine))
     layout.add({
         "type": "table", "title": "Applied policies",
         "description": "hookpolicy_policy_info: the live revision (content hash) of each policy, and whether a reload failed.",
