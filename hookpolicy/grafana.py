@@ -97,6 +97,23 @@ def _timeseries(
     }
 
 
+#: Engine counters shown as their increase per interval: title, description, metric, sum by, legend.
+_COUNTER_PANELS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("Alert evaluations that fired",
+     "increase(hookpolicy_alerts_total) per interval, by rule and severity.",
+     "hookpolicy_alerts_total", "policy, rule, severity", "{{policy}}/{{rule}} {{severity}}"),
+    ("Skipped steps",
+     "Optimizer steps not applied because of a skip_step alert.",
+     "hookpolicy_skipped_steps_total", "policy, rule, rank", "{{policy}}/{{rule}} rank {{rank}}"),
+    ("Hook errors",
+     "Errors raised inside hookpolicy's hooks; a rule is switched off after 3 (onError: continue).",
+     "hookpolicy_hook_errors_total", "policy, rule, rank", "{{policy}}/{{rule}} rank {{rank}}"),
+    ("Series dropped (maxSeries)",
+     "Statistic series not exported because spec.limits.maxSeries was reached.",
+     "hookpolicy_series_dropped_total", "policy, rank", "{{policy}} rank {{rank}}"),
+)
+
+
 def _increase_panel(title: str, description: str, metric: str, by: str, legend: str, filters: str) -> dict[str, Any]:
     """Bars of a counter's increase per interval, summed by the labels `by`."""
     expr = f"sum by ({by}) (increase({metric}{{{filters}}}[$__rate_interval]))"
@@ -193,18 +210,8 @@ def grafana_dashboard(policies: Sequence[Policy]) -> str:
         "options": {"showValue": "never", "mergeValues": True, "rowHeight": 0.9,
                     "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True}},
     })
-    layout.add(_increase_panel(
-        "Alert evaluations that fired", "increase(hookpolicy_alerts_total) per interval, by rule and severity.",
-        "hookpolicy_alerts_total", "policy, rule, severity", "{{policy}}/{{rule}} {{severity}}", f_mine))
-    layout.add(_increase_panel(
-        "Skipped steps", "Optimizer steps not applied because of a skip_step alert.",
-        "hookpolicy_skipped_steps_total", "policy, rule, rank", "{{policy}}/{{rule}} rank {{rank}}", f_mine))
-    layout.add(_increase_panel(
-        "Hook errors", "Errors raised inside hookpolicy's hooks; a rule is switched off after 3 (onError: continue).",
-        "hookpolicy_hook_errors_total", "policy, rule, rank", "{{policy}}/{{rule}} rank {{rank}}", f_mine))
-    layout.add(_increase_panel(
-        "Series dropped (maxSeries)", "Statistic series not exported because spec.limits.maxSeries was reached.",
-        "hookpolicy_series_dropped_total", "policy, rank", "{{policy}} rank {{rank}}", f_mine))
+    for title, description, metric, by, legend in _COUNTER_PANELS:
+        layout.add(_increase_panel(title, description, metric, by, legend, f_mine))
     layout.add({
         "type": "table", "title": "Applied policies",
         "description": "hookpolicy_policy_info: the live revision (content hash) of each policy, and whether a reload failed.",
