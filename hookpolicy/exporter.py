@@ -45,7 +45,9 @@ class RenderCache:
     """A WSGI app that replays `app`'s answer to the same request for `interval` seconds.
 
     One lock: while one request renders, the others of the moment wait for its result
-    instead of rendering it again each.
+    instead of rendering it again each. A rendering that raises is answered with a 500
+    and one line on stderr (the first time that error is seen), not cached, and never a
+    traceback on the training script's stderr.
     """
 
     MAX_KEYS = 16  # request kinds remembered; clients choose the headers, so it is bounded
@@ -54,6 +56,7 @@ class RenderCache:
         self._app, self._interval, self._clock = app, interval, clock
         self._lock = threading.Lock()
         self._answers: dict[tuple[str, ...], tuple[float, str, list[tuple[str, str]], bytes]] = {}
+        self._reported: set[str] = set()
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> list[bytes]:
         key = tuple(str(environ.get(name, "")) for name in _REQUEST_KEY)
@@ -67,7 +70,15 @@ class RenderCache:
 
     def _render(self, environ: dict[str, Any], key: tuple[str, ...]) -> tuple[float, str, list[tuple[str, str]], bytes]:
         started: list[Any] = []
-        body = b"".join(self._app(environ, lambda status, headers, exc_info=None: started.extend((status, headers))))
+        try:
+            body = b"".join(self._app(environ, lambda status, headers, exc_info=None: started.extend((status, headers))))
+        except Exception as exc:  # noqa: BLE001 - a broken collector must not reach the script's stderr as a traceback
+            reason = f"{type(exc).__name__}: {exc}"
+            if reason not in self._reported and len(self._reported) < self.MAX_KEYS:
+                self._reported.add(reason)
+                sys.stderr.write(f"hookpolicy: cannot render metrics: {reason}\n")
+            return (-float("inf"), "500 Internal Server Error", [("Content-Type", "text/plain; charset=utf-8")],
+                    f"cannot render metrics: {reason}\n".encode())
         answer = (self._clock(), str(started[0]), list(started[1]), body)
         if len(self._answers) >= self.MAX_KEYS:
             self._answers.clear()

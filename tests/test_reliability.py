@@ -26,6 +26,7 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.error
 import urllib.request
 import weakref
 from pathlib import Path
@@ -1107,6 +1108,52 @@ def test_the_exporter_shows_new_values_once_the_interval_is_over(free_port: int)
     finally:
         server.shutdown()
         server.server_close()
+
+
+class BrokenCollector:
+    def collect(self) -> Iterator[Any]:
+        raise RuntimeError("broken collector")
+
+
+def test_a_rendering_that_raises_is_a_500_and_one_line_never_a_traceback(
+    free_port: int, capfd: pytest.CaptureFixture[str],
+) -> None:
+    from hookpolicy.exporter import serve
+
+    registry = CollectorRegistry()
+    registry.register(BrokenCollector())  # type: ignore[arg-type]
+    server = serve(registry, free_port)
+    assert server is not None
+    try:
+        for _ in range(2):  # not cached, reported once
+            with pytest.raises(urllib.error.HTTPError) as failed:
+                scrape(free_port)
+            assert failed.value.code == 500
+            assert failed.value.read().decode() == "cannot render metrics: RuntimeError: broken collector\n"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert capfd.readouterr().err == "hookpolicy: cannot render metrics: RuntimeError: broken collector\n"
+
+
+def test_a_request_that_fails_in_the_server_is_one_line_on_stderr(
+    free_port: int, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+) -> None:
+    from hookpolicy import exporter
+
+    def broken(self: Any) -> None:
+        raise ValueError("bad request handling")
+
+    monkeypatch.setattr(exporter._QuietHandler, "handle", broken)
+    server = exporter.serve(CollectorRegistry(), free_port)
+    assert server is not None
+    try:
+        with pytest.raises(OSError):  # the connection is closed without an answer
+            scrape(free_port)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert capfd.readouterr().err == "hookpolicy: a metrics request from 127.0.0.1 failed: ValueError: bad request handling\n"
 
 
 def test_a_stalled_client_holds_the_other_scrapes_back_no_longer_than_the_request_timeout(
