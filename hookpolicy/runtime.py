@@ -315,12 +315,12 @@ class Attached:
                 param = b.obj._parameters.get(pname)
                 if param is None:  # not a registered parameter (a property, a wrapper's alias)
                     param = getattr(b.obj, pname)
-                t = param.grad if b.target == "grad" else param.detach()
+                t = param.grad if rs.rule.target == "grad" else param.detach()
                 if t is not None and t.numel() > 0:
                     rows.append((b.module, pname))
                     tensors.append(t)
         if tensors:
-            self._execute(rs, b.target, rows, tensors, inplace=True, defer=self._defer_step_counts)
+            self._execute(rs, rs.rule.target, rows, tensors, inplace=True, defer=self._defer_step_counts)
 
     def _execute(
         self, rs: RuleState, target: str, rows: list[tuple[str, str]], tensors: list[torch.Tensor], inplace: bool,
