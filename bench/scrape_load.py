@@ -17,8 +17,8 @@ fresh training process each, taken in turn (A B C, A B C, ...):
 - `stock`: the same registry served by prometheus_client's `start_http_server` (a thread
   per request, a fresh rendering per scrape);
 - `elsewhere`: the same policy attached, and the scrapers get the same bytes from a
-  static server in a third process: what the load costs the machine (the scrapers and a
-  server share its cores) with nothing of it inside the training process.
+  static server in the harness process: what the load costs the machine (the scrapers and
+  a server share its cores) with nothing of it inside the training process.
 
 Timings are reported, never asserted (tests/test_reliability.py checks the answers).
 """
