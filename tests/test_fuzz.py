@@ -37,47 +37,18 @@ import hookpolicy
 from hookpolicy import Halt, PolicyError, PolicySet, Problem
 from hookpolicy.loader import MAX_BYTES, MAX_DEPTH
 
+import test_build
+
 # --------------------------------------------------------------------------- seeds
 
-#: The spec's own example (section 1), every action kind, every trigger.
-SPEC_EXAMPLE = """\
-# yaml-language-server: $schema=../schemas/hookpolicy-v1.schema.json
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata:
-  name: llm-guardrails
-  labels: {team: ml-platform}
-  annotations: {runbook: "https://example.org/runbook"}
-spec:
-  mode: enforce
-  onError: continue
-  limits:
-    maxSeries: 10000
-  rules:
-    - name: clip-attention-grads
-      mode: audit
-      priority: 50
-      match:
-        modules: ["transformer.h.*.attn.*"]
-        types: [Linear]
-        exclude: ["**.c_proj"]
-        params: ["weight"]
-      trigger:
-        at: step
-        every: 1
-        steps: {from: 0, until: 5000}
-        phase: train
-      target: grad
-      actions:
-        - capture: {stats: [l2_norm, abs_max, nonfinite]}
-        - clip: {max_norm: 1.0, norm_type: 2, per: rule}
-        - alert:
-            if: "nonfinite > 0"
-            for: 1
-            severity: critical
-            then: skip_step
-            message: "non-finite gradients in {module} at step {step}"
-"""
+#: The spec's example (tests/test_build.py), with a real runbook and a steps window that
+#: opens at step 0, so the few training steps of a fuzz run evaluate its rule.
+SPEC_EXAMPLE = (
+    test_build.SPEC_EXAMPLE
+    .replace('annotations: {runbook: "..."}', 'annotations: {runbook: "https://example.org/runbook"}')
+    .replace("steps: {from: 100, until: 5000}", "steps: {from: 0, until: 5000}")
+)
+assert "example.org" in SPEC_EXAMPLE and "from: 0," in SPEC_EXAMPLE, "tests/test_build.py's example changed"
 
 #: Forward, backward and step rules, tuple selection, files and logs, clamping, scaling.
 EVERY_HOOK = """\

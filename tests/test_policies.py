@@ -118,6 +118,17 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int, loss_sca
     opt.zero_grad(set_to_none=True)
 
 
+def train_then_evaluate(model: nn.Module, steps: int) -> None:
+    """`steps` AdamW training steps, then one evaluation batch (eval mode, no grad)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for i in range(steps):
+        train_step(model, opt, i)
+    model.eval()
+    with torch.no_grad():
+        model(batch(99)[0])
+    model.train()
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -218,14 +229,8 @@ def test_policy_loads_compiles_and_runs(path: Path, workdir: Path) -> None:
     assert plan.bindings
     assert not [w for w in plan.warnings if "matches no module" in w], plan.warnings
     reg = CollectorRegistry()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with policies.attach(model, registry=reg, rank=0):
-        for i in range(3):
-            train_step(model, opt, i)
-        model.eval()
-        with torch.no_grad():
-            model(batch(99)[0])
-        model.train()
+        train_then_evaluate(model, steps=3)
         assert counter(reg, "hookpolicy_steps_total") == 3
         for policy in policies.policies:
             assert reg.get_sample_value("hookpolicy_policy_info", {

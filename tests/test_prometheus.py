@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pytest
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 import hookpolicy
 from hookpolicy.export import prometheus_rules
-from test_policies import batch, make_model, train_step
+from test_policies import make_model, train_then_evaluate
 
 TESTS = Path(__file__).resolve().parent
 PROMTOOL = shutil.which("promtool")
@@ -106,13 +105,8 @@ def _scrape_after_training(tmp_path: Path) -> tuple[bytes, set[str], CollectorRe
     policies = hookpolicy.load([str(tmp_path / "everything.yaml"), str(tmp_path / "tiny.yaml")])
     model = make_model()
     reg = CollectorRegistry()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with policies.attach(model, registry=reg, rank=0):
-        for i in range(4):
-            train_step(model, opt, i)
-        model.eval()
-        with torch.no_grad():
-            model(batch(9)[0])
+        train_then_evaluate(model, steps=4)
         return generate_latest(reg), {s.name for m in reg.collect() for s in m.samples}, reg
 
 
