@@ -11,6 +11,7 @@ read-only" or a "full disk" is simulated with a file in place of the folder, or 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import json
@@ -1022,12 +1023,20 @@ def _scraper(port: int, deadline: float, latencies: list[float], errors: list[st
 
 
 def test_the_exporter_listens_with_room_for_fifty_simultaneous_connections(free_port: int) -> None:
+
+    with served(CollectorRegistry(), free_port) as server:
+        assert server.request_queue_size >= SCRAPERS
+
+
+@contextlib.contextmanager
+def served(registry: CollectorRegistry, port: int, **options: Any) -> Iterator[Any]:
+    """`hookpolicy.exporter.serve` for the length of a `with`, shut down after."""
     from hookpolicy.exporter import serve
 
-    server = serve(CollectorRegistry(), free_port)
+    server = serve(registry, port, **options)
     assert server is not None
     try:
-        assert server.request_queue_size >= SCRAPERS
+        yield server
     finally:
         server.shutdown()
         server.server_close()
@@ -1094,20 +1103,14 @@ def test_clients_cannot_grow_the_rendering_cache_without_bound() -> None:
 def test_the_exporter_shows_new_values_once_the_interval_is_over(free_port: int) -> None:
     from prometheus_client import Counter
 
-    from hookpolicy.exporter import serve
 
     registry = CollectorRegistry()
     counter = Counter("ticks", "Ticks.", registry=registry)
-    server = serve(registry, free_port, render_interval=0.2)
-    assert server is not None
-    try:
+    with served(registry, free_port, render_interval=0.2):
         assert ("counter", 0.0) == parse(scrape(free_port))[("ticks_total", ())]
         counter.inc()
         time.sleep(0.25)
         assert ("counter", 1.0) == parse(scrape(free_port))[("ticks_total", ())]
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 class BrokenCollector:
@@ -1118,21 +1121,15 @@ class BrokenCollector:
 def test_a_rendering_that_raises_is_a_500_and_one_line_never_a_traceback(
     free_port: int, capfd: pytest.CaptureFixture[str],
 ) -> None:
-    from hookpolicy.exporter import serve
 
     registry = CollectorRegistry()
     registry.register(BrokenCollector())  # type: ignore[arg-type]
-    server = serve(registry, free_port)
-    assert server is not None
-    try:
+    with served(registry, free_port):
         for _ in range(2):  # not cached, reported once
             with pytest.raises(urllib.error.HTTPError) as failed:
                 scrape(free_port)
             assert failed.value.code == 500
             assert failed.value.read().decode() == "cannot render metrics: RuntimeError: broken collector\n"
-    finally:
-        server.shutdown()
-        server.server_close()
     assert capfd.readouterr().err == "hookpolicy: cannot render metrics: RuntimeError: broken collector\n"
 
 
@@ -1145,14 +1142,9 @@ def test_a_request_that_fails_in_the_server_is_one_line_on_stderr(
         raise ValueError("bad request handling")
 
     monkeypatch.setattr(exporter._QuietHandler, "handle", broken)
-    server = exporter.serve(CollectorRegistry(), free_port)
-    assert server is not None
-    try:
+    with served(CollectorRegistry(), free_port):
         with pytest.raises(OSError):  # the connection is closed without an answer
             scrape(free_port)
-    finally:
-        server.shutdown()
-        server.server_close()
     assert capfd.readouterr().err == "hookpolicy: a metrics request from 127.0.0.1 failed: ValueError: bad request handling\n"
 
 
@@ -1162,15 +1154,10 @@ def test_a_stalled_client_holds_the_other_scrapes_back_no_longer_than_the_reques
     from hookpolicy import exporter
 
     monkeypatch.setattr(exporter._QuietHandler, "timeout", 0.5)
-    server = exporter.serve(CollectorRegistry(), free_port)
-    assert server is not None
-    try:
+    with served(CollectorRegistry(), free_port):
         with socket.create_connection(("127.0.0.1", free_port)) as stalled:
             stalled.sendall(b"GET /metr")  # and never the rest
             assert scrape(free_port, timeout=10) is not None  # answered once the stalled one timed out
-    finally:
-        server.shutdown()
-        server.server_close()
     assert capfd.readouterr().err == ""  # dropped quietly: no traceback on the training script's stderr
 
 

@@ -34,6 +34,7 @@ from hookpolicy.sinks import SinkError, TensorWriter, file_name, safe_path
 from hookpolicy.model import TensorFiles
 
 from conftest import REPO
+from test_reliability import served
 
 POLICY = """\
 apiVersion: hookpolicy/v1
@@ -380,13 +381,8 @@ def test_the_exporter_binds_loopback_unless_told_otherwise(free_port: int) -> No
     assert child.ChildConfig.from_env({launch.ENV_METRICS_ADDR: ""}).metrics_addr == "127.0.0.1"
     option = next(p for p in cli.apply.params if p.name == "metrics_addr")
     assert option.default == "127.0.0.1"
-    server = serve(CollectorRegistry(), free_port)
-    assert server is not None
-    try:
+    with served(CollectorRegistry(), free_port) as server:
         assert server.server_address[0] == "127.0.0.1"
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def listening_addresses(port: int) -> set[str]:
