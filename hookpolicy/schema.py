@@ -144,13 +144,21 @@ def _extra_actions(
     document: Document, error: ValidationError, path: JsonPath
 ) -> Iterator[Problem]:
     keys = list(error.instance)
-    for key in keys[1:]:
+    names = [_plain(k) for k in keys]
+    for key, name in zip(keys[1:], names[1:]):
+        example = f" ('- {name}: ...')" if name == key else ""
         yield document.problem(
             path + (key,),
-            f"an actions item holds exactly one action, found {' and '.join(keys)}; "
-            f"write '{key}' as its own list item ('- {key}: ...')",
+            f"an actions item holds exactly one action, found {' and '.join(names)}; "
+            f"write {str(key)!r} as its own list item{example}",
             key=True,
         )
+
+
+def _plain(key: Any) -> str:
+    """A key as written when it is plain text, else quoted: every message stays one line."""
+    text = str(key)
+    return text if text and text.isprintable() and text.strip() == text else repr(text)
 
 
 def _repeated_items(

@@ -393,3 +393,17 @@ def test_an_empty_clip_says_what_it_needs() -> None:
     assert problem.message == (
         "a clip needs max_norm (clip by norm) or min and/or max (clamp values)"
     )
+
+
+def test_a_second_action_key_that_is_not_plain_text_is_quoted_in_one_line() -> None:
+    """Found by the fuzz tests: a key with a line break made the message two lines."""
+    problems = problems_of("""
+        - name: r
+          match: {modules: ["**"]}
+          trigger: {at: forward}
+          actions:
+            - {capture: {stats: [l2_norm]}, "\\n": []}
+    """)
+    assert all("\n" not in p.message for p in problems), problems
+    assert any(p.message == "an actions item holds exactly one action, found capture and '\\n'; "
+                            "write '\\n' as its own list item" for p in problems), problems
