@@ -130,6 +130,7 @@ class Readback:
             pass_start = time.perf_counter()
             rs = p.rule
             firing: dict[str, bool] = {}
+            logged: dict[tuple[int, Optional[LogSink]], list[dict[str, Any]]] = defaultdict(list)  # one write per sink
             for index, action in p.op.actions:
                 for (module, tensor), stats in p.statistics(action.per):
                     base = {"time": now, "step": self._step, "rank": self.rank, "policy": rs.policy.name,
@@ -139,7 +140,7 @@ class Readback:
                             published[(stat_family(p.target, stat), (*rs.key, module, tensor))] = stats[stat]
                         if action.log is not None:
                             shown = {s: _json_number(stats[s]) for s in action.stats}
-                            self._write_log(rs, index, action.log, {**base, "stats": shown})
+                            logged[(index, action.log)].append({**base, "stats": shown})
                         continue
                     fired = self._evaluate_alert(rs, index, action, module, tensor, stats)
                     firing[action.severity] = firing.get(action.severity, False) or fired
@@ -147,7 +148,7 @@ class Readback:
                         continue
                     message = _render(action, base, stats)
                     self.store.inc("hookpolicy_alerts", (*rs.key, action.severity))
-                    self._write_log(rs, -1, None, {
+                    logged[(-1, None)].append({
                         **base, "stats": {k: _json_number(v) for k, v in stats.items()}, "event": "alert",
                         "severity": action.severity, "then": action.then, "mode": rs.mode, "message": message,
                     })
@@ -157,6 +158,8 @@ class Readback:
                             self.store.inc("hookpolicy_skipped_steps", rs.key)
                         elif action.then == "halt" and halt is None:
                             halt = Halt(rs.policy.name, rs.rule.name, self._step, message)
+            for (index, sink), records in logged.items():
+                self._write_log(rs, index, sink, records)
             for severity, on in firing.items():
                 self.store.set("hookpolicy_alert_firing", (*rs.key, severity), 1.0 if on else 0.0)
             self.seconds[rs.key] += fetch_share + time.perf_counter() - pass_start
@@ -195,8 +198,8 @@ class Readback:
                 self._fail(rs, exc)
                 return
 
-    def _write_log(self, rs: RuleState, index: int, sink: Optional[LogSink], record: dict[str, Any]) -> None:
-        """Append a record to a capture's JSON lines (by action index; -1: the alert stream, stderr).
+    def _write_log(self, rs: RuleState, index: int, sink: Optional[LogSink], records: list[dict[str, Any]]) -> None:
+        """Append one step's records to a capture's JSON lines (by action index; -1: the alert stream, stderr).
 
         A sink that cannot write (a full disk, a folder that is a file, a symlink out of the
         output folder) is a fault of the rule, handled by `onError` like a raising hook.
@@ -207,7 +210,7 @@ class Readback:
             writer = rs.logs.get(index)
             if writer is None:
                 writer = rs.logs[index] = JsonLines(self._root, sink)
-            writer.write([record])
+            writer.write(records)
         except OSError as exc:
             self._fail(rs, exc)
 

@@ -60,8 +60,8 @@ class JsonLines:
     """One JSON object a line, to a file under the output root or to stderr.
 
     A file is rotated (`path` -> `path.1` -> ... -> `path.<keep>`, the oldest dropped)
-    before a write would take it past `max_bytes`, so it exceeds that only when one
-    record alone does. The ranks of a machine may share a file: each write goes to the
+    before a write would take it past `max_bytes`, so it exceeds that only when one write
+    alone does (the readback writes a rule's records of a step at once). The ranks of a machine may share a file: each write goes to the
     file now at the path, so a writer follows a rotation another process made (as
     logging's `WatchedFileHandler` does). Two processes rotating at the same moment may
     drop one rotated file between them; the bound holds.

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from torch.utils.checkpoint import checkpoint
 
 import hookpolicy
+from hookpolicy import sinks
 from hookpolicy import Halt
 
 HEADER = "apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata: {name: p}\nspec:\n"
@@ -617,8 +618,12 @@ def test_log_records_are_json_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPa
           actions: [{capture: {stats: [l2_norm, nonfinite], per: tensor, log: {path: logs/g.jsonl}}}]
     """)
     model, opt = fresh()
+    writes: list[int] = []
+    write = sinks.JsonLines.write
+    monkeypatch.setattr(sinks.JsonLines, "write", lambda self, records: (writes.append(len(records)), write(self, records)))
     with pol.attach(model):
         train(model, opt, batches(2))
+    assert writes == [2, 2]  # a step's records of the rule go out in one write
     lines = [json.loads(line) for line in (tmp_path / "logs/g.jsonl").read_text().splitlines()]
     assert len(lines) == 4
     assert set(lines[0]) == {"time", "step", "rank", "policy", "rule", "module", "target", "tensor", "stats"}
