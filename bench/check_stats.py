@@ -1,4 +1,4 @@
-"""Check `hookpolicy.stats` and `clip_norm` against float64 PyTorch references (a few seconds).
+"""Check `hookpolicy.engine.stats` and `clip_norm` against float64 PyTorch references (a few seconds).
 
     python bench/check_stats.py
 
@@ -17,9 +17,9 @@ import sys
 
 import torch
 
-from hookpolicy import stats
-from hookpolicy.actions import clip_norm
-from hookpolicy.stats import combine, finish, partials_for, resolve_counts, tensor_partials
+from hookpolicy.engine import stats
+from hookpolicy.engine.actions import clip_norm
+from hookpolicy.engine.stats import combine, finish, partials_for, resolve_counts, tensor_partials
 
 ALL = ("l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel")
 SETS = (ALL, ("l2_norm", "abs_max", "nonfinite"), ("nonfinite",), ("std",), ("mean",), ("l2_norm", "nonfinite"),

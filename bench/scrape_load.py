@@ -12,7 +12,7 @@ one every 15 s) and parsing what it gets, and 2 s without again; the slowdown is
 median step under load over the median step without. Servers, one
 fresh training process each, taken in turn (A B C, A B C, ...):
 
-- `hookpolicy`: the policy attached and its registry served by `hookpolicy.exporter.serve`
+- `hookpolicy`: the policy attached and its registry served by `hookpolicy.export.exporter.serve`
   (what `hookpolicy apply --metrics-port` runs);
 - `stock`: the same registry served by prometheus_client's `start_http_server` (a thread
   per request, a fresh rendering per scrape);
@@ -60,7 +60,7 @@ def train(server: str, port: int, layers: int, folder: Path) -> None:
     from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
     import hookpolicy
-    from hookpolicy.exporter import serve
+    from hookpolicy.export.exporter import serve
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

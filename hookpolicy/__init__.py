@@ -15,13 +15,13 @@ from .errors import Halt, HookPolicyError, PolicyError, Problem
 
 if TYPE_CHECKING:
     from .api import PolicySet, load
-    from .runtime import Attached
+    from .engine.runtime import Attached
 
 __version__ = "0.1.0"
 
 __all__ = ["Attached", "Halt", "HookPolicyError", "PolicyError", "PolicySet", "Problem", "load", "__version__"]
 
-_LAZY = {"load": "api", "PolicySet": "api", "Attached": "runtime"}
+_LAZY = {"load": "api", "PolicySet": "api", "Attached": "engine.runtime"}
 
 
 def __getattr__(name: str) -> Any:

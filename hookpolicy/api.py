@@ -10,10 +10,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from .errors import Halt
-from .loader import load_sources
-from .model import Policy
-from .plan import Plan, build_plan
-from .runtime import Attached
+from .policy.loader import load_sources
+from .policy.model import Policy
+from .plan.planner import Plan, build_plan
+from .engine.runtime import Attached
 
 __all__ = ["PolicySet", "load"]
 

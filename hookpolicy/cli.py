@@ -20,8 +20,8 @@ import click
 
 from . import __version__
 from .errors import PolicyError
-from .loader import policy_dirs_from_env
-from .model import Policy
+from .policy.loader import policy_dirs_from_env
+from .policy.model import Policy
 
 __all__ = ["cli", "main"]
 
@@ -49,7 +49,7 @@ def _sources(policies: Sequence[str]) -> list[str]:
 
 
 def _load(sources: Sequence[str]) -> tuple[Policy, ...]:
-    from .loader import load_sources
+    from .policy.loader import load_sources
 
     try:
         return load_sources(list(sources))
@@ -239,7 +239,7 @@ def apply(
     Exits with COMMAND's status, 3 when a policy halted training, 1 (running nothing)
     when a policy is invalid.
     """
-    from .launch import Launch, run
+    from .apply.launch import Launch, run
 
     command: list[str] = ctx.meta.get(_COMMAND_KEY, [])
     if not command:
@@ -256,7 +256,7 @@ def apply(
 @cli.command()
 def schema() -> None:
     """Print the JSON Schema of policy files (for editors and CI)."""
-    from .schema import schema_json
+    from .policy.schema import schema_json
 
     text = schema_json()
     click.echo(text, nl=not text.endswith("\n"))
@@ -271,7 +271,7 @@ def export() -> None:
 @click.argument("policies", nargs=-1, metavar="POLICY...")
 def export_prometheus_rules(policies: tuple[str, ...]) -> None:
     """Prometheus alerting rules for the policies' alerts (promtool check rules passes)."""
-    text = _export_module("export").prometheus_rules(_load(_sources(policies)))
+    text = _export_module("rules").prometheus_rules(_load(_sources(policies)))
     click.echo(text, nl=not text.endswith("\n"))
 
 
@@ -285,7 +285,7 @@ def export_grafana(policies: tuple[str, ...]) -> None:
 
 def _export_module(name: str) -> Any:
     try:
-        return importlib.import_module(f"hookpolicy.{name}")
+        return importlib.import_module(f"hookpolicy.export.{name}")
     except ImportError as exc:
         raise click.ClickException(f"the exporters are not available in this installation ({exc})") from None
 

@@ -29,9 +29,9 @@ from torch import nn
 
 import hookpolicy
 from conftest import REPO
-from hookpolicy.discovery import Discovery
-from hookpolicy.exporter import RENDER_INTERVAL
-from hookpolicy.launch import BOOTSTRAP_DIR
+from hookpolicy.apply.discovery import Discovery
+from hookpolicy.export.exporter import RENDER_INTERVAL
+from hookpolicy.apply.launch import BOOTSTRAP_DIR
 from child_scripts import HOOK_REPORT
 
 MONITOR = str(REPO / "policies" / "example-monitor.yaml")

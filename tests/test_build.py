@@ -7,12 +7,12 @@ import textwrap
 
 import pytest
 
-from hookpolicy import build
-from hookpolicy.build import build_policy, check_semantics
+from hookpolicy.policy import build
+from hookpolicy.policy.build import build_policy, check_semantics
 from hookpolicy.errors import PolicyError, Problem
-from hookpolicy.expr import parse
-from hookpolicy.loader import parse_document
-from hookpolicy.model import (
+from hookpolicy.policy.expr import parse
+from hookpolicy.policy.loader import parse_document
+from hookpolicy.policy.model import (
     Alert, Capture, Clip, LogSink, Match, Policy, Rule, Scale, TensorFiles, Trigger,
 )
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 from conftest import REPO
 from hookpolicy import __version__
 from hookpolicy.cli import cli
-from hookpolicy.schema import schema_json
+from hookpolicy.policy.schema import schema_json
 
 MONITOR = str(REPO / "policies" / "example-monitor.yaml")
 PROBLEM = re.compile(r"^(?P<file>.+):(?P<line>\d+):(?P<col>\d+): (?P<path>\$\S*): (?P<message>.+)$")
@@ -234,7 +234,7 @@ def test_schema_prints_the_json_schema() -> None:
 
 
 def test_export_verbs() -> None:
-    pytest.importorskip("hookpolicy.export")
+    pytest.importorskip("hookpolicy.export.rules")
     rules = invoke("export", "prometheus-rules", MONITOR)
     assert rules.exit_code == 0, rules.output
     assert "groups" in rules.stdout

@@ -1,4 +1,4 @@
-"""`hookpolicy.export`: Prometheus rules checked and unit-tested by the real promtool, and a
+"""`hookpolicy.export.rules`: Prometheus rules checked and unit-tested by the real promtool, and a
 Grafana dashboard whose every query names a metric family the policy really exports."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 import hookpolicy
-from hookpolicy.export import exported_families, prometheus_rules
-from hookpolicy.grafana import grafana_dashboard
-from hookpolicy.metrics import ENGINE_FAMILIES
-from hookpolicy.model import Alert, Capture, Policy
+from hookpolicy.export.rules import exported_families, prometheus_rules
+from hookpolicy.export.grafana import grafana_dashboard
+from hookpolicy.export.metrics import ENGINE_FAMILIES
+from hookpolicy.policy.model import Alert, Capture, Policy
 from test_policies import make_model, train_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,7 +128,7 @@ def test_rules_cover_every_alert_with_a_group_per_policy() -> None:
                 assert generated["labels"]["policy"] == policy.name
                 mine = [a for a in alerts if a.severity == severity]
                 event = any(a.then in ("skip_step", "halt") or a.for_ == 1 for a in mine)
-                if event:  # the `for:` mapping (see hookpolicy.export)
+                if event:  # the `for:` mapping (see hookpolicy.export.rules)
                     assert generated["for"] == "0s" and "increase(hookpolicy_alerts_total{" in generated["expr"]
                 else:
                     assert generated["for"] == "1m" and generated["expr"].startswith("hookpolicy_alert_firing{")

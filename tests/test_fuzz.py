@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry
 
 import hookpolicy
 from hookpolicy import Halt, PolicyError, PolicySet, Problem
-from hookpolicy.loader import MAX_BYTES, MAX_DEPTH
+from hookpolicy.policy.loader import MAX_BYTES, MAX_DEPTH
 
 import test_build
 

@@ -1,4 +1,4 @@
-"""Tests of hookpolicy.matcher: glob semantics, types, root/exclude, params, wrappers."""
+"""Tests of hookpolicy.plan.matcher: glob semantics, types, root/exclude, params, wrappers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from hookpolicy.matcher import (
+from hookpolicy.plan.matcher import (
     WRAPPER_SEGMENTS,
     Matcher,
     ModuleEntry,
@@ -22,7 +22,7 @@ from hookpolicy.matcher import (
     select,
     type_matches,
 )
-from hookpolicy.model import Match
+from hookpolicy.policy.model import Match
 
 # --------------------------------------------------------------------------- fixture model
 
@@ -258,7 +258,7 @@ def test_none_children_are_skipped() -> None:
 
 
 def test_matcher_module_never_imports_torch() -> None:
-    import hookpolicy.matcher as matcher
+    import hookpolicy.plan.matcher as matcher
 
     tree = ast.parse(Path(matcher.__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

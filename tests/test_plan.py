@@ -8,7 +8,7 @@ from pathlib import Path
 import torch.nn as nn
 
 import hookpolicy
-from hookpolicy.plan import build_plan
+from hookpolicy.plan.planner import build_plan
 
 
 def load(tmp_path: Path, name: str, rules: str) -> hookpolicy.PolicySet:

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 import hookpolicy
-from hookpolicy.export import prometheus_rules
+from hookpolicy.export.rules import prometheus_rules
 from test_policies import make_model, train_then_evaluate
 
 TESTS = Path(__file__).resolve().parent

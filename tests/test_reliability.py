@@ -43,9 +43,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import hookpolicy
 from hookpolicy import Halt, HookPolicyError, PolicySet
-from hookpolicy import sinks
-from hookpolicy.model import LogSink
-from hookpolicy.runtime import MAX_ERRORS
+from hookpolicy.export import sinks
+from hookpolicy.policy.model import LogSink
+from hookpolicy.engine.runtime import MAX_ERRORS
 
 from conftest import REPO
 from child_scripts import HOOK_REPORT
@@ -1030,8 +1030,8 @@ def test_the_exporter_listens_with_room_for_fifty_simultaneous_connections(free_
 
 @contextlib.contextmanager
 def served(registry: CollectorRegistry, port: int, **options: Any) -> Iterator[Any]:
-    """`hookpolicy.exporter.serve` for the length of a `with`, shut down after."""
-    from hookpolicy.exporter import serve
+    """`hookpolicy.export.exporter.serve` for the length of a `with`, shut down after."""
+    from hookpolicy.export.exporter import serve
 
     server = serve(registry, port, **options)
     assert server is not None
@@ -1063,7 +1063,7 @@ def get(app: Callable[..., Any], **environ: str) -> tuple[str, bytes]:
 
 
 def test_a_rendering_is_served_again_until_the_interval_is_over() -> None:
-    from hookpolicy.exporter import RenderCache
+    from hookpolicy.export.exporter import RenderCache
 
     now = [100.0]
     app = CountingApp()
@@ -1078,7 +1078,7 @@ def test_a_rendering_is_served_again_until_the_interval_is_over() -> None:
 
 
 def test_scrapes_arriving_together_share_one_rendering() -> None:
-    from hookpolicy.exporter import RenderCache
+    from hookpolicy.export.exporter import RenderCache
 
     app = CountingApp(pause=0.2)
     cache = RenderCache(app, interval=60.0)
@@ -1092,7 +1092,7 @@ def test_scrapes_arriving_together_share_one_rendering() -> None:
 
 
 def test_clients_cannot_grow_the_rendering_cache_without_bound() -> None:
-    from hookpolicy.exporter import RenderCache
+    from hookpolicy.export.exporter import RenderCache
 
     cache = RenderCache(CountingApp(), interval=60.0)
     for index in range(10 * RenderCache.MAX_KEYS):
@@ -1136,7 +1136,7 @@ def test_a_rendering_that_raises_is_a_500_and_one_line_never_a_traceback(
 def test_a_request_that_fails_in_the_server_is_one_line_on_stderr(
     free_port: int, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
 ) -> None:
-    from hookpolicy import exporter
+    from hookpolicy.export import exporter
 
     def broken(self: Any) -> None:
         raise ValueError("bad request handling")
@@ -1151,7 +1151,7 @@ def test_a_request_that_fails_in_the_server_is_one_line_on_stderr(
 def test_a_stalled_client_holds_the_other_scrapes_back_no_longer_than_the_request_timeout(
     free_port: int, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
 ) -> None:
-    from hookpolicy import exporter
+    from hookpolicy.export import exporter
 
     monkeypatch.setattr(exporter._QuietHandler, "timeout", 0.5)
     with served(CollectorRegistry(), free_port):

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from torch.utils.checkpoint import checkpoint
 
 import hookpolicy
-from hookpolicy import sinks
+from hookpolicy.export import sinks
 from hookpolicy import Halt
 
 HEADER = "apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata: {name: p}\nspec:\n"
@@ -140,7 +140,7 @@ _last: dict[tuple[str, str], float] = {}
 @pytest.fixture(autouse=True)
 def _keep_last_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """Record every published statistic: gauges are removed when a policy detaches."""
-    from hookpolicy import metrics
+    from hookpolicy.export import metrics
 
     original = metrics.MetricsStore.set_stats
     _last.clear()
@@ -663,7 +663,7 @@ def test_failing_rule_is_contained_then_switched_off(tmp_path: Path, monkeypatch
           trigger: {at: forward}
           actions: [{capture: {stats: [l2_norm]}}]
     """)
-    from hookpolicy import runtime
+    from hookpolicy.engine import runtime
 
     def explode(*a: Any, **k: Any) -> Any:
         raise RuntimeError("kaboom")
@@ -686,7 +686,7 @@ def test_on_error_halt_stops_training(tmp_path: Path, monkeypatch: pytest.Monkey
           trigger: {at: forward}
           actions: [{capture: {stats: [l2_norm]}}]
     """, spec="onError: halt\n")
-    from hookpolicy import runtime
+    from hookpolicy.engine import runtime
 
     monkeypatch.setattr(runtime, "tensor_partials", lambda *a: 1 / 0)
     model, opt = fresh()

@@ -28,10 +28,11 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 import hookpolicy
-from hookpolicy import PolicyError, loader
-from hookpolicy.expr import STAT_NAMES, Compare, ExprError, Junction, parse
-from hookpolicy.sinks import SinkError, TensorWriter, file_name, safe_path
-from hookpolicy.model import TensorFiles
+from hookpolicy import PolicyError
+from hookpolicy.policy import loader
+from hookpolicy.policy.expr import STAT_NAMES, Compare, ExprError, Junction, parse
+from hookpolicy.export.sinks import SinkError, TensorWriter, file_name, safe_path
+from hookpolicy.policy.model import TensorFiles
 
 from conftest import REPO
 from test_reliability import served
@@ -372,8 +373,9 @@ def test_safe_path_refuses_escapes_with_a_sink_error(tmp_path: Path, relative: s
 
 
 def test_the_exporter_binds_loopback_unless_told_otherwise(free_port: int) -> None:
-    from hookpolicy import child, cli, launch
-    from hookpolicy.exporter import serve
+    from hookpolicy.apply import child, launch
+    from hookpolicy import cli
+    from hookpolicy.export.exporter import serve
 
     assert inspect.signature(serve).parameters["addr"].default == "127.0.0.1"
     assert launch.Launch(sources=()).metrics_addr == "127.0.0.1"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .matcher import Matcher, iter_modules
-from .model import PARAM_TARGETS, Action, Alert, Capture, Clip, Policy, Rule, Scale
+from ..policy.model import PARAM_TARGETS, Action, Alert, Capture, Clip, Policy, Rule, Scale
 
 __all__ = ["Binding", "Plan", "build_plan", "describe_action"]
 

@@ -29,17 +29,17 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from prometheus_client import CollectorRegistry
 
-from .api import PolicySet
+from ..api import PolicySet
 from .discovery import RELOAD_GAUGE, Discovery, say
-from .errors import Halt, PolicyError
-from .exporter import serve
+from ..errors import Halt, PolicyError
+from ..export.exporter import serve
 from .launch import (
     ENV_AUDIT, ENV_METRICS_ADDR, ENV_METRICS_PORT, ENV_POLICIES, ENV_RUN_DIR, ENV_WATCH,
     ENV_WATCH_INTERVAL,
 )
-from .loader import expand_sources, load_sources
-from .metrics import store_for
-from .runtime import Attached
+from ..policy.loader import expand_sources, load_sources
+from ..export.metrics import store_for
+from ..engine.runtime import Attached
 
 __all__ = ["ChildConfig", "Reloader", "bootstrap"]
 

@@ -17,9 +17,9 @@ import string
 import unicodedata
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
-from .errors import PolicyError, Problem
+from ..errors import PolicyError, Problem
 from .expr import ExprError, parse
-from .matcher import compile_glob
+from ..plan.matcher import compile_glob
 from .model import (
     HOOK_POINTS, PARAM_TARGETS, STATS, TARGETS, Action, Alert, Capture, Clip, LogSink, Match,
     Policy, Rule, Scale, TensorFiles, Trigger,

@@ -37,7 +37,7 @@ from yaml.resolver import Resolver
 from yaml.scanner import Scanner
 
 from .build import build_policy
-from .errors import PolicyError, Problem
+from ..errors import PolicyError, Problem
 from .model import Policy
 
 __all__ = [

@@ -22,11 +22,11 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 
 from .actions import Program, StatsOp
-from .errors import Halt
-from .metrics import MetricsStore, stat_family
-from .model import Alert, Capture, LogSink, Policy, Rule
-from .plan import Binding
-from .sinks import BudgetSpent, JsonLines, TensorWriter
+from ..errors import Halt
+from ..export.metrics import MetricsStore, stat_family
+from ..policy.model import Alert, Capture, LogSink, Policy, Rule
+from ..plan.planner import Binding
+from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
 from .stats import combine, finish, resolve_counts
 
 __all__ = ["MAX_ERRORS", "Entry", "Readback", "RuleState"]

@@ -13,8 +13,8 @@ import hashlib
 import json
 from typing import Any, Iterable, Sequence
 
-from .export import STALL_SECONDS, promql_string, stat_families
-from .model import STATS, Capture, Policy, Rule
+from .rules import STALL_SECONDS, promql_string, stat_families
+from ..policy.model import STATS, Capture, Policy, Rule
 
 __all__ = ["grafana_dashboard"]
 

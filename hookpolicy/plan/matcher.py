@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
-from .model import Match
+from ..policy.model import Match
 
 __all__ = [
     "PatternError", "compile_glob", "WRAPPER_SEGMENTS", "ModuleEntry", "iter_modules",

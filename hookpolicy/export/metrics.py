@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .model import STATS, TARGETS
+from ..policy.model import STATS, TARGETS
 
 __all__ = ["ENGINE_FAMILIES", "STAT_LABELS", "MetricsStore", "StoreCollector", "store_for", "stat_family"]
 

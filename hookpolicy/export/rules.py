@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import yaml
 
 from .metrics import ENGINE_FAMILIES, stat_family
-from .model import Alert, Capture, Policy, Rule
+from ..policy.model import Alert, Capture, Policy, Rule
 
 __all__ = [
     "ALERT_WINDOW", "CONDITION_FOR", "STALL_SECONDS", "exported_families", "stat_families",

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional, TextIO
 
 import torch
 
-from .model import LogSink, TensorFiles
+from ..policy.model import LogSink, TensorFiles
 
 __all__ = [
     "BudgetSpent", "SinkError", "TEMP_PREFIX", "file_name", "output_root", "safe_path", "JsonLines",

@@ -49,9 +49,9 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .api import PolicySet
-from .errors import Halt
-from .runtime import Attached
+from ..api import PolicySet
+from ..errors import Halt
+from ..engine.runtime import Attached
 
 __all__ = ["Discovery", "RELOAD_GAUGE", "say"]
 

@@ -18,7 +18,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .model import Alert, Capture, Clip, Rule, Scale, TensorFiles
+from ..policy.model import Alert, Capture, Clip, Rule, Scale, TensorFiles
 from .stats import partials_for
 
 __all__ = ["StatsOp", "MutateOp", "Program", "compile_rule", "mutate", "clip_norm"]

@@ -30,12 +30,12 @@ from prometheus_client import CollectorRegistry
 from torch.utils.hooks import RemovableHandle
 
 from .actions import StatsOp, compile_rule, mutate
-from .errors import Halt, HookPolicyError
-from .metrics import MetricsStore, store_for
-from .model import Alert, Policy, Rule
-from .plan import Binding, Plan, build_plan
+from ..errors import Halt, HookPolicyError
+from ..export.metrics import MetricsStore, store_for
+from ..policy.model import Alert, Policy, Rule
+from ..plan.planner import Binding, Plan, build_plan
 from .readback import MAX_ERRORS, Entry, Readback, RuleState
-from .sinks import output_root
+from ..export.sinks import output_root
 from .stats import tensor_partials
 from .steps import StepTracker
 from .structure import named_tensors, replace_tensors, selector

@@ -7,13 +7,13 @@ start-up, as `site` does with any `sitecustomize`. It must cost (close to) nothi
 - it imports neither torch nor hookpolicy (importing torch takes over a second);
 - it puts a one-shot finder on `sys.meta_path` that notices when the process imports
   `torch` and, right after torch has finished importing, calls
-  `hookpolicy.child.bootstrap()`, which loads the policies and starts watching for
+  `hookpolicy.apply.child.bootstrap()`, which loads the policies and starts watching for
   models; a process that never imports torch never loads hookpolicy at all;
 - it then runs the `sitecustomize` this one shadows (the next one on `sys.path`, e.g. a
   distribution's), so installing hookpolicy's hook takes nothing away.
 
 The environment variable names are spelled out here rather than imported from
-`hookpolicy.launch`, because importing the package would import torch.
+`hookpolicy.apply.launch`, because importing the package would import torch.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class _AfterTorch(importlib.abc.Loader):
 
 def _start() -> None:
     try:
-        from hookpolicy.child import bootstrap
+        from hookpolicy.apply.child import bootstrap
     except ImportError as exc:
         sys.stderr.write(
             f"hookpolicy: error: {sys.executable} cannot import hookpolicy ({exc}); install "

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 from jsonschema import Draft7Validator
 from jsonschema.exceptions import ValidationError
 
-from .errors import Problem
+from ..errors import Problem
 from .model import API_VERSION, KIND
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def schema() -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=1)
 def _schema_text() -> str:
-    return importlib.resources.files("hookpolicy").joinpath(SCHEMA_FILE).read_text("utf-8")
+    return importlib.resources.files("hookpolicy.policy").joinpath(SCHEMA_FILE).read_text("utf-8")
 
 
 @functools.lru_cache(maxsize=1)
