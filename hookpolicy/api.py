@@ -10,7 +10,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from .errors import Halt
-from .policy.loader import load_sources
+from .policy.sources import load_sources
 from .policy.model import Policy
 from .plan.planner import Plan, build_plan
 from .engine.runtime import Attached

@@ -20,7 +20,7 @@ import click
 
 from . import __version__
 from .errors import PolicyError
-from .policy.loader import policy_dirs_from_env
+from .policy.sources import policy_dirs_from_env
 from .policy.model import Policy
 
 __all__ = ["cli", "main"]
@@ -49,7 +49,7 @@ def _sources(policies: Sequence[str]) -> list[str]:
 
 
 def _load(sources: Sequence[str]) -> tuple[Policy, ...]:
-    from .policy.loader import load_sources
+    from .policy.sources import load_sources
 
     try:
         return load_sources(list(sources))

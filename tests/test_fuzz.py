@@ -105,7 +105,7 @@ spec:
 SEEDS = (SPEC_EXAMPLE, EVERY_HOOK, MINIMAL)
 SEED_DATA = tuple(yaml.safe_load(text) for text in SEEDS)
 
-#: `$`, then `.key`, `[index]` or `['quoted key']` segments (`loader.json_path`).
+#: `$`, then `.key`, `[index]` or `['quoted key']` segments (`document.json_path`).
 JSON_PATH = re.compile(r"\$(?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\]|\['(?:[^'\\]|\\.)*'\])*\Z", re.S)
 
 #: Examples per property; raise it for a longer hunt (`HOOKPOLICY_FUZZ_EXAMPLES=5000 pytest ...`).

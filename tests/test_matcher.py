@@ -16,13 +16,12 @@ from hookpolicy.plan.matcher import (
     WRAPPER_SEGMENTS,
     Matcher,
     ModuleEntry,
-    PatternError,
-    compile_glob,
     iter_modules,
     select,
     type_matches,
 )
 from hookpolicy.policy.model import Match
+from hookpolicy.policy.patterns import PatternError, compile_glob
 
 # --------------------------------------------------------------------------- fixture model
 

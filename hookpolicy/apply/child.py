@@ -37,7 +37,7 @@ from .launch import (
     ENV_AUDIT, ENV_METRICS_ADDR, ENV_METRICS_PORT, ENV_POLICIES, ENV_RUN_DIR, ENV_WATCH,
     ENV_WATCH_INTERVAL,
 )
-from ..policy.loader import expand_sources, load_sources
+from ..policy.sources import expand_sources, load_sources
 from ..export.metrics import store_for
 from ..engine.runtime import Attached
 

@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
 
 from ..errors import PolicyError, Problem
 from .expr import ExprError, parse
-from ..plan.matcher import compile_glob
 from .model import (
     HOOK_POINTS, PARAM_TARGETS, STATS, TARGETS, Action, Alert, Capture, Clip, LogSink, Match,
     Policy, Rule, Scale, TensorFiles, Trigger,
 )
+from .patterns import compile_glob
 from .schema import validate
 
 if TYPE_CHECKING:
-    from .loader import Document, JsonPath
+    from .document import Document, JsonPath
 
 __all__ = ["MESSAGE_FIELDS", "build_policy", "check_semantics"]
 
@@ -207,7 +207,7 @@ class _Checker:
     def pattern(self, pattern: str, path: JsonPath) -> None:
         try:
             compile_glob(pattern)
-        except ValueError as exc:  # matcher.PatternError, a ValueError with the reason
+        except ValueError as exc:  # patterns.PatternError, a ValueError with the reason
             self.add(path, str(exc))
         except (RecursionError, OverflowError) as exc:  # from re.compile on absurd regexes
             self.add(path, f"invalid pattern {pattern!r}: {exc}")

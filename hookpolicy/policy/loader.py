@@ -7,20 +7,18 @@ This loader uses PyYAML's pure-Python scanner and parser, composes the node tree
 and refuses all of these, each as a `Problem` with the file, line, column and JSON path,
 so that `hookpolicy check` can print every one of them and no traceback.
 
-The flow is one-way: `read_document` (here) gives a Document, `build.build_policy`
-checks it (`schema.validate`, then the semantic checks) and builds the Policy, and
-`load_sources` does both for every file it is given. `schema` and `build` import
-`Document` for type checking only, so the imports point one way too. Nothing on this
-side imports torch.
+The flow is one-way: `read_document` (here) gives a `document.Document`,
+`build.build_policy` checks it (`schema.validate`, then the semantic checks) and builds
+the Policy, and `sources.load_sources` does both for every file it is given. Loader and
+builder share only `document`, and neither imports `sources`. Nothing on this side
+imports torch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import re
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union, cast
+from typing import Any, Optional, Union, cast
 
 import yaml
 from yaml.composer import Composer
@@ -36,15 +34,10 @@ from yaml.reader import Reader
 from yaml.resolver import Resolver
 from yaml.scanner import Scanner
 
-from .build import build_policy
 from ..errors import PolicyError, Problem
-from .model import Policy
+from .document import Document, JsonPath, Position, json_path
 
-__all__ = [
-    "MAX_BYTES", "MAX_DEPTH", "ENV_POLICY_DIRS", "JsonPath", "Document", "json_path",
-    "read_document", "parse_document", "expand_sources", "load_sources",
-    "policy_dirs_from_env",
-]
+__all__ = ["MAX_BYTES", "MAX_DEPTH", "Source", "read_document", "parse_document"]
 
 #: A policy file larger than this is refused before it is parsed.
 MAX_BYTES = 1 << 20
@@ -52,84 +45,14 @@ MAX_BYTES = 1 << 20
 MAX_DEPTH = 64
 #: After this many problems in one file the YAML layer stops looking for more.
 MAX_PROBLEMS = 100
-#: Colon-separated folders whose policies `hookpolicy apply` always applies.
-ENV_POLICY_DIRS = "HOOKPOLICY_POLICY_DIRS"
 
-JsonPath = tuple[Union[str, int], ...]
-Position = tuple[int, int]
 Source = Union[str, "os.PathLike[str]"]
 
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _TAG = "tag:yaml.org,2002:"
 _KIND_OF_TAG = {
     _TAG + "int": "an integer", _TAG + "float": "a number",
     _TAG + "bool": "a boolean", _TAG + "null": "null",
 }
-
-
-def json_path(path: JsonPath) -> str:
-    """`('spec', 'rules', 0, 'match')` -> `$.spec.rules[0].match`."""
-    parts = ["$"]
-    for part in path:
-        if isinstance(part, int):
-            parts.append(f"[{part}]")
-        elif _IDENTIFIER.match(part):
-            parts.append(f".{part}")
-        else:
-            parts.append(f"['{_escape_key(part)}']")
-    return "".join(parts)
-
-
-_KEY_ESCAPES = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape_key(key: str) -> str:
-    """A key quoted for a JSON path on one line: line breaks and other unprintables escaped.
-
-    A key may hold any character YAML allows, including line breaks (`"a\\nb": 1`,
-    U+2028); printed raw, one problem would span several lines of `hookpolicy check`.
-    """
-    return "".join(
-        _KEY_ESCAPES.get(c) or (c if c.isprintable() else f"\\u{ord(c):04x}") for c in key
-    )
-
-
-@dataclass(frozen=True)
-class Document:
-    """A policy file's plain data with the 1-based position of every node.
-
-    `values` maps the JSON path of every value to where it starts; `keys` maps the path
-    of every mapping entry to where its key starts (an unknown key is reported at the
-    key, a wrong value at the value). `inline` holds, for scalars whose characters map
-    one to one onto the source line, where their first character is, so that a problem
-    found at a character offset inside a string (an `alert.if` that does not parse)
-    points at that very character.
-    """
-
-    file: str
-    revision: str
-    data: dict[str, Any]
-    values: Mapping[JsonPath, Position] = field(default_factory=dict)
-    keys: Mapping[JsonPath, Position] = field(default_factory=dict)
-    inline: Mapping[JsonPath, Position] = field(default_factory=dict)
-
-    def position(self, path: JsonPath, *, key: bool = False) -> Position:
-        """Where `path` starts; the nearest known ancestor for a path with no node."""
-        if key and path in self.keys:
-            return self.keys[path]
-        while path not in self.values and path:
-            path = path[:-1]
-        return self.values.get(path, (1, 1))
-
-    def problem(
-        self, path: JsonPath, message: str, *, key: bool = False, offset: Optional[int] = None
-    ) -> Problem:
-        """A Problem at `path` (its key with `key=True`, a character inside with `offset`)."""
-        line, column = self.position(path, key=key)
-        if offset is not None and path in self.inline:
-            line, column = self.inline[path]
-            column += offset
-        return Problem(self.file, line, column, json_path(path), message)
 
 
 # --------------------------------------------------------------------------- composing
@@ -493,83 +416,3 @@ def _syntax_problem(exc: yaml.MarkedYAMLError, text: str, file: str, path: JsonP
             where = f" (line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1})"
         message = f"{exc.context}{where}: {message}"
     return Problem(file, line, column, json_path(path), f"invalid YAML: {message}")
-
-
-# --------------------------------------------------------------------------- sources
-
-
-def policy_dirs_from_env(environ: Mapping[str, str]) -> list[str]:
-    """The folders named by HOOKPOLICY_POLICY_DIRS (colon-separated; empty entries ignored)."""
-    return [entry for entry in environ.get(ENV_POLICY_DIRS, "").split(":") if entry]
-
-
-def expand_sources(sources: Union[Source, Sequence[Source]]) -> tuple[list[str], list[Problem]]:
-    """The policy files named by `sources`: files as given, folders as their `*.yaml`/`*.yml`.
-
-    A folder's files are taken in name order, without descending into sub-folders and
-    without hidden files (a Kubernetes ConfigMap mount keeps its real files in `..data`).
-    """
-    if isinstance(sources, (str, os.PathLike)):
-        sources = [sources]
-    files: list[str] = []
-    problems: list[Problem] = []
-    for source in sources:
-        name = os.fspath(source)
-        if not os.path.isdir(name):
-            files.append(name)
-            continue
-        try:
-            found = _folder_files(name)
-        except OSError as exc:
-            reason = exc.strerror or str(exc)
-            problems.append(Problem(name, 0, 0, "$", f"cannot read the folder: {reason}"))
-            continue
-        if not found:
-            problems.append(Problem(name, 0, 0, "$", "the folder holds no *.yaml or *.yml files"))
-        files.extend(found)
-    return files, problems
-
-
-def _folder_files(folder: str) -> list[str]:
-    names = sorted(os.listdir(folder))
-    return [
-        os.path.join(folder, n) for n in names
-        if n.endswith((".yaml", ".yml")) and not n.startswith(".")
-        and os.path.isfile(os.path.join(folder, n))
-    ]
-
-
-def load_sources(sources: Union[Source, Sequence[Source]]) -> tuple[Policy, ...]:
-    """Load every policy named by `sources` (files and folders); all or nothing.
-
-    The problems of every file are collected and raised together as one PolicyError,
-    so a user fixes a whole set of files in one round. Policy names must be unique
-    across everything loaded together. An empty `sources` gives an empty tuple.
-    """
-    files, problems = expand_sources(sources)
-    loaded: list[tuple[Document, Policy]] = []
-    for file in files:
-        try:
-            document = read_document(file)
-            loaded.append((document, build_policy(document)))
-        except PolicyError as exc:
-            problems.extend(exc.problems)
-    problems.extend(_duplicate_names(loaded))
-    if problems:
-        raise PolicyError(problems)
-    return tuple(policy for _, policy in loaded)
-
-
-def _duplicate_names(loaded: Iterable[tuple[Document, Policy]]) -> list[Problem]:
-    first: dict[str, str] = {}
-    problems: list[Problem] = []
-    for document, policy in loaded:
-        if policy.name in first:
-            problems.append(document.problem(
-                ("metadata", "name"),
-                f"duplicate policy name {policy.name!r} (first in {first[policy.name]}); "
-                "policies applied together need unique names",
-            ))
-        else:
-            first[policy.name] = document.file
-    return problems

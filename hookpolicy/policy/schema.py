@@ -26,7 +26,7 @@ from ..errors import Problem
 from .model import API_VERSION, KIND
 
 if TYPE_CHECKING:
-    from .loader import Document, JsonPath
+    from .document import Document, JsonPath
 
 __all__ = ["SCHEMA_FILE", "schema", "schema_json", "validate"]
 
