@@ -15,9 +15,10 @@ import ntpath
 import re
 import string
 import unicodedata
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from ..errors import PolicyError, Problem
+from .document import Document, JsonPath
 from .expr import ExprError, parse
 from .model import (
     HOOK_POINTS, PARAM_TARGETS, STATS, TARGETS, Action, Alert, Capture, Clip, LogSink, Match,
@@ -25,9 +26,6 @@ from .model import (
 )
 from .patterns import compile_glob
 from .schema import validate
-
-if TYPE_CHECKING:
-    from .document import Document, JsonPath
 
 __all__ = ["MESSAGE_FIELDS", "build_policy", "check_semantics"]
 

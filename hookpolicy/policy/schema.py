@@ -17,16 +17,14 @@ import functools
 import importlib.resources
 import json
 import math
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from jsonschema import Draft7Validator
 from jsonschema.exceptions import ValidationError
 
 from ..errors import Problem
+from .document import Document, JsonPath
 from .model import API_VERSION, KIND
-
-if TYPE_CHECKING:
-    from .document import Document, JsonPath
 
 __all__ = ["SCHEMA_FILE", "schema", "schema_json", "validate"]
 
