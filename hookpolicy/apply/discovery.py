@@ -31,12 +31,12 @@ micro-batches of one step; an invalid one is reported on stderr and the old one 
 
 The traps: hooks here are global state of the process (like every
 `register_module_*` hook); PyTorch iterates the global optimizer hooks while it calls
-them, so nothing in this module attaches or detaches from inside an optimizer hook.
+them, so nothing in this module attaches or detaches from inside an optimizer step
+(`optimizer_hooks` owns those hooks and says what is safe there).
 """
 
 from __future__ import annotations
 
-import gc
 import sys
 import threading
 import weakref
@@ -46,11 +46,11 @@ from typing import Any, Callable, Optional
 import torch
 from prometheus_client import CollectorRegistry
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from ..api import PolicySet
 from ..errors import Halt
+from ..engine import heap, optimizer_hooks
 from ..engine.runtime import Attached
 
 __all__ = ["Discovery", "RELOAD_GAUGE", "say"]
@@ -76,7 +76,8 @@ class _Governed:
 class Discovery:
     """Finds the models a script trains and keeps the policies attached to them.
 
-    `install()` puts three process-wide hooks in place; `remove()` detaches everything
+    `install()` puts a process-wide module call hook in place and subscribes to the
+    optimizer steps (`optimizer_hooks`, first in order); `remove()` detaches everything
     and takes them off again (safe to call twice). See the module docstring for the rules.
     """
 
@@ -104,7 +105,7 @@ class Discovery:
         self._checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
         self._warned_orphans = False
         self._forward: Optional[RemovableHandle] = None
-        self._step_handles: list[RemovableHandle] = []
+        self._steps: Optional[optimizer_hooks.Subscription] = None
         self._removed = False
 
     # -- public ------------------------------------------------------------------------
@@ -119,10 +120,7 @@ class Discovery:
 
     def install(self) -> None:
         self._install_forward()
-        self._step_handles = [
-            register_optimizer_step_pre_hook(self._before_step),
-            register_optimizer_step_post_hook(self._after_step),
-        ]
+        self._steps = optimizer_hooks.subscribe(self, optimizer_hooks.DISCOVERY)
 
     def remove(self) -> None:
         """Detach every governed model and take the global hooks off; safe to call twice."""
@@ -130,9 +128,9 @@ class Discovery:
             return
         self._removed = True
         self._retire_forward()
-        for handle in self._step_handles:
-            handle.remove()
-        self._step_handles.clear()
+        if self._steps is not None:
+            self._steps.remove()
+            self._steps = None
         for governed in list(self._roots.values()):
             governed.attached.remove()
         self._roots.clear()
@@ -202,7 +200,7 @@ class Discovery:
         return None
 
     def _stepped_or_no_optimizer(self, module: torch.nn.Module) -> bool:
-        optimizers = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)]
+        optimizers = heap.live_optimizers()
         if not optimizers:
             return True
         params = {id(p) for p in module.parameters()}
@@ -215,9 +213,9 @@ class Discovery:
             if module is not None and id(module) not in self._roots:
                 self.govern(module)
 
-    # -- the global optimizer hooks ----------------------------------------------------
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """hook(optimizer, args, kwargs) -> None: checks that one governed model owns what it steps.
+    # -- optimizer steps (an optimizer_hooks subscriber, called before step tracking) ---
+    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check that one governed model owns what `optimizer` steps.
 
         Parameters nobody governs, or parameters split over several governed models (a
         model whose `forward` was called directly, so its children looked like models),
@@ -256,10 +254,11 @@ class Discovery:
         self._pending.extend(weakref.ref(m) for m in fresh)
         self._install_forward()
 
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """hook(optimizer, args, kwargs) -> None: a step ends; a pending reload may go in after it.
+    def after_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """A step ends; a pending reload may go in after it.
 
-        Runs before the runtime's own post-hook, so `attached.step` is still the step ending.
+        Called before step tracking (`optimizer_hooks.DISCOVERY` comes first), so
+        `attached.step` is still the step ending.
         """
         if self._next is None:
             return
@@ -342,7 +341,7 @@ def _known(cache: dict[int, "weakref.ref[torch.nn.Module]"], module: torch.nn.Mo
 
 def _outermost_owners(params: set[int]) -> list[torch.nn.Module]:
     """The modules no other module contains that own one of `params` (one scan of the heap)."""
-    modules = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
+    modules = heap.live_modules()
     children = {id(c) for m in modules for c in m.children()}
     return [
         m for m in modules

@@ -18,16 +18,13 @@ Traps this module handles:
 
 from __future__ import annotations
 
-import gc
 import logging
-import sys
 import weakref
-from types import FrameType
-from typing import Any, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils.hooks import RemovableHandle
+
+from . import heap, optimizer_hooks
 
 __all__ = ["StepTracker", "StepEvents"]
 
@@ -63,10 +60,10 @@ class StepTracker:
         self._stash: dict[int, list[Optional[torch.Tensor]]] = {}
         self._ending = False
         self._probe: Optional[torch.nn.Parameter] = None
-        _DISPATCH.add(self)
+        self._subscription = optimizer_hooks.subscribe(self, optimizer_hooks.STEP_TRACKING)
 
     def remove(self) -> None:
-        _DISPATCH.discard(self)
+        self._subscription.remove()
 
     # -- backward passes ---------------------------------------------------------------
     def output_grad_hook(self, grad: torch.Tensor) -> None:
@@ -92,7 +89,7 @@ class StepTracker:
 
     def _optimizer_exists(self) -> bool:
         """Whether some optimizer holds this model's parameters (a one-time scan of the heap)."""
-        return any(issubclass(type(o), torch.optim.Optimizer) and self._owns(o) for o in gc.get_objects())
+        return any(self._owns(o) for o in heap.live_optimizers())
 
     def _zero_grads(self) -> None:
         model = self._model_params()
@@ -116,7 +113,8 @@ class StepTracker:
             self._owned[optimizer] = owned
         return owned
 
-    def pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer_hooks` subscriber: evaluate the step at its first optimizer step."""
         if not self._owns(optimizer):
             return
         if self.mode != "optimizer":
@@ -131,7 +129,8 @@ class StepTracker:
         if self._skip:
             self._hide_grads(optimizer)
 
-    def post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def after_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer_hooks` subscriber: put hidden gradients back, end the step."""
         if not self._owns(optimizer):
             return
         stash = self._stash.pop(id(optimizer), None)
@@ -148,60 +147,3 @@ class StepTracker:
         self._stash[id(optimizer)] = [p.grad for p in params]
         for p in params:
             p.grad = None
-
-
-class _Dispatch:
-    """One pair of global optimizer step hooks for the process, calling every live tracker.
-
-    PyTorch iterates its global hook dicts while it calls them, so removing a handle
-    from inside an optimizer step (a `remove()` called from a hook, or a halt) would raise
-    `OrderedDict mutated during iteration`. Trackers come and go from this list instead;
-    the global hooks are unregistered when the last tracker leaves outside an optimizer
-    step, else (they do nothing meanwhile) at the next `add`/`discard` outside one.
-    """
-
-    def __init__(self) -> None:
-        self._trackers: list[StepTracker] = []
-        self._handles: list[RemovableHandle] = []
-
-    def add(self, tracker: StepTracker) -> None:
-        self._trackers.append(tracker)
-        if not self._handles:
-            self._handles = [register_optimizer_step_pre_hook(self._pre),
-                             register_optimizer_step_post_hook(self._post)]
-
-    def discard(self, tracker: StepTracker) -> None:
-        if tracker in self._trackers:
-            self._trackers.remove(tracker)
-        if not self._trackers and self._handles and not _inside_optimizer_step():
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
-
-    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for tracker in list(self._trackers):
-            if tracker in self._trackers:
-                tracker.pre(optimizer, args, kwargs)
-
-    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for tracker in list(self._trackers):
-            if tracker in self._trackers:
-                tracker.post(optimizer, args, kwargs)
-
-
-#: The code of the wrapper PyTorch puts around every `Optimizer.step`, which calls the hooks.
-_STEP_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__code__
-
-
-def _inside_optimizer_step() -> bool:
-    """Whether some thread is inside an optimizer step (iterating the global hook dicts)."""
-    for top in sys._current_frames().values():
-        frame: Optional[FrameType] = top
-        while frame is not None:
-            if frame.f_code is _STEP_WRAPPER:
-                return True
-            frame = frame.f_back
-    return False
-
-
-_DISPATCH = _Dispatch()

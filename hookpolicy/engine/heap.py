@@ -1,0 +1,29 @@
+"""The one place hookpolicy scans the Python heap (`gc.get_objects()`).
+
+A heap scan costs milliseconds per million objects, so it is only done where nothing
+cheaper can answer, and never per step: step tracking asks once whether any optimizer
+holds a model's parameters (optimizer steps or manual SGD), and `apply`'s discovery asks
+which optimizers exist when it meets a candidate model, and which modules own parameters
+an optimizer steps that nobody governs.
+
+Types are tested with `issubclass(type(o), ...)`, never `isinstance`: `isinstance` reads
+`__class__`, which a lazy proxy on the heap may compute (an import, a download).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+__all__ = ["live_modules", "live_optimizers"]
+
+
+def live_optimizers() -> list[torch.optim.Optimizer]:
+    """Every `torch.optim.Optimizer` alive in the process."""
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)]
+
+
+def live_modules() -> list[torch.nn.Module]:
+    """Every `torch.nn.Module` alive in the process."""
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
