@@ -663,12 +663,12 @@ def test_failing_rule_is_contained_then_switched_off(tmp_path: Path, monkeypatch
           trigger: {at: forward}
           actions: [{capture: {stats: [l2_norm]}}]
     """)
-    from hookpolicy.engine import runtime
+    from hookpolicy.engine import executor
 
     def explode(*a: Any, **k: Any) -> Any:
         raise RuntimeError("kaboom")
 
-    monkeypatch.setattr(runtime, "tensor_partials", explode)
+    monkeypatch.setattr(executor, "tensor_partials", explode)
     model, opt = fresh()
     reg = CollectorRegistry()
     with pol.attach(model, registry=reg):
@@ -686,9 +686,9 @@ def test_on_error_halt_stops_training(tmp_path: Path, monkeypatch: pytest.Monkey
           trigger: {at: forward}
           actions: [{capture: {stats: [l2_norm]}}]
     """, spec="onError: halt\n")
-    from hookpolicy.engine import runtime
+    from hookpolicy.engine import executor
 
-    monkeypatch.setattr(runtime, "tensor_partials", lambda *a: 1 / 0)
+    monkeypatch.setattr(executor, "tensor_partials", lambda *a: 1 / 0)
     model, opt = fresh()
     with pol.attach(model), pytest.raises(Halt, match="ZeroDivisionError"):
         train(model, opt, batches(2))
@@ -742,7 +742,7 @@ def test_no_host_sync_inside_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPat
                 m.setattr(torch.Tensor, name, forbidden)
             x, y = batches(1)[0]
             nn.functional.mse_loss(model(x), y).backward()
-        assert len(attached._buffer) > 0  # statistics waiting on the device for the readback
+        assert len(attached._executor.buffer) > 0  # statistics waiting on the device for the readback
         # A sync inside a hook raises there, and onError would contain it: so also check
         # that no hook failed, or this test could not fail.
         for rule in ("fwd", "bwd"):

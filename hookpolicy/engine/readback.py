@@ -5,7 +5,9 @@ in a buffer. At a step boundary `Readback.run` fetches all of them with one tran
 device, finishes the statistics per group (`per: tensor | module | rule`), publishes
 them to the metrics store, writes the JSON-lines and tensor-file sinks, evaluates the
 alerts with their `for:` streaks, and returns the step's decision: skip it, halt, or go
-on. Nothing here runs inside a hook.
+on. Nothing here runs inside a hook, and nothing here calls back into the runtime: the
+outcome is a `StepReport` (skip? halt? which rules' sinks failed? time spent per rule)
+that the coordinator acts on. The read-back owns the log and tensor-file sinks.
 """
 
 from __future__ import annotations
@@ -17,57 +19,21 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from .actions import Program, StatsOp
+from .actions import StatsOp
 from ..errors import Halt
 from ..export.metrics import MetricsStore, stat_family
-from ..policy.model import Alert, Capture, LogSink, Policy, Rule
-from ..plan.planner import Binding
+from ..policy.model import Alert, Capture, LogSink, Policy
 from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
+from .rulestate import MAX_ERRORS, RuleState
 from .stats import combine, finish, resolve_counts
 
-__all__ = ["MAX_ERRORS", "Entry", "Readback", "RuleState"]
+__all__ = ["Entry", "Readback", "StepReport"]
 
 log = logging.getLogger("hookpolicy")
-
-#: A rule that raised this many times is switched off (`onError: continue`).
-MAX_ERRORS = 3
-
-
-@dataclass
-class RuleState:
-    """Everything kept for one rule of one policy while it is attached."""
-
-    policy: Policy
-    rule: Rule
-    program: Program
-    mode: str
-    bindings: list[Binding] = field(default_factory=list)
-    errors: int = 0
-    writers: dict[int, TensorWriter] = field(default_factory=dict)
-    logs: dict[int, JsonLines] = field(default_factory=dict)
-    key: tuple[str, str] = field(init=False)
-    enforce: bool = field(init=False)
-    #: per program op, the hookpolicy_actions_total labels one execution of it increments
-    count_keys: list[list[tuple[str, ...]]] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.key = (self.policy.name, self.rule.name)
-        self.enforce = self.mode == "enforce"
-        self.count_keys = [
-            [(*self.key, "capture" if isinstance(a, Capture) else "alert", self.mode) for _, a in op.actions]
-            if isinstance(op, StatsOp) else [(*self.key, op.name, self.mode)]
-            for op in self.program
-        ]
-
-    @property
-    def off(self) -> bool:
-        """Switched off by `onError: continue` after `MAX_ERRORS` errors."""
-        return self.errors >= MAX_ERRORS
-
 
 @dataclass
 class Entry:
@@ -84,31 +50,59 @@ class Entry:
     deferred: Optional[list[torch.Tensor]] = None
 
 
+@dataclass
+class StepReport:
+    """What one read-back decided, for the coordinator to act on."""
+
+    skip: bool = False
+    #: the first alert with `then: halt` in enforce mode
+    halt: Optional[Halt] = None
+    #: sinks that could not write, in order: each is a fault of its rule, handled by `onError`
+    errors: list[tuple[RuleState, OSError]] = field(default_factory=list)
+    #: time spent per rule, for `hookpolicy_hook_seconds_total`
+    seconds: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+
+    def off(self, rs: RuleState) -> bool:
+        """Whether `rs` is switched off, counting the errors this report still has to hand over."""
+        return rs.errors + sum(1 for r, _ in self.errors if r is rs) >= MAX_ERRORS
+
+
+class _SinkHalts(Exception):
+    """A sink of a rule with `onError: halt` failed: the read-back stops there."""
+
+
 class Readback:
-    """Turns a step's buffered entries into metrics, log records, tensor files and a decision.
+    """Turns a step's buffered entries into metrics, log records, tensor files and a `StepReport`."""
 
-    `fail(rule, exc)` is the runtime's `onError` handling, for sinks that cannot write;
-    time spent here is added to `seconds` (by rule), which feeds `hookpolicy_hook_seconds_total`.
-    """
-
-    def __init__(
-        self, store: MetricsStore, policies: Sequence[Policy], root: Path, rank: int,
-        fail: Callable[[RuleState, BaseException], None], seconds: dict[tuple[str, str], float],
-    ) -> None:
+    def __init__(self, store: MetricsStore, policies: Sequence[Policy], root: Path, rank: int) -> None:
         self.store = store
         self.rank = rank
-        self.seconds = seconds
         self._root = root
-        self._fail = fail
         self._max_series = {p.name: p.max_series for p in policies}
         self._streaks: dict[tuple[Any, ...], int] = {}
+        self._writers: dict[tuple[tuple[str, str], int], TensorWriter] = {}
+        self._logs: dict[tuple[tuple[str, str], int], JsonLines] = {}
         self._step = 0
 
-    def run(self, entries: list[Entry], step: int, final: bool) -> tuple[bool, Optional[Halt]]:
-        """Report one step's entries; returns (skip the step, the Halt to raise or None).
+    def close(self) -> None:
+        """Close the log sinks (at `remove()`)."""
+        for sink in self._logs.values():
+            sink.close()
+
+    def run(self, entries: list[Entry], step: int, final: bool) -> StepReport:
+        """Report one step's entries and decide the step.
 
         `final` (at `remove()`) publishes what is left but takes no skip or halt decision.
+        A sink error of a rule with `onError: halt` ends the read-back at that point.
         """
+        report = StepReport()
+        try:
+            self._run(entries, step, final, report)
+        except _SinkHalts:
+            pass
+        return report
+
+    def _run(self, entries: list[Entry], step: int, final: bool, report: StepReport) -> None:
         start = time.perf_counter()
         self._step = step
         passes: dict[tuple[tuple[str, str], int], _Pass] = {}
@@ -123,8 +117,6 @@ class Readback:
             pass_.add(entry, rows)
         fetch_share = (time.perf_counter() - start) / max(1, len(passes))  # the transfer serves every pass
         published: dict[tuple[str, tuple[str, ...]], float] = {}
-        skip = False
-        halt: Optional[Halt] = None
         now = time.time()
         for p in passes.values():
             pass_start = time.perf_counter()
@@ -154,20 +146,19 @@ class Readback:
                     })
                     if rs.enforce and not final:
                         if action.then == "skip_step":
-                            skip = True
+                            report.skip = True
                             self.store.inc("hookpolicy_skipped_steps", rs.key)
-                        elif action.then == "halt" and halt is None:
-                            halt = Halt(rs.policy.name, rs.rule.name, self._step, message)
+                        elif action.then == "halt" and report.halt is None:
+                            report.halt = Halt(rs.policy.name, rs.rule.name, self._step, message)
             for (index, sink), records in logged.items():
-                self._write_log(rs, index, sink, records)
+                self._write_log(rs, index, sink, records, report)
             for severity, on in firing.items():
                 self.store.set("hookpolicy_alert_firing", (*rs.key, severity), 1.0 if on else 0.0)
-            self.seconds[rs.key] += fetch_share + time.perf_counter() - pass_start
+            report.seconds[rs.key] += fetch_share + time.perf_counter() - pass_start
         for entry in entries:
             if entry.copies:
-                self._write_copies(entry)
+                self._write_copies(entry, report)
         self.store.set_stats(published, self._max_series)
-        return skip, halt
 
     def _evaluate_alert(
         self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
@@ -177,17 +168,22 @@ class Readback:
         self._streaks[key] = streak
         return streak >= action.for_
 
-    def _write_copies(self, entry: Entry) -> None:
+    def _fault(self, report: StepReport, rs: RuleState, exc: OSError) -> None:
+        report.errors.append((rs, exc))
+        if rs.policy.on_error == "halt":
+            raise _SinkHalts()
+
+    def _write_copies(self, entry: Entry, report: StepReport) -> None:
         rs = entry.rule
-        if rs.off:
+        if report.off(rs):
             return
         for index, module, name, tensor in entry.copies:
             action = rs.rule.actions[index]
             assert isinstance(action, Capture) and action.tensors is not None
-            writer = rs.writers.get(index)
+            writer = self._writers.get((rs.key, index))
             try:
                 if writer is None:
-                    writer = rs.writers[index] = TensorWriter(self._root, action.tensors)
+                    writer = self._writers[(rs.key, index)] = TensorWriter(self._root, action.tensors)
                 if writer.spent:
                     continue
                 stem = f"step{self._step:08d}-{module or 'root'}-{entry.target}" + (f"-{name}" if name else "")
@@ -195,24 +191,26 @@ class Readback:
             except BudgetSpent as exc:
                 log.warning("%s/%s: %s; no more tensor files are written", *rs.key, str(exc))
             except OSError as exc:  # a full disk, a read-only folder, an unsafe path
-                self._fail(rs, exc)
+                self._fault(report, rs, exc)
                 return
 
-    def _write_log(self, rs: RuleState, index: int, sink: Optional[LogSink], records: list[dict[str, Any]]) -> None:
+    def _write_log(
+        self, rs: RuleState, index: int, sink: Optional[LogSink], records: list[dict[str, Any]], report: StepReport,
+    ) -> None:
         """Append one step's records to a capture's JSON lines (by action index; -1: the alert stream, stderr).
 
         A sink that cannot write (a full disk, a folder that is a file, a symlink out of the
         output folder) is a fault of the rule, handled by `onError` like a raising hook.
         """
-        if rs.off:
+        if report.off(rs):
             return
         try:
-            writer = rs.logs.get(index)
+            writer = self._logs.get((rs.key, index))
             if writer is None:
-                writer = rs.logs[index] = JsonLines(self._root, sink)
+                writer = self._logs[(rs.key, index)] = JsonLines(self._root, sink)
             writer.write(records)
         except OSError as exc:
-            self._fail(rs, exc)
+            self._fault(report, rs, exc)
 
 
 def _fetch(matrices: Sequence[torch.Tensor]) -> list[list[list[float]]]:

@@ -14,19 +14,24 @@ Traps this module handles:
 - `skip_step` cannot stop `optimizer.step()` from running; it hides the gradients
   (`p.grad = None`, which every torch optimizer skips without touching its state) and
   puts them back in the post-hook.
+- The root module carries two small hooks, installed here: the pre-hook decides the
+  phase (train/eval) once per forward (`Phase`), the post-hook marks backward passes
+  with a tensor hook on each output. Both skip a forward that activation checkpointing
+  re-runs inside the backward pass (`recomputing()`).
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
 from . import heap, optimizer_hooks
+from .structure import named_tensors
 
-__all__ = ["StepTracker", "StepEvents"]
+__all__ = ["Phase", "StepEvents", "StepTracker", "recomputing"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -43,12 +48,40 @@ class StepEvents(Protocol):
     def discard_step(self) -> None:
         """A step that no optimizer took (GradScaler found inf): forget its statistics."""
 
+    def eval_forward_done(self) -> None:
+        """A forward of the root outside training ended (an evaluation loop steps no optimizer)."""
+
+
+class Phase:
+    """Whether the forward in progress trains, decided once at the root's forward."""
+
+    def __init__(self) -> None:
+        self.train = True
+        self.depth = 0  # nesting of the root's forward (a model calling itself)
+
+    def training(self, module: Optional[torch.nn.Module] = None) -> bool:
+        """The root's decision inside its forward; outside it (a submodule called alone), `module`'s own."""
+        if self.depth > 0 or module is None:
+            return self.train
+        return module.training and torch.is_grad_enabled()
+
+
+def recomputing() -> bool:
+    """True while activation checkpointing re-runs a forward inside the backward pass."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
 
 class StepTracker:
-    """Counts the steps of one model; see the module docstring for what a step is."""
+    """Counts the steps of one model; see the module docstring for what a step is.
 
-    def __init__(self, model: torch.nn.Module, events: StepEvents) -> None:
+    Installs the root module's two hooks and subscribes to every optimizer step
+    (`optimizer_hooks`); `remove()` takes both off. `phase` is written by the root's
+    pre-hook and read by the hook bodies.
+    """
+
+    def __init__(self, model: torch.nn.Module, events: StepEvents, phase: Phase) -> None:
         self._events = events
+        self.phase = phase
         self._param_ids = {id(p) for p in model.parameters()}
         self._model_params = weakref.ref(model)
         self._owned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
@@ -61,9 +94,38 @@ class StepTracker:
         self._ending = False
         self._probe: Optional[torch.nn.Parameter] = None
         self._subscription = optimizer_hooks.subscribe(self, optimizer_hooks.STEP_TRACKING)
+        self._root_handles = [
+            model.register_forward_pre_hook(self._root_pre),
+            model.register_forward_hook(self._root_post, always_call=True),
+        ]
 
     def remove(self) -> None:
+        for handle in self._root_handles:
+            handle.remove()
+        self._root_handles.clear()
         self._subscription.remove()
+
+    # -- the root's forward ------------------------------------------------------------
+    def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
+        phase = self.phase
+        phase.depth += 1
+        if phase.depth > 1 or recomputing():
+            return
+        phase.train = module.training and torch.is_grad_enabled()
+        if phase.train:
+            self.check_forward()
+
+    def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        phase = self.phase
+        phase.depth = max(0, phase.depth - 1)
+        if phase.depth or recomputing():
+            return
+        if not phase.train:
+            self._events.eval_forward_done()
+        elif torch.is_grad_enabled():
+            for _, t in named_tensors(output, lambda name: True):
+                if t.requires_grad:
+                    t.register_hook(self.output_grad_hook)  # type: ignore[no-untyped-call]
 
     # -- backward passes ---------------------------------------------------------------
     def output_grad_hook(self, grad: torch.Tensor) -> None:

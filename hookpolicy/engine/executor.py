@@ -1,0 +1,250 @@
+"""Hook bodies: a phase check, then the rule's compiled program, with errors contained.
+
+`Executor` is what the installed hooks call (`pre_hook`, `post_hook`, and through them
+tensor hooks on gradients) and what step tracking calls for `step` rules
+(`run_step_rules`). A statistics pass leaves an `Entry` (device-side partials) in
+`buffer` for the read-back; a clip or scale returns replacement tensors (or changes
+parameter gradients in place at `step`). `counts` and `seconds` accumulate
+`hookpolicy_actions_total` and `hookpolicy_hook_seconds_total` until the coordinator
+flushes them once per step.
+
+Error containment (`fail`): an exception in a rule's hook body is counted, logged once,
+and switches the rule off after `MAX_ERRORS`; with `onError: halt` it becomes a `Halt`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections import defaultdict
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .actions import StatsOp, mutate
+from ..errors import Halt
+from ..export.metrics import MetricsStore
+from ..plan.planner import Binding
+from ..policy.model import Rule
+from .readback import Entry
+from .rulestate import MAX_ERRORS, RuleState
+from .stats import tensor_partials
+from .steps import Phase, recomputing
+from .structure import named_tensors, replace_tensors, selector
+
+__all__ = ["Executor"]
+
+log = logging.getLogger("hookpolicy")
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+class Executor:
+    """Runs the rules of one attachment inside hooks; see the module docstring.
+
+    `step()` is the step being evaluated (for messages and halts); `halting(halt)` tells
+    the attachment's `on_halt` before a `Halt` propagates.
+    """
+
+    def __init__(
+        self, rules: dict[tuple[str, str], RuleState], phase: Phase, store: MetricsStore,
+        step: Callable[[], int], halting: Callable[[Halt], Halt],
+    ) -> None:
+        self.rules = rules
+        self.buffer: list[Entry] = []
+        self.counts: dict[tuple[str, ...], float] = defaultdict(float)
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self._phase = phase
+        self._store = store
+        self._step = step
+        self._halting = halting
+        self._selectors = {key: selector(rs.rule.select) for key, rs in rules.items()}
+        # A step rule's count of finite elements waits for the readback (no pass over the
+        # gradients in a normal step, see stats.resolve_counts) unless some step rule clips or
+        # scales the gradients in between, which could change what the count would see.
+        self._defer_step_counts = not any(
+            not isinstance(op, StatsOp) for rs in rules.values() if rs.rule.trigger.at == "step" for op in rs.program
+        )
+        self._versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        self._warned_inplace: set[tuple[str, ...]] = set()
+
+    # -- module hooks ------------------------------------------------------------------
+    def pre_hook(self, bindings: list[Binding], args: Any, kwargs: Any) -> Any:
+        """hook(module, args, kwargs) -> None or (new_args, new_kwargs), for `bindings`."""
+        inside_recompute = recomputing()
+        inputs: Any = (args, kwargs)
+        changed = False
+        for b in bindings:
+            rs = self.rules[b.key]
+            if rs.off or not self._phase_ok(rs.rule, b.obj):
+                continue
+            if b.target == "grad_input":
+                inputs, hooked = self.guarded(rs, self._hook_grad_input, rs, b, inputs) or (inputs, False)
+                changed |= hooked
+            elif not inside_recompute:
+                new = self.guarded(rs, self._run_named, rs, b, _input_tensors(inputs, self._selectors[b.key]))
+                if new:
+                    inputs, changed = _replace_inputs(inputs, new), True
+        return inputs if changed else None
+
+    def post_hook(self, bindings: list[Binding], module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        """hook(module, args, kwargs, output) -> None or a new output, for `bindings`."""
+        inside_recompute = recomputing()
+        changed = False
+        for b in bindings:
+            rs = self.rules[b.key]
+            if rs.off or not self._phase_ok(rs.rule, module):
+                continue
+            keep = self._selectors[b.key]
+            if b.target == "grad_output":
+                for name, t in named_tensors(output, keep):
+                    if t.requires_grad:
+                        t.register_hook(lambda g, rs=rs, b=b, name=name: self._grad_hook(rs, b, name, g))  # type: ignore[no-untyped-call]
+            elif b.target == "grad_input":
+                self._check_grad_input(rs, b, (args, kwargs))
+            elif not inside_recompute:
+                named = named_tensors(output, keep) if b.target == "output" else _input_tensors((args, kwargs), keep)
+                new = self.guarded(rs, self._run_named, rs, b, named)
+                if new and b.target == "output":
+                    output, changed = replace_tensors(output, new), True
+        return output if changed else None
+
+    def _phase_ok(self, rule: Rule, module: Optional[torch.nn.Module] = None) -> bool:
+        phase = rule.trigger.phase
+        return phase == "any" or self._phase.training(module) == (phase == "train")
+
+    def _grad_hook(self, rs: RuleState, b: Binding, name: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        if rs.off or grad is None or grad.numel() == 0:
+            return None
+        new = self.guarded(rs, self._run_named, rs, b, [(name, grad)])
+        return new[name] if new else None
+
+    def _hook_grad_input(self, rs: RuleState, b: Binding, inputs: Any) -> tuple[Any, bool]:
+        """Route each input through an identity view whose gradient is this module's own."""
+        views: dict[str, torch.Tensor] = {}
+        for name, t in _input_tensors(inputs, self._selectors[b.key]):
+            if t.requires_grad:
+                view = t.view_as(t)
+                view.register_hook(lambda g, rs=rs, b=b, name=name: self._grad_hook(rs, b, name, g))  # type: ignore[no-untyped-call]
+                views[name] = view
+        if not views:
+            if b.key + (b.module,) not in self._warned_inplace:
+                self._warned_inplace.add(b.key + (b.module,))
+                log.warning("%s/%s: no input of %s requires grad, so its grad_input never fires",
+                            *b.key, b.module or "<root>")
+            return inputs, False
+        self._versions[id(b)] = [(v, v._version) for v in views.values()]
+        return _replace_inputs(inputs, views), True
+
+    def _check_grad_input(self, rs: RuleState, b: Binding, inputs: Any) -> None:
+        for view, version in self._versions.pop(id(b), []):
+            if view._version != version and b.key not in self._warned_inplace:
+                self._warned_inplace.add(b.key)
+                log.warning(
+                    "%s/%s: %s modifies its input in place, so its grad_input cannot be observed; "
+                    "use grad_output of the module before it", *b.key, b.module or "<root>",
+                )
+
+    # -- programs ----------------------------------------------------------------------
+    def _run_named(self, rs: RuleState, b: Binding, named: Named) -> Optional[dict[str, torch.Tensor]]:
+        if not named:
+            return None
+        rows = [(b.module, name) for name, _ in named]
+        new = self._execute(rs, b.target, rows, [t for _, t in named], inplace=False)
+        return None if new is None else {name: t for (name, _), t in zip(named, new)}
+
+    def run_step_rules(self, rules: Sequence[RuleState]) -> None:
+        """Run `step` rules on their parameters' gradients or weights (in place), in order."""
+        for rs in rules:
+            self.guarded(rs, self._run_step_rule, rs)
+
+    def _run_step_rule(self, rs: RuleState) -> None:
+        rows: list[tuple[str, str]] = []
+        tensors: list[torch.Tensor] = []
+        for b in rs.bindings:
+            for pname in b.params:
+                param = b.obj._parameters.get(pname)
+                if param is None:  # not a registered parameter (a property, a wrapper's alias)
+                    param = getattr(b.obj, pname)
+                t = param.grad if rs.rule.target == "grad" else param.detach()
+                if t is not None and t.numel() > 0:
+                    rows.append((b.module, pname))
+                    tensors.append(t)
+        if tensors:
+            self._execute(rs, rs.rule.target, rows, tensors, inplace=True, defer=self._defer_step_counts)
+
+    def _execute(
+        self, rs: RuleState, target: str, rows: list[tuple[str, str]], tensors: list[torch.Tensor], inplace: bool,
+        defer: bool = False,
+    ) -> Optional[list[torch.Tensor]]:
+        """Run a rule's program on tensors; returns replacements when a mutation applied."""
+        changed = False
+        for op, count_keys in zip(rs.program, rs.count_keys):
+            if isinstance(op, StatsOp):
+                copies = [
+                    (index, module, name, t.detach().clone())
+                    for index, _ in op.tensors for (module, name), t in zip(rows, tensors)
+                ]
+                deferred = defer and "finite" in op.kinds
+                matrix = tensor_partials(tensors, op.kinds, defer_counts=True) if deferred else tensor_partials(tensors, op.kinds)
+                self.buffer.append(Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies,
+                                         list(tensors) if deferred else None))
+                for key in count_keys:
+                    self.counts[key] += 1
+            else:
+                self.counts[count_keys[0]] += 1
+                if rs.enforce:
+                    tensors = mutate(op.action, list(tensors), _groups(rows, getattr(op.action, "per", "tensor")), inplace)
+                    changed = True
+        return tensors if changed else None
+
+    # -- error containment -------------------------------------------------------------
+    def guarded(self, rs: RuleState, fn: Any, *args: Any) -> Any:
+        """Call a hook body, timing it; an exception is contained per the policy's onError."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - containment is the point
+            self.fail(rs, exc)
+            return None
+        finally:
+            self.seconds[rs.key] += time.perf_counter() - start
+
+    def fail(self, rs: RuleState, exc: BaseException) -> None:
+        """Count an error of `rs`; raise `Halt` (onError: halt) or log it and maybe switch the rule off."""
+        rs.errors += 1
+        self._store.inc("hookpolicy_hook_errors", rs.key)
+        step = self._step()
+        if rs.policy.on_error == "halt":
+            raise self._halting(
+                Halt(rs.policy.name, rs.rule.name, step, f"hook error: {type(exc).__name__}: {exc}")
+            ) from exc
+        if rs.errors == 1:
+            log.error(
+                "%s/%s raised at step %d (logged once; the rule is switched off after %d errors):\n%s",
+                *rs.key, step, MAX_ERRORS, "".join(traceback.format_exception(exc)).rstrip(),
+            )
+        if rs.errors == MAX_ERRORS:
+            log.error("%s/%s switched off after %d errors", *rs.key, MAX_ERRORS)
+
+
+def _input_tensors(inputs: tuple[Any, Any], keep: Any) -> Named:
+    args, kwargs = inputs
+    return named_tensors(args, keep) + named_tensors(kwargs, keep)
+
+
+def _replace_inputs(inputs: tuple[Any, Any], new: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+    args, kwargs = inputs
+    return replace_tensors(args, new), replace_tensors(kwargs, new)
+
+
+def _groups(rows: Sequence[tuple[str, str]], per: str) -> list[list[int]]:
+    if per == "tensor":
+        return [[i] for i in range(len(rows))]
+    if per == "rule":
+        return [list(range(len(rows)))]
+    by_module: dict[str, list[int]] = {}
+    for i, (module, _) in enumerate(rows):
+        by_module.setdefault(module, []).append(i)
+    return list(by_module.values())

@@ -1,0 +1,61 @@
+"""What the engine keeps for one rule of one policy while it is attached.
+
+Built once per attachment from the plan (`rule_states`); read by every part of the
+engine. Its one mutable field, `errors`, is written only by the executor's error
+containment (`Executor.fail`), so "is this rule switched off?" has one answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .actions import Program, StatsOp, compile_rule
+from ..plan.planner import Binding, Plan
+from ..policy.model import Capture, Policy, Rule
+
+__all__ = ["MAX_ERRORS", "RuleState", "rule_states"]
+
+#: A rule that raised this many times is switched off (`onError: continue`).
+MAX_ERRORS = 3
+
+
+@dataclass
+class RuleState:
+    """One rule of one policy: its compiled program, bindings, mode and error count."""
+
+    policy: Policy
+    rule: Rule
+    program: Program
+    mode: str
+    bindings: list[Binding] = field(default_factory=list)
+    errors: int = 0
+    key: tuple[str, str] = field(init=False)
+    enforce: bool = field(init=False)
+    #: per program op, the hookpolicy_actions_total labels one execution of it increments
+    count_keys: list[list[tuple[str, ...]]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = (self.policy.name, self.rule.name)
+        self.enforce = self.mode == "enforce"
+        self.count_keys = [
+            [(*self.key, "capture" if isinstance(a, Capture) else "alert", self.mode) for _, a in op.actions]
+            if isinstance(op, StatsOp) else [(*self.key, op.name, self.mode)]
+            for op in self.program
+        ]
+
+    @property
+    def off(self) -> bool:
+        """Switched off by `onError: continue` after `MAX_ERRORS` errors."""
+        return self.errors >= MAX_ERRORS
+
+
+def rule_states(plan: Plan, audit: bool) -> dict[tuple[str, str], RuleState]:
+    """One `RuleState` per (policy, rule) of the plan, in binding order, programs compiled."""
+    rules: dict[tuple[str, str], RuleState] = {}
+    for b in plan.bindings:
+        rs = rules.get(b.key)
+        if rs is None:
+            mode = "audit" if audit else b.rule.mode
+            rs = rules[b.key] = RuleState(b.policy, b.rule, compile_rule(b.rule), mode)
+        rs.bindings.append(b)
+    return rules
