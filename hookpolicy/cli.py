@@ -19,8 +19,8 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 import click
 
 from . import __version__
+from .environment import policy_dirs
 from .errors import PolicyError
-from .policy.sources import policy_dirs_from_env
 from .policy.model import Policy
 
 __all__ = ["cli", "main"]
@@ -42,7 +42,7 @@ class PolicyProblems(click.ClickException):
 
 def _sources(policies: Sequence[str]) -> list[str]:
     """The POLICY arguments plus every folder named by HOOKPOLICY_POLICY_DIRS."""
-    sources = [*policies, *policy_dirs_from_env(os.environ)]
+    sources = [*policies, *policy_dirs(os.environ)]
     if not sources:
         raise click.UsageError("no policy given: name POLICY files or folders, or set HOOKPOLICY_POLICY_DIRS")
     return sources

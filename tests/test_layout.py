@@ -16,14 +16,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hookpolicy"
 
 #: stage -> the stages (and top-level modules) it may import besides itself.
 ALLOWED = {
-    "policy": {"errors", "environment"},
-    "plan": {"errors", "environment", "policy"},
+    "policy": {"errors"},
+    "plan": {"errors", "policy"},
 }
 
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p) for p in PACKAGE.rglob("*.py")}
 
 
 def _imports(path: Path) -> set[str]:
@@ -38,15 +41,16 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else []
             name = ".".join([*base, *([node.module] if node.module else [])])
-            found.add(name)
-            # `from . import x` and `from .pkg import mod` may name modules too.
-            found.update(f"{name}.{alias.name}" for alias in node.names)
+            # `from .. import environment` imports the module hookpolicy.environment
+            # (and the package only as its parent, as every import does).
+            submodules = {f"{name}.{alias.name}" for alias in node.names} & MODULES
+            found.update(submodules or {name})
     return found
 
 
 def _graph() -> dict[str, set[str]]:
     paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    return {name: _imports(path) & set(paths) - {name} for name, path in paths.items()}
+    return {name: _imports(path) & MODULES - {name} for name, path in paths.items()}
 
 
 def _circle(graph: dict[str, set[str]]) -> list[str]:

@@ -18,7 +18,7 @@ from hookpolicy.policy.build import build_policy
 from hookpolicy.errors import PolicyError, Problem
 from hookpolicy.policy.document import json_path
 from hookpolicy.policy.loader import MAX_BYTES, parse_document, read_document
-from hookpolicy.policy.sources import load_sources, policy_dirs_from_env
+from hookpolicy.policy.sources import load_sources
 
 ROOT = Path(__file__).resolve().parent.parent
 BAD = Path(__file__).resolve().parent / "bad"
@@ -320,13 +320,6 @@ def test_sources_may_be_one_path_or_several(tmp_path: Path) -> None:
     assert [p.name for p in load_sources(a)] == ["a"]
     assert [p.name for p in load_sources([str(b), a])] == ["b", "a"]
     assert load_sources([]) == ()
-
-
-def test_policy_dirs_from_env() -> None:
-    assert policy_dirs_from_env({}) == []
-    assert policy_dirs_from_env({"HOOKPOLICY_POLICY_DIRS": ""}) == []
-    environ = {"HOOKPOLICY_POLICY_DIRS": "/etc/hp::/opt/p:"}
-    assert policy_dirs_from_env(environ) == ["/etc/hp", "/opt/p"]
 
 
 # --------------------------------------------------------------------------- schema file

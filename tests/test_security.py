@@ -373,14 +373,15 @@ def test_safe_path_refuses_escapes_with_a_sink_error(tmp_path: Path, relative: s
 
 
 def test_the_exporter_binds_loopback_unless_told_otherwise(free_port: int) -> None:
-    from hookpolicy.apply import child, launch
     from hookpolicy import cli
+    from hookpolicy.apply import launch
+    from hookpolicy.environment import ENV_METRICS_ADDR, ChildConfig
     from hookpolicy.export.exporter import serve
 
     assert inspect.signature(serve).parameters["addr"].default == "127.0.0.1"
     assert launch.Launch(sources=()).metrics_addr == "127.0.0.1"
-    assert child.ChildConfig.from_env({}).metrics_addr == "127.0.0.1"
-    assert child.ChildConfig.from_env({launch.ENV_METRICS_ADDR: ""}).metrics_addr == "127.0.0.1"
+    assert ChildConfig.from_env({}).metrics_addr == "127.0.0.1"
+    assert ChildConfig.from_env({ENV_METRICS_ADDR: ""}).metrics_addr == "127.0.0.1"
     option = next(p for p in cli.apply.params if p.name == "metrics_addr")
     assert option.default == "127.0.0.1"
     with served(CollectorRegistry(), free_port) as server:

@@ -1,7 +1,7 @@
 """The child side of `hookpolicy apply`: what every Python process of COMMAND runs.
 
 `bootstrap()` runs right after the process has imported torch (`_bootstrap/sitecustomize.py`
-arranges it). It reads what `apply` asked for from the environment (`ChildConfig`), loads
+arranges it). It reads what `apply` asked for from the environment (`environment.ChildConfig`), loads
 the policies named by HOOKPOLICY_POLICIES, and starts a `_Session`: a `Discovery` that
 attaches them to each model the script trains, the metrics endpoint (at the first governed
 model), the reload watcher, the signal handlers (SIGTERM unwinds like Ctrl-C; SIGHUP
@@ -21,66 +21,23 @@ import signal
 import sys
 import threading
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from prometheus_client import CollectorRegistry
 
 from ..api import PolicySet
 from .discovery import RELOAD_GAUGE, Discovery, say
+from ..environment import ChildConfig
 from ..errors import Halt, PolicyError
 from ..export.exporter import serve
-from .launch import (
-    ENV_AUDIT, ENV_METRICS_ADDR, ENV_METRICS_PORT, ENV_POLICIES, ENV_RUN_DIR, ENV_WATCH,
-    ENV_WATCH_INTERVAL,
-)
 from ..policy.sources import expand_sources, load_sources
 from ..export.metrics import store_for
 from ..engine.runtime import Attached
 
-__all__ = ["ChildConfig", "Reloader", "bootstrap"]
-
-
-@dataclass(frozen=True)
-class ChildConfig:
-    """What `apply` asked of this process, read from the environment (see `hookpolicy.launch`)."""
-
-    sources: tuple[str, ...]
-    audit: bool = False
-    watch: bool = False
-    interval: float = 1.0
-    metrics_port: Optional[int] = None
-    metrics_addr: str = "127.0.0.1"
-    run_dir: Optional[str] = None
-    rank: int = 0
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> "ChildConfig":
-        def number(name: str) -> Optional[int]:
-            value = environ.get(name, "")
-            return int(value) if value.strip().isdigit() else None
-
-        try:
-            interval = float(environ.get(ENV_WATCH_INTERVAL) or 1.0)
-        except ValueError:
-            interval = 1.0
-        local_rank = number("LOCAL_RANK")
-        rank = number("RANK")
-        return cls(
-            sources=tuple(s for s in environ.get(ENV_POLICIES, "").split(os.pathsep) if s),
-            audit=bool(environ.get(ENV_AUDIT)),
-            watch=bool(environ.get(ENV_WATCH)),
-            interval=max(interval, 0.05),
-            metrics_port=number(ENV_METRICS_PORT),
-            metrics_addr=environ.get(ENV_METRICS_ADDR) or "127.0.0.1",
-            run_dir=environ.get(ENV_RUN_DIR) or None,
-            rank=rank if rank is not None else (local_rank or 0),
-            local_rank=local_rank or 0,
-        )
+__all__ = ["Reloader", "bootstrap"]
 
 
 class Reloader:

@@ -30,30 +30,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Mapping, Optional, Sequence
 
-__all__ = [
-    "ENV_BOOTSTRAP", "ENV_POLICIES", "ENV_AUDIT", "ENV_WATCH", "ENV_WATCH_INTERVAL",
-    "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_RUN_DIR", "BOOTSTRAP_DIR", "HALT_STATUS",
-    "Launch", "child_environment", "resolve_command", "run",
-]
+from ..environment import DEFAULT_METRICS_ADDR, apply_variables
 
-# The environment contract between `hookpolicy apply` and the bootstrap in its children.
-#: Set to 1: the bootstrap is on (without it `_bootstrap/sitecustomize.py` does nothing).
-ENV_BOOTSTRAP = "HOOKPOLICY_BOOTSTRAP"
-#: The policy files and folders to apply, absolute, os.pathsep-separated (CLI + HOOKPOLICY_POLICY_DIRS).
-ENV_POLICIES = "HOOKPOLICY_POLICIES"
-#: Set to 1: every rule runs in audit mode (`--audit`).
-ENV_AUDIT = "HOOKPOLICY_AUDIT"
-#: Set to 1: reload changed policy files (`--watch`).
-ENV_WATCH = "HOOKPOLICY_WATCH"
-#: Seconds between two looks at the policy files and the reload request (default 1).
-ENV_WATCH_INTERVAL = "HOOKPOLICY_WATCH_INTERVAL"
-#: Base port of the metrics endpoint (`--metrics-port`); rank r serves on port + LOCAL_RANK.
-ENV_METRICS_PORT = "HOOKPOLICY_METRICS_PORT"
-#: Address the metrics endpoint listens on (`--metrics-addr`, default 127.0.0.1).
-ENV_METRICS_ADDR = "HOOKPOLICY_METRICS_ADDR"
-#: A folder private to one `apply` run: `halt` (the halt line), `reload` (bumped on
-#: SIGHUP), `governed-<pid>` (one per process that governs a model).
-ENV_RUN_DIR = "HOOKPOLICY_RUN_DIR"
+__all__ = ["BOOTSTRAP_DIR", "HALT_STATUS", "Launch", "child_environment", "resolve_command", "run"]
 
 #: The folder that goes first on the children's PYTHONPATH.
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "_bootstrap")
@@ -71,7 +50,7 @@ class Launch:
 
     sources: tuple[str, ...]
     metrics_port: Optional[int] = None
-    metrics_addr: str = "127.0.0.1"
+    metrics_addr: str = DEFAULT_METRICS_ADDR
     audit: bool = False
     watch: bool = False
 
@@ -90,20 +69,19 @@ def resolve_command(command: Sequence[str]) -> list[str]:
 
 
 def child_environment(launch: Launch, run_dir: str, environ: Mapping[str, str]) -> dict[str, str]:
-    """The COMMAND's environment: the user's, plus the bootstrap and the contract above."""
+    """The COMMAND's environment: the user's, plus the bootstrap and `environment.apply_variables`."""
     env = dict(environ)
     python_path = [BOOTSTRAP_DIR, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
     env["PYTHONPATH"] = os.pathsep.join(python_path)
-    env[ENV_BOOTSTRAP] = "1"
-    env[ENV_POLICIES] = os.pathsep.join(launch.sources)
-    env[ENV_RUN_DIR] = run_dir
-    env[ENV_AUDIT] = "1" if launch.audit else ""
-    env[ENV_WATCH] = "1" if launch.watch else ""
-    env[ENV_METRICS_ADDR] = launch.metrics_addr
-    if launch.metrics_port is None:
-        env.pop(ENV_METRICS_PORT, None)
-    else:
-        env[ENV_METRICS_PORT] = str(launch.metrics_port)
+    variables = apply_variables(
+        launch.sources, run_dir, audit=launch.audit, watch=launch.watch,
+        metrics_port=launch.metrics_port, metrics_addr=launch.metrics_addr,
+    )
+    for name, value in variables.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 

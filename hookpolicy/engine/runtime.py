@@ -25,6 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from prometheus_client import CollectorRegistry
 
+from .. import environment
 from ..errors import Halt, HookPolicyError
 from ..export.metrics import MetricsStore, store_for
 from ..export.sinks import output_root
@@ -60,7 +61,7 @@ class Attached:
         self._on_halt = on_halt
         self.policies = tuple(policies)
         self.plan: Plan = build_plan(self.policies, model)
-        self.rank = _default_rank() if rank is None else rank
+        self.rank = environment.rank(os.environ) if rank is None else rank
         self.step = start_step
         self.store: MetricsStore = store_for(registry, self.rank)
         self._rules = rule_states(self.plan, audit)
@@ -197,10 +198,3 @@ def _release_model(model: torch.nn.Module, policies: Sequence[Policy]) -> None:
 
 def _not_of(policy: str) -> Callable[[tuple[str, ...]], bool]:
     return lambda labels: labels[0] != policy
-
-
-def _default_rank() -> int:
-    for var in ("RANK", "LOCAL_RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0

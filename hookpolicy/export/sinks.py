@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional, TextIO
 
 import torch
 
+from ..environment import output_dir
 from ..policy.model import LogSink, TensorFiles
 
 __all__ = [
@@ -39,7 +40,7 @@ class BudgetSpent(Exception):
 
 def output_root(environ: Mapping[str, str] = os.environ) -> Path:
     """The folder policy paths are relative to."""
-    return Path(environ.get("HOOKPOLICY_OUTPUT_DIR") or os.getcwd()).resolve()
+    return Path(output_dir(environ) or os.getcwd()).resolve()
 
 
 def safe_path(root: Path, relative: str) -> Path:

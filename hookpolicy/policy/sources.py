@@ -2,14 +2,14 @@
 
 This sits above both halves of the policy side: `loader.read_document` turns one file
 into a Document, `build.build_policy` turns one Document into a Policy, and this module
-does both for everything named on a command line or in HOOKPOLICY_POLICY_DIRS, all or
-nothing. Neither half imports it, so the imports point one way.
+does both for everything named on a command line or in HOOKPOLICY_POLICY_DIRS (which
+the caller reads with `environment.policy_dirs`), all or nothing. Neither half imports it, so the imports point one way.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Iterable, Mapping, Sequence, Union
+from typing import Iterable, Sequence, Union
 
 from ..errors import PolicyError, Problem
 from .build import build_policy
@@ -17,16 +17,7 @@ from .document import Document
 from .loader import Source, read_document
 from .model import Policy
 
-__all__ = ["ENV_POLICY_DIRS", "policy_dirs_from_env", "expand_sources", "load_sources"]
-
-#: Colon-separated folders whose policies `hookpolicy apply` always applies.
-ENV_POLICY_DIRS = "HOOKPOLICY_POLICY_DIRS"
-
-
-def policy_dirs_from_env(environ: Mapping[str, str]) -> list[str]:
-    """The folders named by HOOKPOLICY_POLICY_DIRS (colon-separated; empty entries ignored)."""
-    return [entry for entry in environ.get(ENV_POLICY_DIRS, "").split(":") if entry]
-
+__all__ = ["expand_sources", "load_sources"]
 
 def expand_sources(sources: Union[Source, Sequence[Source]]) -> tuple[list[str], list[Problem]]:
     """The policy files named by `sources`: files as given, folders as their `*.yaml`/`*.yml`.

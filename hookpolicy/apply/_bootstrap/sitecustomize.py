@@ -12,8 +12,10 @@ start-up, as `site` does with any `sitecustomize`. It must cost (close to) nothi
 - it then runs the `sitecustomize` this one shadows (the next one on `sys.path`, e.g. a
   distribution's), so installing hookpolicy's hook takes nothing away.
 
-The environment variable names are spelled out here rather than imported from
-`hookpolicy.apply.launch`, because importing the package would import torch.
+The one environment variable it reads is spelled out here rather than imported from
+`hookpolicy.environment`: importing anything of hookpolicy at start-up would cost every
+Python process of the COMMAND, and fail in a Python without hookpolicy before it could
+say so clearly (`tests/test_environment.py` keeps the two spellings equal).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from types import ModuleType
 from typing import Any, Optional, Sequence
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+#: = hookpolicy.environment.ENV_BOOTSTRAP
+_ENV_BOOTSTRAP = "HOOKPOLICY_BOOTSTRAP"
 
 
 class _TorchImportHook(importlib.abc.MetaPathFinder):
@@ -96,7 +100,7 @@ def _chain() -> None:
     spec.loader.exec_module(module)
 
 
-if os.environ.get("HOOKPOLICY_BOOTSTRAP"):
+if os.environ.get(_ENV_BOOTSTRAP):
     if "torch" in sys.modules:
         _start()
     else:

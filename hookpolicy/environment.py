@@ -1,0 +1,150 @@
+"""The environment contract: every variable hookpolicy reads, and how each one is read.
+
+Three parties set them:
+
+- you: `HOOKPOLICY_POLICY_DIRS` (folders of ops-managed policies), `HOOKPOLICY_OUTPUT_DIR`
+  (where policy `log`/`tensors` paths point), `HOOKPOLICY_WATCH_INTERVAL`;
+- `hookpolicy apply`, for every process of its COMMAND (`apply_variables` writes them,
+  `ChildConfig.from_env` reads them back in the child): `HOOKPOLICY_BOOTSTRAP`,
+  `HOOKPOLICY_POLICIES`, `HOOKPOLICY_AUDIT`, `HOOKPOLICY_WATCH`,
+  `HOOKPOLICY_METRICS_PORT`, `HOOKPOLICY_METRICS_ADDR`, `HOOKPOLICY_RUN_DIR`;
+- the launcher (torchrun, Lightning, accelerate): `RANK` and `LOCAL_RANK`, read by the
+  one rank rule here (`rank`), which both `attach` and the `apply` child use.
+
+The README's environment table lists the same. This module imports nothing but the
+standard library: the CLI reads it before torch is imported, and the bootstrap's one
+variable (`ENV_BOOTSTRAP`) is spelled out in `apply/_bootstrap/sitecustomize.py`, which
+must not import the package at all (a test keeps the two spellings equal).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+__all__ = [
+    "ENV_POLICY_DIRS", "ENV_OUTPUT_DIR", "ENV_WATCH_INTERVAL", "ENV_BOOTSTRAP", "ENV_POLICIES",
+    "ENV_AUDIT", "ENV_WATCH", "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_RUN_DIR", "ENV_RANK",
+    "ENV_LOCAL_RANK", "DEFAULT_METRICS_ADDR", "ChildConfig", "apply_variables", "local_rank",
+    "output_dir", "policy_dirs", "rank",
+]
+
+# -- set by you
+#: Colon-separated folders whose policies `hookpolicy apply` (and `check`, `explain`, ...) always applies.
+ENV_POLICY_DIRS = "HOOKPOLICY_POLICY_DIRS"
+#: The folder that policy `log`/`tensors` paths are relative to (default: the working directory).
+ENV_OUTPUT_DIR = "HOOKPOLICY_OUTPUT_DIR"
+#: Seconds between two looks at the policy files and the reload request (default 1).
+ENV_WATCH_INTERVAL = "HOOKPOLICY_WATCH_INTERVAL"
+
+# -- set by `hookpolicy apply` for its COMMAND
+#: Set to 1: the bootstrap is on (without it `_bootstrap/sitecustomize.py` does nothing).
+ENV_BOOTSTRAP = "HOOKPOLICY_BOOTSTRAP"
+#: The policy files and folders to apply, absolute, os.pathsep-separated (CLI + HOOKPOLICY_POLICY_DIRS).
+ENV_POLICIES = "HOOKPOLICY_POLICIES"
+#: Set to 1: every rule runs in audit mode (`--audit`).
+ENV_AUDIT = "HOOKPOLICY_AUDIT"
+#: Set to 1: reload changed policy files (`--watch`).
+ENV_WATCH = "HOOKPOLICY_WATCH"
+#: Base port of the metrics endpoint (`--metrics-port`); rank r serves on port + LOCAL_RANK.
+ENV_METRICS_PORT = "HOOKPOLICY_METRICS_PORT"
+#: Address the metrics endpoint listens on (`--metrics-addr`, default 127.0.0.1).
+ENV_METRICS_ADDR = "HOOKPOLICY_METRICS_ADDR"
+#: A folder private to one `apply` run: `halt` (the halt line), `reload` (bumped on
+#: SIGHUP), `governed-<pid>` (one per process that governs a model).
+ENV_RUN_DIR = "HOOKPOLICY_RUN_DIR"
+
+# -- set by the launcher
+#: The global rank: the `rank` label of every sample.
+ENV_RANK = "RANK"
+#: The rank on this machine: the metrics port offset, and the `rank` label without RANK.
+ENV_LOCAL_RANK = "LOCAL_RANK"
+
+DEFAULT_METRICS_ADDR = "127.0.0.1"
+_DEFAULT_INTERVAL = 1.0
+_MIN_INTERVAL = 0.05
+
+
+def policy_dirs(environ: Mapping[str, str]) -> list[str]:
+    """The folders named by HOOKPOLICY_POLICY_DIRS (colon-separated; empty entries ignored)."""
+    return [entry for entry in environ.get(ENV_POLICY_DIRS, "").split(":") if entry]
+
+
+def output_dir(environ: Mapping[str, str]) -> Optional[str]:
+    """The folder named by HOOKPOLICY_OUTPUT_DIR, or None (unset or empty)."""
+    return environ.get(ENV_OUTPUT_DIR) or None
+
+
+def rank(environ: Mapping[str, str]) -> int:
+    """This process's rank: RANK, else LOCAL_RANK, else 0 (a value that is no count is unset)."""
+    for name in (ENV_RANK, ENV_LOCAL_RANK):
+        value = _count(environ, name)
+        if value is not None:
+            return value
+    return 0
+
+
+def local_rank(environ: Mapping[str, str]) -> int:
+    """This process's rank on its machine: LOCAL_RANK, else 0."""
+    value = _count(environ, ENV_LOCAL_RANK)
+    return 0 if value is None else value
+
+
+def _count(environ: Mapping[str, str], name: str) -> Optional[int]:
+    """The variable as a non-negative integer, or None when unset or not one."""
+    value = environ.get(name, "").strip()
+    return int(value) if value.isdigit() and value.isascii() else None
+
+
+def _watch_interval(environ: Mapping[str, str]) -> float:
+    try:
+        interval = float(environ.get(ENV_WATCH_INTERVAL) or _DEFAULT_INTERVAL)
+    except ValueError:
+        interval = _DEFAULT_INTERVAL
+    return max(interval, _MIN_INTERVAL)
+
+
+def apply_variables(
+    sources: Sequence[str], run_dir: str, *, audit: bool, watch: bool,
+    metrics_port: Optional[int], metrics_addr: str,
+) -> dict[str, Optional[str]]:
+    """What `hookpolicy apply` sets for its COMMAND; None means "remove it if inherited"."""
+    return {
+        ENV_BOOTSTRAP: "1",
+        ENV_POLICIES: os.pathsep.join(sources),
+        ENV_RUN_DIR: run_dir,
+        ENV_AUDIT: "1" if audit else "",
+        ENV_WATCH: "1" if watch else "",
+        ENV_METRICS_ADDR: metrics_addr,
+        ENV_METRICS_PORT: None if metrics_port is None else str(metrics_port),
+    }
+
+
+@dataclass(frozen=True)
+class ChildConfig:
+    """What `apply` asked of this process, read back from `apply_variables` and the launcher's."""
+
+    sources: tuple[str, ...]
+    audit: bool = False
+    watch: bool = False
+    interval: float = _DEFAULT_INTERVAL
+    metrics_port: Optional[int] = None
+    metrics_addr: str = DEFAULT_METRICS_ADDR
+    run_dir: Optional[str] = None
+    rank: int = 0
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "ChildConfig":
+        return cls(
+            sources=tuple(s for s in environ.get(ENV_POLICIES, "").split(os.pathsep) if s),
+            audit=bool(environ.get(ENV_AUDIT)),
+            watch=bool(environ.get(ENV_WATCH)),
+            interval=_watch_interval(environ),
+            metrics_port=_count(environ, ENV_METRICS_PORT),
+            metrics_addr=environ.get(ENV_METRICS_ADDR) or DEFAULT_METRICS_ADDR,
+            run_dir=environ.get(ENV_RUN_DIR) or None,
+            rank=rank(environ),
+            local_rank=local_rank(environ),
+        )
