@@ -30,6 +30,9 @@ from torch import nn
 import hookpolicy
 from conftest import REPO
 from hookpolicy.apply.discovery import Discovery
+from hookpolicy.apply.reload import Reloader
+from hookpolicy.environment import ChildConfig
+from hookpolicy.export.metrics import RELOAD_GAUGE
 from hookpolicy.export.exporter import RENDER_INTERVAL
 from hookpolicy.apply.launch import BOOTSTRAP_DIR
 from child_scripts import HOOK_REPORT
@@ -671,7 +674,7 @@ def test_discovery_swaps_a_reload_between_steps_never_between_micro_batches(
     changed = tmp_path / "monitor.yaml"
     changed.write_text(Path(MONITOR).read_text().replace("every: 10", "every: 5"))
     model(torch.randn(5, 4)).pow(2).mean().backward()  # micro-batch 1 of step 1
-    discovery.request_swap(hookpolicy.load(changed))
+    discovery.swaps.request(hookpolicy.load(changed))
     for _ in range(3):  # micro-batches 2..4: same step, no swap
         model(torch.randn(5, 4)).pow(2).mean().backward()
         assert discovery.governed[0].attached is first
@@ -684,3 +687,40 @@ def test_discovery_swaps_a_reload_between_steps_never_between_micro_batches(
     assert second.policies[0].revision != first.policies[0].revision
     assert second.step == 3
     assert not discovery.watching_calls  # and the forward hook is retired again
+
+
+def test_a_failed_reload_reads_0_until_a_valid_one_even_across_attaches(
+    discovery: Discovery, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    policy = tmp_path / "watched.yaml"
+    policy.write_text(WATCHED_POLICY.replace("EVERY", "1"))
+    reloader = Reloader(ChildConfig(sources=(str(policy),)), discovery.swaps, registry=discovery.registry)
+
+    def gauge() -> Optional[float]:
+        return discovery.registry.get_sample_value(RELOAD_GAUGE, {"rank": "0"})
+
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, opt)
+    assert gauge() == 1
+    policy.write_text(BROKEN_POLICY)
+    reloader.reload()
+    assert gauge() == 0 and "reload failed; keeping the current policies" in capsys.readouterr().err
+    assert discovery.govern(_mlp()) is not None  # a new attach does not hide the failure
+    assert gauge() == 0 and discovery.swaps.next is None
+    policy.write_text(WATCHED_POLICY.replace("EVERY", "1"))
+    reloader.reload()
+    assert gauge() == 1 and discovery.swaps.next is not None
+    _train_step(model, opt)
+    _train_step(model, opt)
+    assert [p.name for p in discovery.governed[0].attached.policies] == ["watched"]
+
+
+def test_only_the_metrics_store_spells_the_reload_gauge() -> None:
+    import ast
+
+    for path in sorted((REPO / "hookpolicy").rglob("*.py")):
+        if path.name == "metrics.py":
+            continue
+        strings = {n.value for n in ast.walk(ast.parse(path.read_text("utf-8"))) if isinstance(n, ast.Constant)}
+        assert RELOAD_GAUGE not in strings, path

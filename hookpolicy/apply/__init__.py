@@ -3,5 +3,16 @@
 `launch` is the parent (validates, starts COMMAND, forwards signals, reports halts);
 `_bootstrap/sitecustomize.py` brings each Python process of COMMAND to `child.bootstrap`
 once it imports torch; `discovery` finds the models the script trains and attaches the
-policies to them.
+policies to them; `reload` re-reads the policies and swaps them in between steps. What
+`apply` tells its children travels in the environment (`hookpolicy.environment`).
 """
+
+import sys
+
+__all__ = ["say"]
+
+
+def say(message: str) -> None:
+    """Tell the user one thing, as one `hookpolicy:` line on stderr (never a traceback)."""
+    sys.stderr.write(f"hookpolicy: {message}\n")
+    sys.stderr.flush()

@@ -25,7 +25,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ..api import PolicySet
-from .discovery import Discovery, say
+from . import say
+from .discovery import Discovery
 from ..environment import ChildConfig
 from ..errors import Halt, PolicyError
 from ..export.exporter import serve
@@ -46,7 +47,7 @@ class _Session:
             policies, registry=self.registry, rank=config.rank, audit=config.audit, on_govern=self._governed,
             on_halt=self._record_halt,
         )
-        self.reloader = Reloader(config, self.discovery, files=files)
+        self.reloader = Reloader(config, self.discovery.swaps, registry=self.registry, files=files)
         self._started = False
         self._previous_excepthook = sys.excepthook
 

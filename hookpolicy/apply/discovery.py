@@ -23,11 +23,9 @@ trains, without a line of the script changed:
    comes back when an optimizer steps parameters nobody governs, or to swap in a reloaded
    policy. Without optimizers (manual SGD) it stays.
 
-Reload (`--watch`, SIGHUP): `hookpolicy.child.Reloader` re-reads and validates changed
-policy files off the training thread; a valid new version is swapped in at the first module
-call of a governed model after a step boundary (noticed at an optimizer step's end, or
-at a call, then waiting for the model's step counter to move), never between the
-micro-batches of one step; an invalid one is reported on stderr and the old one stays.
+Reload (`--watch`, SIGHUP): `reload` holds the whole protocol; discovery governs new
+models with `swaps.current()` and hands every module call of a governed model and every
+step end to `swaps` while a swap is pending.
 
 The traps: hooks here are global state of the process (like every
 `register_module_*` hook); PyTorch iterates the global optimizer hooks while it calls
@@ -37,10 +35,7 @@ them, so nothing in this module attaches or detaches from inside an optimizer st
 
 from __future__ import annotations
 
-import sys
-import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -52,25 +47,10 @@ from ..api import PolicySet
 from ..errors import Halt
 from ..engine import heap, optimizer_hooks
 from ..engine.runtime import Attached
+from . import say
+from .reload import Governed, Swaps
 
-__all__ = ["Discovery", "RELOAD_GAUGE", "say"]
-
-RELOAD_GAUGE = "hookpolicy_config_last_reload_successful"
-
-
-def say(message: str) -> None:
-    sys.stderr.write(f"hookpolicy: {message}\n")
-    sys.stderr.flush()
-
-
-@dataclass
-class _Governed:
-    """One governed model: its attachment and the policy generation it runs."""
-
-    model: torch.nn.Module
-    attached: Attached
-    generation: int
-    swap_after: Optional[int] = None  # a newer generation waits for a step beyond this one
+__all__ = ["Discovery"]
 
 
 class Discovery:
@@ -86,17 +66,13 @@ class Discovery:
         on_govern: Optional[Callable[[torch.nn.Module, Attached], None]] = None,
         on_halt: Optional[Callable[[Halt], object]] = None,
     ) -> None:
-        self.policies = policies
+        self.swaps = Swaps(policies, rank=rank)
         self._on_halt = on_halt
         self.registry = registry
         self.rank = rank
         self.audit = audit
-        self.reload_ok = True
         self._on_govern = on_govern
-        self._generation = 0
-        self._swap_lock = threading.Lock()
-        self._next: Optional[tuple[int, PolicySet]] = None
-        self._roots: dict[int, _Governed] = {}
+        self._roots: dict[int, Governed] = {}
         self._inside: dict[int, int] = {}  # id of every module of a governed model -> id of its root
         self._covered: dict[int, int] = {}  # id of every parameter of a governed model -> id of its root
         self._plain: dict[int, "weakref.ref[torch.nn.Module]"] = {}  # modules without parameters
@@ -110,7 +86,7 @@ class Discovery:
 
     # -- public ------------------------------------------------------------------------
     @property
-    def governed(self) -> list[_Governed]:
+    def governed(self) -> list[Governed]:
         return list(self._roots.values())
 
     @property
@@ -137,13 +113,6 @@ class Discovery:
         self._inside.clear()
         self._covered.clear()
 
-    def request_swap(self, policies: PolicySet) -> None:
-        """Swap `policies` in at each model's next step boundary; callable from any thread."""
-        with self._swap_lock:
-            self._generation += 1
-            self._next = (self._generation, policies)
-            self.policies = policies
-
     def govern(self, module: torch.nn.Module) -> Optional[Attached]:
         """Attach the policies to `module` now (replacing governed models it contains)."""
         modules = [id(m) for m in module.modules()]
@@ -151,8 +120,7 @@ class Discovery:
         step = max((g.attached.step for g in replaced), default=0)
         for governed in replaced:
             self._release(governed)
-        with self._swap_lock:
-            policies, generation = self.policies, self._generation
+        policies, generation = self.swaps.current()
         try:
             attached = self._attach(policies, module, step)
         except Exception as exc:  # a guardrail that cannot attach must not stop training
@@ -160,7 +128,7 @@ class Discovery:
             self._rejected[id(module)] = weakref.ref(module)
             return None
         root = id(module)
-        self._roots[root] = _Governed(module, attached, generation)
+        self._roots[root] = Governed(module, attached, generation)
         self._inside.update(dict.fromkeys(modules, root))
         self._covered.update(dict.fromkeys((id(p) for p in module.parameters()), root))
         if self._on_govern is not None:
@@ -172,8 +140,8 @@ class Discovery:
         """hook(module, args) -> None: called before every module call while installed."""
         root = self._inside.get(id(module))
         if root is not None:
-            if self._next is not None:
-                self._maybe_swap(self._roots[root])
+            if self.swaps.next is not None:
+                self.swaps.at_call(self._roots[root], self._roots.values(), self._attach)
             return None
         if self._pending:
             self._govern_pending()
@@ -260,12 +228,8 @@ class Discovery:
         Called before step tracking (`optimizer_hooks.DISCOVERY` comes first), so
         `attached.step` is still the step ending.
         """
-        if self._next is None:
-            return
-        for governed in self._roots.values():
-            if governed.generation != self._generation and governed.swap_after is None:
-                governed.swap_after = governed.attached.step
-        self._install_forward()
+        if self.swaps.step_ended(self._roots.values()):
+            self._install_forward()
 
     # -- hot-path bookkeeping ----------------------------------------------------------
     def _install_forward(self) -> None:
@@ -280,58 +244,22 @@ class Discovery:
     def _maybe_retire_forward(self) -> None:
         if self._forward is None or self._pending or not self._roots:
             return
-        if any(g.generation != self._generation for g in self._roots.values()):
+        if self.swaps.outdated(self._roots.values()):
             return
         if all(count >= 0 for count in self._checked.values()):
             self._retire_forward()
 
-    # -- attaching, detaching, swapping ------------------------------------------------
+    # -- attaching, detaching ----------------------------------------------------------
     def _attach(self, policies: PolicySet, module: torch.nn.Module, step: int) -> Attached:
-        attached = policies.attach(module, registry=self.registry, rank=self.rank, audit=self.audit,
-                                   start_step=step, on_halt=self._on_halt)
-        if not self.reload_ok:
-            attached.store.set(RELOAD_GAUGE, (), 0.0)
-        return attached
+        return policies.attach(module, registry=self.registry, rank=self.rank, audit=self.audit,
+                               start_step=step, on_halt=self._on_halt)
 
-    def _release(self, governed: _Governed) -> None:
+    def _release(self, governed: Governed) -> None:
         governed.attached.remove()
         root = id(governed.model)
         del self._roots[root]
         self._inside = {m: r for m, r in self._inside.items() if r != root}
         self._covered = {p: r for p, r in self._covered.items() if r != root}
-
-    def _maybe_swap(self, governed: _Governed) -> None:
-        """Swap a pending reload in at the first call after a step boundary, never mid-step."""
-        if governed.generation == self._generation:
-            return
-        step = governed.attached.step
-        if governed.swap_after is None:
-            governed.swap_after = step  # first seen in this step: wait for the next one
-        elif step > governed.swap_after:
-            self._swap(governed)
-
-    def _swap(self, governed: _Governed) -> None:
-        with self._swap_lock:
-            if self._next is None:
-                return
-            generation, policies = self._next
-        old = governed.attached
-        step = old.step
-        old.remove()
-        try:
-            governed.attached = self._attach(policies, governed.model, step)
-        except Exception as exc:
-            say(f"error: cannot attach the reloaded policies: {type(exc).__name__}: {exc}; "
-                 "keeping the previous ones")
-            governed.attached = self._attach(PolicySet(old.policies), governed.model, step)
-        governed.generation = generation
-        governed.swap_after = None
-        names = ", ".join(f"{p.name}@{p.revision[:12]}" for p in policies.policies)
-        say(f"reloaded policies at step {step} of {type(governed.model).__name__} (rank {self.rank}): {names}")
-        if all(g.generation == generation for g in self._roots.values()):
-            with self._swap_lock:
-                if self._next is not None and self._next[0] == generation:
-                    self._next = None
 
 
 def _known(cache: dict[int, "weakref.ref[torch.nn.Module]"], module: torch.nn.Module) -> bool:

@@ -31,6 +31,7 @@ from types import FrameType
 from typing import Mapping, Optional, Sequence
 
 from ..environment import DEFAULT_METRICS_ADDR, apply_variables
+from . import say
 
 __all__ = ["BOOTSTRAP_DIR", "HALT_STATUS", "Launch", "child_environment", "resolve_command", "run"]
 
@@ -94,11 +95,11 @@ def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, s
     """Run COMMAND under the policies; return the exit status `hookpolicy apply` exits with."""
     argv = resolve_command(command)
     if os.sep not in argv[0] and shutil.which(argv[0]) is None:
-        _say(f"error: command not found: {argv[0]}")
+        say(f"error: command not found: {argv[0]}")
         return 127
     if launch.metrics_port is not None:
         url = metrics_url(launch.metrics_addr, launch.metrics_port)
-        _say(f"metrics on {url} (rank r on port+r)")
+        say(f"metrics on {url} (rank r on port+r)")
     run_dir = tempfile.mkdtemp(prefix="hookpolicy-run-")
     try:
         env = child_environment(launch, run_dir, os.environ if environ is None else environ)
@@ -108,7 +109,7 @@ def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, s
             _say_line(halt)
             return HALT_STATUS
         if status == 0 and not any(n.startswith("governed-") for n in os.listdir(run_dir)):
-            _say(
+            say(
                 "warning: no model was governed: COMMAND trained no model that hookpolicy "
                 "could see (see 'Discovery' in the README for what it looks for)"
             )
@@ -145,10 +146,10 @@ def _supervise(argv: list[str], env: dict[str, str], run_dir: str) -> int:
         try:
             child = subprocess.Popen(argv, env=env, start_new_session=True)
         except FileNotFoundError:
-            _say(f"error: command not found: {argv[0]}")
+            say(f"error: command not found: {argv[0]}")
             return 127
         except OSError as exc:  # permission denied, not an executable format, ...
-            _say(f"error: cannot execute {argv[0]}: {exc.strerror or exc}")
+            say(f"error: cannot execute {argv[0]}: {exc.strerror or exc}")
             return 126
         for signum in early:
             forward(signum, None)
@@ -165,10 +166,6 @@ def _read_halt(run_dir: str) -> Optional[str]:
     except OSError:
         return None
     return text.splitlines()[0] if text.strip() else None
-
-
-def _say(message: str) -> None:
-    _say_line(f"hookpolicy: {message}")
 
 
 def _say_line(line: str) -> None:

@@ -1,10 +1,22 @@
-"""The reload protocol of `hookpolicy apply`: when policies are re-read, and what a failure does.
+"""The reload protocol of `hookpolicy apply`, all of it: when, what is valid, where it goes in.
 
-`Reloader` re-reads and validates the policy files on a background thread: with `--watch`
-when a file's content or a folder's listing changes, and always when asked (SIGHUP, or a
-bump of the run folder's `reload` file). A valid new version goes to
-`Discovery.request_swap`, which swaps it in between two steps; an invalid one is reported
-on stderr and the old one stays.
+1. When. `Reloader` looks every HOOKPOLICY_WATCH_INTERVAL seconds, on a background
+   thread: with `--watch` a change of a policy file's content or of a folder's listing
+   reloads; a SIGHUP to the process, or a bump of the run folder's `reload` file (what
+   the parent does on its SIGHUP), always does.
+2. What is valid. Every source is loaded and validated, all or nothing. An invalid set is
+   reported on stderr and the old one stays. The outcome is the value of
+   `hookpolicy_config_last_reload_successful` (`MetricsStore.config_loaded`, the gauge's
+   one writer: this module reports outcomes, an attach only makes the gauge exist).
+3. Where it goes in. A valid set that differs from the running one becomes the next
+   generation in `Swaps`. Each governed model swaps at its first module call after a
+   step boundary, never between the micro-batches of one step: the boundary is noticed
+   at an optimizer step's end (`Swaps.step_ended`, which `Discovery` calls before the
+   step counters move) or at a call, then the model's step counter must move on. A
+   model whose new attach fails keeps its previous policies, and says so.
+
+`Discovery` holds the `Swaps`, governs new models with `Swaps.current()`, and calls
+`step_ended` and `at_call` from its hooks; it knows nothing else of reloading.
 """
 
 from __future__ import annotations
@@ -12,17 +24,113 @@ from __future__ import annotations
 import sys
 import threading
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from prometheus_client import CollectorRegistry
 
 from ..api import PolicySet
+from ..engine.runtime import Attached
 from ..environment import ChildConfig
 from ..errors import PolicyError
 from ..export.metrics import store_for
 from ..policy.sources import expand_sources, load_sources
-from .discovery import RELOAD_GAUGE, Discovery, say
+from . import say
 
-__all__ = ["Reloader", "fingerprint"]
+__all__ = ["Governed", "Swaps", "Reloader", "fingerprint"]
+
+#: attach(policies, model, start_step) -> the new attachment (raises when it cannot).
+Attach = Callable[[PolicySet, torch.nn.Module, int], Attached]
+
+
+@dataclass
+class Governed:
+    """One governed model: its attachment and the policy generation it runs."""
+
+    model: torch.nn.Module
+    attached: Attached
+    generation: int
+    swap_after: Optional[int] = None  # a newer generation waits for a step beyond this one
+
+
+class Swaps:
+    """The policies of this process: the newest generation, and the swap still pending.
+
+    `request` may come from any thread (the reloader's); everything else runs on the
+    training thread. `next` is read without the lock on the hot path: a stale read only
+    delays a swap to the next call.
+    """
+
+    def __init__(self, policies: PolicySet, *, rank: int) -> None:
+        self.rank = rank
+        self.next: Optional[tuple[int, PolicySet]] = None
+        self._lock = threading.Lock()
+        self._policies = policies
+        self._generation = 0
+
+    def current(self) -> tuple[PolicySet, int]:
+        """The newest policies and their generation: what a model governed now runs."""
+        with self._lock:
+            return self._policies, self._generation
+
+    def request(self, policies: PolicySet) -> None:
+        """Make `policies` the next generation, swapped in at each model's next step boundary."""
+        with self._lock:
+            self._generation += 1
+            self.next = (self._generation, policies)
+            self._policies = policies
+
+    def outdated(self, governed: Iterable[Governed]) -> bool:
+        """Whether some model still runs an older generation."""
+        return any(g.generation != self._generation for g in governed)
+
+    def step_ended(self, governed: Iterable[Governed]) -> bool:
+        """An optimizer step ends (before any step counter moves): True when a swap waits.
+
+        Each model still on an older generation swaps at its first call once its step
+        counter is past the step ending now.
+        """
+        if self.next is None:
+            return False
+        for g in governed:
+            if g.generation != self._generation and g.swap_after is None:
+                g.swap_after = g.attached.step
+        return True
+
+    def at_call(self, governed: Governed, everyone: Iterable[Governed], attach: Attach) -> None:
+        """A call of `governed`'s model: swap the pending generation in if a step boundary passed."""
+        if governed.generation == self._generation:
+            return
+        step = governed.attached.step
+        if governed.swap_after is None:
+            governed.swap_after = step  # first seen in this step: wait for the next one
+        elif step > governed.swap_after:
+            self._swap(governed, everyone, attach)
+
+    def _swap(self, governed: Governed, everyone: Iterable[Governed], attach: Attach) -> None:
+        with self._lock:
+            if self.next is None:
+                return
+            generation, policies = self.next
+        old = governed.attached
+        step = old.step
+        old.remove()
+        try:
+            governed.attached = attach(policies, governed.model, step)
+        except Exception as exc:
+            say(f"error: cannot attach the reloaded policies: {type(exc).__name__}: {exc}; "
+                "keeping the previous ones")
+            governed.attached = attach(PolicySet(old.policies), governed.model, step)
+        governed.generation = generation
+        governed.swap_after = None
+        names = ", ".join(f"{p.name}@{p.revision[:12]}" for p in policies.policies)
+        say(f"reloaded policies at step {step} of {type(governed.model).__name__} (rank {self.rank}): {names}")
+        if all(g.generation == generation for g in everyone):
+            with self._lock:
+                if self.next is not None and self.next[0] == generation:
+                    self.next = None
 
 
 class Reloader:
@@ -33,11 +141,12 @@ class Reloader:
     """
 
     def __init__(
-        self, config: ChildConfig, discovery: Discovery, *,
+        self, config: ChildConfig, swaps: Swaps, *, registry: CollectorRegistry,
         files: Optional[tuple[Any, ...]] = None,
     ) -> None:
         self.config = config
-        self.discovery = discovery
+        self.swaps = swaps
+        self.registry = registry
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._requested = False
@@ -89,24 +198,23 @@ class Reloader:
         self.reload(explicit=requested)
 
     def reload(self, explicit: bool = False) -> None:
-        store = store_for(self.discovery.registry, self.discovery.rank)
+        """Load and validate every source; a valid, different set waits in `swaps`."""
+        store = store_for(self.registry, self.config.rank)
         try:
             policies = PolicySet(load_sources(list(self.config.sources)))
         except PolicyError as exc:
-            self.discovery.reload_ok = False
-            store.set(RELOAD_GAUGE, (), 0.0)
+            store.config_loaded(False)
             lines = "\n".join(str(p) for p in exc.problems)
             sys.stderr.write(f"hookpolicy: reload failed; keeping the current policies:\n{lines}\n")
             sys.stderr.flush()
             return
-        self.discovery.reload_ok = True
-        store.set(RELOAD_GAUGE, (), 1.0)
-        current = [(p.name, p.revision) for p in self.discovery.policies.policies]
-        if [(p.name, p.revision) for p in policies.policies] == current:
+        store.config_loaded(True)
+        current, _ = self.swaps.current()
+        if [(p.name, p.revision) for p in policies.policies] == [(p.name, p.revision) for p in current.policies]:
             if explicit:
                 say("reload: the policies are unchanged")
             return
-        self.discovery.request_swap(policies)
+        self.swaps.request(policies)
 
 
 def fingerprint(sources: Sequence[str]) -> tuple[Any, ...]:

@@ -91,7 +91,7 @@ class Attached:
                     if action.then == "skip_step":
                         self.store.inc("hookpolicy_skipped_steps", rs.key, 0)
         self.store.raise_to("hookpolicy_steps", (), self.step)
-        self.store.set("hookpolicy_config_last_reload_successful", (), 1.0)
+        self.store.config_loaded()
 
     # -- public handle -----------------------------------------------------------------
     def __enter__(self) -> "Attached":

@@ -21,7 +21,10 @@ from prometheus_client.registry import Collector
 
 from ..policy.model import STATS, TARGETS
 
-__all__ = ["ENGINE_FAMILIES", "STAT_LABELS", "MetricsStore", "StoreCollector", "store_for", "stat_family"]
+__all__ = [
+    "ENGINE_FAMILIES", "RELOAD_GAUGE", "STAT_LABELS", "MetricsStore", "StoreCollector", "store_for",
+    "stat_family",
+]
 
 log = logging.getLogger("hookpolicy")
 
@@ -49,6 +52,9 @@ ENGINE_FAMILIES: dict[str, tuple[str, str, Labels]] = {
 }
 
 STAT_LABELS: Labels = ("policy", "rule", "module", "tensor")
+
+#: Written only by `MetricsStore.config_loaded`.
+RELOAD_GAUGE = "hookpolicy_config_last_reload_successful"
 
 
 def stat_family(target: str, stat: str) -> str:
@@ -83,6 +89,17 @@ class MetricsStore:
     def set(self, family: str, labels: Labels, value: float) -> None:
         with self._lock:
             self._engine[family][labels] = value
+
+    def config_loaded(self, ok: Optional[bool] = None) -> None:
+        """Write RELOAD_GAUGE, and nothing else does: `ok` is a (re)load's outcome.
+
+        An attach calls it with None: the gauge then reads 1 (its policies did load)
+        unless a reload has already reported an outcome, which an attach never hides.
+        """
+        with self._lock:
+            series = self._engine[RELOAD_GAUGE]
+            if ok is not None or () not in series:
+                series[()] = 0.0 if ok is False else 1.0
 
     def drop(self, family: str, keep: Callable[[Labels], bool]) -> None:
         with self._lock:
