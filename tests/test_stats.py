@@ -1,0 +1,153 @@
+"""The statistics of `engine.stats` and `clip_norm`, against float64 PyTorch references.
+
+The speed-ups in stats.py (dot products, the `1 + 0 * x` count of finite elements, the
+scratch buffer and its chunks, deferred counts) change how statistics are computed, not
+what they are: every statistic is checked over float32/float64/bfloat16/float16 tensors,
+strided ones, ones with NaN and +-Inf, lists of tensors combined per rule, and the
+chunked path (with the chunk size made tiny), each against `torch.linalg.vector_norm`,
+`mean`, `std`, ... of the same values in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import pytest
+import torch
+
+from hookpolicy.engine import stats
+from hookpolicy.engine.actions import clip_norm
+from hookpolicy.engine.stats import combine, finish, partials_for, resolve_counts, tensor_partials
+
+ALL = ("l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel")
+SETS = (ALL, ("l2_norm", "abs_max", "nonfinite"), ("nonfinite",), ("std",), ("mean",), ("l2_norm", "nonfinite"),
+        ("abs_max",), ("zero_fraction", "numel"))
+
+
+def reference(tensors: list[torch.Tensor]) -> dict[str, float]:
+    x = torch.cat([t.double().flatten() for t in tensors])
+    return {
+        "l2_norm": torch.linalg.vector_norm(x).item(), "mean": x.mean().item(),
+        "std": x.std().item() if x.numel() > 1 else math.nan, "min": x.min().item(), "max": x.max().item(),
+        "abs_max": x.abs().max().item(), "rms": x.pow(2).mean().sqrt().item(),
+        "zero_fraction": (x == 0).double().mean().item(), "nonfinite": float((~torch.isfinite(x)).sum().item()),
+        "numel": float(x.numel()),
+    }
+
+
+def computed(tensors: list[torch.Tensor], wanted: tuple[str, ...], defer: bool = False) -> dict[str, float]:
+    """What the runtime reports: partials per tensor on the device, combined per rule on the host."""
+    kinds = partials_for(wanted)
+    matrix = tensor_partials(tensors, kinds, defer_counts=defer)
+    assert matrix.dtype == torch.float64 and tuple(matrix.shape) == (len(tensors), len(kinds))
+    rows = matrix.tolist()
+    if defer:
+        resolve_counts(rows, tensors, kinds)
+    return finish(combine(rows, [t.numel() for t in tensors], kinds), sum(t.numel() for t in tensors), wanted)
+
+
+def agrees(got: float, want: float, stat: str, rel: float, any_nonfinite: bool) -> bool:
+    if stat in ("nonfinite", "numel"):
+        return got == want
+    if stat == "zero_fraction":
+        return abs(got - want) < 1e-12
+    if any_nonfinite and stat not in ("min", "max", "abs_max"):
+        return math.isnan(got) or math.isinf(got)  # NaN and Inf propagate
+    if math.isnan(want) or math.isinf(want):
+        return (math.isnan(got) and math.isnan(want)) or got == want
+    return abs(got - want) <= rel * max(abs(want), 1e-6)
+
+
+def cases() -> Iterator[tuple[str, list[torch.Tensor]]]:
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for shape in ((7,), (33, 65), (2, 3, 4), (1,), (300, 257)):
+            t = (torch.randn(*shape, generator=g) * 3 + 1).to(dtype)
+            name = f"{str(dtype)[6:]}-{'x'.join(map(str, shape))}"
+            yield name, [t]
+            yield name + "+5", [t, (torch.randn(5, generator=g) * 2).to(dtype)]
+    base = torch.randn(40, 30, generator=g)
+    yield "transposed", [base.t()]
+    yield "strided", [base[:, ::2]]
+    yield "transposed+float64", [base.t(), torch.randn(9, generator=g, dtype=torch.float64)]
+    zeros = torch.randn(100, generator=g)
+    zeros[::3] = 0
+    yield "zeros", [zeros]
+    bad = torch.randn(50, generator=g)
+    bad[3], bad[7], bad[9] = float("nan"), float("inf"), -float("inf")
+    only_inf = torch.randn(50, generator=g)
+    only_inf[2] = float("inf")
+    yield "nan-inf", [bad]
+    yield "nan-inf+finite", [bad, torch.randn(4, generator=g)]
+    yield "inf", [only_inf]
+    yield "nan-inf-float16", [bad.half()]
+
+
+CASES = dict(cases())
+
+
+@pytest.fixture(params=[False, True], ids=["whole", "chunked"])
+def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both paths of the scratch buffer: whole tensors, and chunks of 1,000 elements."""
+    if request.param:
+        monkeypatch.setattr(stats, "_SCRATCH_ELEMENTS", 1000)
+        monkeypatch.setattr(stats, "_SCRATCH_MIN", 10)
+    return bool(request.param)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_statistic_matches_float64(case: str, chunked: bool) -> None:
+    tensors = CASES[case]
+    want = reference(tensors)
+    rel = 1e-5 if tensors[0].dtype in (torch.float32, torch.float64) else 1e-2
+    any_nonfinite = any(not bool(torch.isfinite(t).all()) for t in tensors)
+    mismatches = [
+        f"{stat} (defer={defer}, of {wanted}): {got[stat]} != {want[stat]}"
+        for wanted in SETS for defer in (False, True)
+        for got in [computed(tensors, wanted, defer)]
+        for stat in wanted if not agrees(got[stat], want[stat], stat, rel, any_nonfinite)
+    ]
+    assert not mismatches, mismatches
+
+
+def test_the_chunked_path_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked cases above mean something only if the chunk loop runs on them."""
+    monkeypatch.setattr(stats, "_SCRATCH_ELEMENTS", 1000)
+    calls: list[int] = []
+    chunks = stats._chunks
+    monkeypatch.setattr(stats, "_chunks", lambda t: (calls.append(t.numel()), chunks(t))[1])
+    monkeypatch.setattr(stats, "_SCRATCH_MIN", 10)
+    computed(CASES["float32-300x257"], ALL)
+    assert calls
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["counted", "deferred"])
+def test_counts_stay_exact_beyond_float32s_2_pow_24(defer: bool) -> None:
+    big = torch.zeros((1 << 24) + 5)
+    big[-1], big[0] = float("nan"), float("inf")
+    got = computed([big], ("nonfinite", "numel"), defer)
+    assert got == {"nonfinite": 2.0, "numel": float((1 << 24) + 5)}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_norm_in_place_is_clip_grad_norm(norm_type: float) -> None:
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(5, 3, generator=g) for _ in range(3)]
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
+    for p, t in zip(params, grads):
+        p.grad = t.clone()
+    torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type=norm_type)
+    ours = [t.clone() for t in grads]
+    clip_norm(ours, 0.5, norm_type, [[0, 1, 2]], inplace=True)
+    for mine, p in zip(ours, params):
+        assert p.grad is not None and torch.equal(mine, p.grad)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_norm_out_of_place_keeps_the_autograd_graph(norm_type: float) -> None:
+    g = torch.Generator().manual_seed(1)
+    leaves = [torch.randn(5, 3, generator=g).requires_grad_() for _ in range(3)]
+    clipped = clip_norm([t * 1 for t in leaves], 0.5, norm_type, [[0], [1, 2]], inplace=False)
+    torch.stack([c.sum() for c in clipped]).sum().backward()  # type: ignore[no-untyped-call]
+    assert all(t.grad is not None for t in leaves)
