@@ -1,12 +1,27 @@
-"""Shared fixtures: the repository root and free TCP ports."""
+"""Shared test helpers: the repository root, free ports, policies written on the fly, the
+tiny models (an MLP, a two-block GPT and its training loop), PyTorch's hook tables counted
+(to catch a leaked hook), the exporter for a `with`, the output-folder and one-thread
+fixtures."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 import socket
+import textwrap
 from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
+import torch
+import torch.nn.modules.module as module_hooks
+import torch.optim.optimizer as optimizer_hooks
+from prometheus_client import CollectorRegistry
+import torch.nn.functional as F
+from torch import nn
+
+import hookpolicy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,3 +47,198 @@ def free_port() -> int:
         if _bindable(port) and _bindable(port + 1):
             return port
     raise RuntimeError("no free pair of ports")
+
+
+# --------------------------------------------------------------------------- policies
+
+
+def policy_text(rules: str, *, name: str = "p", spec: str = "") -> str:
+    """A policy named `name` with `rules` (a YAML list, indented as you like) and more `spec` keys."""
+    text = f"apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata: {{name: {name}}}\nspec:\n"
+    text += textwrap.indent(textwrap.dedent(spec), "  ")
+    return text + "  rules:\n" + textwrap.indent(textwrap.dedent(rules), "    ")
+
+
+def write_policy(folder: Path, rules: str, *, name: str = "p", spec: str = "") -> Path:
+    """`policy_text(...)` written to `folder/<name>.yaml`."""
+    path = folder / f"{name}.yaml"
+    path.write_text(policy_text(rules, name=name, spec=spec))
+    return path
+
+
+def load_policy(folder: Path, rules: str, *, name: str = "p", spec: str = "") -> hookpolicy.PolicySet:
+    """`write_policy(...)`, loaded as users load it (`hookpolicy.load`)."""
+    return hookpolicy.load(write_policy(folder, rules, name=name, spec=spec))
+
+
+# --------------------------------------------------------------------------- models
+
+
+def tiny(seed: int = 0, out: int = 2) -> nn.Sequential:
+    """Linear(4, 8), ReLU, Linear(8, out), seeded: the smallest model with a hidden layer."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, out))
+
+
+VOCAB, BLOCK = 64, 16
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.act = nn.ReLU()
+        self.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, n_head)
+        self.ln_2 = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """A two-block GPT with nanoGPT's module names and weight tying.
+
+    The conventional GPT-2/nanoGPT names (`transformer.wte`, `transformer.h.N.attn.c_attn`,
+    `transformer.h.N.mlp.c_fc`, `lm_head`, ...) with the token embedding tied to
+    `lm_head`, as nanoGPT does: the names the policy library's patterns are written for.
+    """
+
+    def __init__(self, d: int = 32, n_head: int = 4, n_layer: int = 2) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, d), wpe=nn.Embedding(BLOCK, d), drop=nn.Dropout(0.0),
+            h=nn.ModuleList([Block(d, n_head) for _ in range(n_layer)]), ln_f=nn.LayerNorm(d),
+        ))
+        self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+        return logits, loss
+
+
+def make_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT()
+
+
+def batch(seed: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + seed)
+    idx = torch.randint(0, VOCAB, (size, BLOCK), generator=g)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int, loss_scale: float = 1.0,
+               before_step: Optional[Callable[[], None]] = None) -> None:
+    idx, targets = batch(seed)
+    _, loss = model(idx, targets)
+    assert loss is not None
+    (loss * loss_scale).backward()
+    if before_step is not None:
+        before_step()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def train_then_evaluate(model: nn.Module, steps: int) -> None:
+    """`steps` AdamW training steps, then one evaluation batch (eval mode, no grad)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for i in range(steps):
+        train_step(model, opt, i)
+    model.eval()
+    with torch.no_grad():
+        model(batch(99)[0])
+    model.train()
+
+
+# --------------------------------------------------------------------------- leaks
+
+
+def module_hook_count(model: nn.Module) -> int:
+    """Every hook on every module of `model` (0 once hookpolicy let go of it)."""
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
+        + len(m._forward_hooks_always_called) + len(m._forward_hooks_with_kwargs)
+        for m in model.modules()
+    )
+
+
+def global_hook_counts() -> tuple[int, ...]:
+    """PyTorch's process-wide hooks: optimizer step pre/post, module forward pre/post, backward."""
+    return (
+        len(optimizer_hooks._global_optimizer_pre_hooks), len(optimizer_hooks._global_optimizer_post_hooks),
+        len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks),
+        len(module_hooks._global_backward_hooks), len(module_hooks._global_backward_pre_hooks),
+    )
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+@contextlib.contextmanager
+def served(registry: CollectorRegistry, port: int, **options: Any) -> Iterator[Any]:
+    """`hookpolicy.export.exporter.serve` for the length of a `with`, shut down after."""
+    from hookpolicy.export.exporter import serve
+
+    server = serve(registry, port, **options)
+    assert server is not None
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines log, every line complete."""
+    text = path.read_text(encoding="utf-8")
+    assert text == "" or text.endswith("\n"), f"{path} ends in a partial line"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.fixture
+def out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The output folder for logs and tensor files (HOOKPOLICY_OUTPUT_DIR)."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models run fastest on one intra-op thread, and a busy CI machine cannot slow them 10x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import hookpolicy
-from conftest import REPO
+from conftest import REPO, global_hook_counts, tiny
 from hookpolicy.apply.discovery import Discovery
 from hookpolicy.apply.reload import Reloader
 from hookpolicy.environment import ChildConfig
@@ -563,17 +563,9 @@ def test_bootstrap_is_inert_without_its_variable() -> None:
 
 # -- discovery, in process ---------------------------------------------------------------
 
-def _global_hook_counts() -> tuple[int, int, int]:
-    import torch.nn.modules.module as module_hooks
-    import torch.optim.optimizer as optimizer_hooks
-
-    return (len(module_hooks._global_forward_pre_hooks), len(optimizer_hooks._global_optimizer_pre_hooks),
-            len(optimizer_hooks._global_optimizer_post_hooks))
-
-
 @pytest.fixture
 def discovery() -> Iterator[Discovery]:
-    before = _global_hook_counts()
+    before = global_hook_counts()
     d = Discovery(hookpolicy.load(MONITOR), registry=CollectorRegistry(), rank=0)
     d.install()
     try:
@@ -581,11 +573,7 @@ def discovery() -> Iterator[Discovery]:
     finally:
         d.remove()
         d.remove()  # idempotent
-    assert _global_hook_counts() == before
-
-
-def _mlp() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    assert global_hook_counts() == before
 
 
 def _train_step(model: nn.Module, opt: Optional[torch.optim.Optimizer], call: Optional[Callable[..., torch.Tensor]] = None,
@@ -599,7 +587,7 @@ def _train_step(model: nn.Module, opt: Optional[torch.optim.Optimizer], call: Op
 
 
 def test_discovery_governs_the_outermost_trained_model(discovery: Discovery) -> None:
-    model = _mlp()
+    model = tiny(out=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with torch.no_grad():
         model(torch.randn(2, 4))  # evaluation: nothing is governed
@@ -613,7 +601,7 @@ def test_discovery_governs_the_outermost_trained_model(discovery: Discovery) -> 
 
 
 def test_discovery_leaves_a_target_network_alone(discovery: Discovery) -> None:
-    online, target = _mlp(), _mlp()
+    online, target = tiny(0, out=1), tiny(1, out=1)
     opt = torch.optim.SGD(online.parameters(), lr=0.1)
     for _ in range(2):
         loss = (online(torch.randn(5, 4)) - target(torch.randn(5, 4))).pow(2).mean()  # target not in no_grad
@@ -625,7 +613,7 @@ def test_discovery_leaves_a_target_network_alone(discovery: Discovery) -> None:
 
 
 def test_discovery_replaces_a_part_by_the_model_that_contains_it(discovery: Discovery) -> None:
-    model = _mlp()
+    model = tiny(out=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _train_step(model, opt, call=model[0])  # a part trained alone first
     [part] = discovery.governed
@@ -638,7 +626,7 @@ def test_discovery_replaces_a_part_by_the_model_that_contains_it(discovery: Disc
 
 
 def test_discovery_joins_parts_of_a_model_whose_forward_is_called_directly(discovery: Discovery) -> None:
-    model = _mlp()
+    model = tiny(out=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _train_step(model, opt, call=model.forward)  # no hook sees `model` itself: its Linears look like models
     assert {type(g.model) for g in discovery.governed} == {nn.Linear}
@@ -648,7 +636,7 @@ def test_discovery_joins_parts_of_a_model_whose_forward_is_called_directly(disco
 
 
 def test_discovery_under_manual_sgd_keeps_watching(discovery: Discovery) -> None:
-    model = _mlp()
+    model = tiny(out=1)
     for _ in range(3):
         model(torch.randn(5, 4)).pow(2).mean().backward()
         with torch.no_grad():
@@ -665,7 +653,7 @@ def test_discovery_under_manual_sgd_keeps_watching(discovery: Discovery) -> None
 def test_discovery_swaps_a_reload_between_steps_never_between_micro_batches(
     discovery: Discovery, tmp_path: Path, watching: bool,
 ) -> None:
-    model = _mlp()
+    model = tiny(out=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _train_step(model, opt)
     first = discovery.governed[0].attached
@@ -699,14 +687,14 @@ def test_a_failed_reload_reads_0_until_a_valid_one_even_across_attaches(
     def gauge() -> Optional[float]:
         return discovery.registry.get_sample_value(RELOAD_GAUGE, {"rank": "0"})
 
-    model = _mlp()
+    model = tiny(out=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _train_step(model, opt)
     assert gauge() == 1
     policy.write_text(BROKEN_POLICY)
     reloader.reload()
     assert gauge() == 0 and "reload failed; keeping the current policies" in capsys.readouterr().err
-    assert discovery.govern(_mlp()) is not None  # a new attach does not hide the failure
+    assert discovery.govern(tiny(out=1)) is not None  # a new attach does not hide the failure
     assert gauge() == 0 and discovery.swaps.next is None
     policy.write_text(WATCHED_POLICY.replace("EVERY", "1"))
     reloader.reload()

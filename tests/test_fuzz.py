@@ -27,7 +27,6 @@ from typing import Any, Callable, Iterator, Optional, Union
 import pytest
 import torch
 import torch.nn as nn
-import torch.optim.optimizer as optimizer_hooks
 import yaml
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
@@ -38,6 +37,7 @@ from hookpolicy import Halt, PolicyError, PolicySet, Problem
 from hookpolicy.policy.loader import MAX_BYTES, MAX_DEPTH
 
 import test_build
+from conftest import global_hook_counts, module_hook_count
 
 # --------------------------------------------------------------------------- seeds
 
@@ -172,17 +172,6 @@ class TinyLM(nn.Module):
         return self.lm_head(self.transformer(x))
 
 
-def module_hooks(model: nn.Module) -> int:
-    return sum(
-        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-        + len(m._backward_pre_hooks) for m in model.modules()
-    )
-
-
-def global_optimizer_hooks() -> int:
-    return len(optimizer_hooks._global_optimizer_pre_hooks) + len(optimizer_hooks._global_optimizer_post_hooks)
-
-
 # --------------------------------------------------------------------------- checking
 
 
@@ -220,7 +209,7 @@ def load_outcome(folder: Path, content: Union[str, bytes], name: str = "p.yaml")
     raw = content.encode("utf-8") if isinstance(content, str) else content
     path = folder / name
     path.write_bytes(raw)
-    before = global_optimizer_hooks()
+    before = global_hook_counts()
     try:
         loaded = hookpolicy.load(path)
     except PolicyError as exc:
@@ -228,7 +217,7 @@ def load_outcome(folder: Path, content: Union[str, bytes], name: str = "p.yaml")
         lines = raw.count(b"\n") + 1
         for problem in exc.problems:
             check_problem(problem, str(path), lines)
-        assert global_optimizer_hooks() == before  # loading installs nothing
+        assert global_hook_counts() == before  # loading installs nothing
         return None
     assert isinstance(loaded, PolicySet) and len(loaded.policies) == 1
     return loaded
@@ -239,7 +228,7 @@ def train_under(policies: PolicySet, steps: int = 2) -> None:
     torch.manual_seed(0)
     model = TinyLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    before = global_optimizer_hooks()
+    before = global_hook_counts()
     try:
         with policies.attach(model, registry=CollectorRegistry(), rank=0) as attached:
             assert attached.plan is not None
@@ -253,8 +242,8 @@ def train_under(policies: PolicySet, steps: int = 2) -> None:
             model.train()
     except Halt:
         pass  # a mutated alert may say `then: halt`; a halt is a clean stop
-    assert module_hooks(model) == 0
-    assert global_optimizer_hooks() == before
+    assert module_hook_count(model) == 0
+    assert global_hook_counts() == before
 
 
 # --------------------------------------------------------------------------- mutations

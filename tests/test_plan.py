@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import torch.nn as nn
 
-import hookpolicy
 from hookpolicy.plan.planner import build_plan
 
-
-def load(tmp_path: Path, name: str, rules: str) -> hookpolicy.PolicySet:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(
-        f"apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata: {{name: {name}}}\nspec:\n  rules:\n"
-        + textwrap.indent(textwrap.dedent(rules), "    ")
-    )
-    return hookpolicy.load(path)
+from conftest import load_policy
 
 
 class Tied(nn.Module):
@@ -30,14 +21,14 @@ class Tied(nn.Module):
 
 
 def test_bindings_follow_priority_then_file_order(tmp_path: Path) -> None:
-    a = load(tmp_path, "a", """
+    a = load_policy(tmp_path, """
         - {name: late, priority: 90, match: {types: [Linear]}, trigger: {at: forward}, actions: [{capture: {stats: [numel]}}]}
         - {name: first, priority: 10, match: {modules: [head]}, trigger: {at: forward}, actions: [{capture: {stats: [numel]}}]}
         - {name: tie-1, match: {modules: [head]}, trigger: {at: forward}, actions: [{capture: {stats: [numel]}}]}
-    """)
-    b = load(tmp_path, "b", """
+    """, name="a")
+    b = load_policy(tmp_path, """
         - {name: tie-2, match: {modules: [head]}, trigger: {at: forward}, actions: [{capture: {stats: [numel]}}]}
-    """)
+    """, name="b")
     plan = build_plan(a.policies + b.policies, Tied())
     assert [(x.rule.name, x.module) for x in plan.bindings] == [
         ("first", "head"), ("tie-1", "head"), ("tie-2", "head"),
@@ -46,9 +37,9 @@ def test_bindings_follow_priority_then_file_order(tmp_path: Path) -> None:
 
 
 def test_plan_is_pure_and_printable(tmp_path: Path) -> None:
-    pol = load(tmp_path, "p", """
+    pol = load_policy(tmp_path, """
         - {name: g, match: {modules: ["**"]}, trigger: {at: step}, actions: [{clip: {max_norm: 1}}]}
-    """)
+    """, name="p")
     model = Tied()
     before = {n: p.clone() for n, p in model.state_dict().items()}
     plan = pol.plan(model)
@@ -64,9 +55,9 @@ def test_plan_is_pure_and_printable(tmp_path: Path) -> None:
 
 
 def test_tied_parameter_is_selected_once(tmp_path: Path) -> None:
-    pol = load(tmp_path, "p", """
+    pol = load_policy(tmp_path, """
         - {name: g, match: {modules: ["**"]}, trigger: {at: step}, actions: [{capture: {stats: [l2_norm]}}]}
-    """)
+    """, name="p")
     plan = pol.plan(Tied())
     owners = [(b.module, p) for b in plan.bindings for p in b.params]
     assert ("wte", "weight") in owners and ("head", "weight") not in owners
@@ -74,7 +65,7 @@ def test_tied_parameter_is_selected_once(tmp_path: Path) -> None:
 
 
 def test_warnings_for_rules_that_cannot_fire(tmp_path: Path) -> None:
-    pol = load(tmp_path, "p", """
+    pol = load_policy(tmp_path, """
         - {name: none, match: {modules: ["decoder.**"]}, trigger: {at: forward}, actions: [{capture: {stats: [numel]}}]}
         - {name: no-params, match: {types: [ReLU]}, trigger: {at: step}, actions: [{capture: {stats: [numel]}}]}
         - name: indices
@@ -82,7 +73,7 @@ def test_warnings_for_rules_that_cannot_fire(tmp_path: Path) -> None:
           trigger: {at: backward}
           target: grad_input
           actions: [{capture: {stats: [numel]}}]
-    """)
+    """, name="p")
     warnings = pol.plan(Tied()).warnings
     assert warnings == (
         "p/none: matches no module of Tied",

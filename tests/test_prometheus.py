@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import hookpolicy
 from hookpolicy.export.rules import prometheus_rules
-from test_policies import make_model, train_then_evaluate
+from conftest import make_model, train_then_evaluate
 
 TESTS = Path(__file__).resolve().parent
 PROMTOOL = shutil.which("promtool")
@@ -139,7 +139,7 @@ TRAIN = """\
 import sys, time
 import torch
 sys.path.insert(0, {tests!r})
-from test_policies import make_model, train_step
+from conftest import make_model, train_step
 
 model = make_model()
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)

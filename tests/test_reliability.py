@@ -11,9 +11,7 @@ read-only" or a "full disk" is simulated with a file in place of the folder, or 
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import gc
 import json
 import logging
 import os
@@ -24,45 +22,30 @@ import socket
 import statistics
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import urllib.error
 import urllib.request
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import hookpolicy
-from hookpolicy import Halt, HookPolicyError, PolicySet
+from hookpolicy import Halt, HookPolicyError
 from hookpolicy.export import sinks
 from hookpolicy.policy.model import LogSink
 from hookpolicy.engine.runtime import MAX_ERRORS
 
-from conftest import REPO
+from conftest import (
+    REPO, global_hook_counts, json_lines, load_policy, module_hook_count, policy_text, served, tiny,
+)
 from child_scripts import HOOK_REPORT
-
-HEADER = "apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata: {{name: {name}}}\nspec:\n  onError: {on_error}\n  rules:\n"
-
-
-def make_policy(folder: Path, rules: str, name: str = "p", on_error: str = "continue") -> PolicySet:
-    path = folder / f"{name}.yaml"
-    path.write_text(HEADER.format(name=name, on_error=on_error) + textwrap.indent(textwrap.dedent(rules), "    "))
-    return hookpolicy.load(path)
-
-
-def tiny(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: int = 6) -> float:
     loss = model(torch.randn(batch, 4)).pow(2).mean()
@@ -72,44 +55,12 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: int = 6) -> 
     return loss.item()
 
 
-def module_hook_count(model: nn.Module) -> int:
-    return sum(
-        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
-        + len(m._forward_hooks_always_called) + len(m._forward_hooks_with_kwargs)
-        for m in model.modules()
-    )
-
-
-def global_hook_counts() -> tuple[int, ...]:
-    """PyTorch's process-wide hooks: optimizer step pre/post, module forward pre/post, backward."""
-    return (
-        len(optimizer_hooks._global_optimizer_pre_hooks), len(optimizer_hooks._global_optimizer_post_hooks),
-        len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks),
-        len(module_hooks._global_backward_hooks), len(module_hooks._global_backward_pre_hooks),
-    )
-
-
 def sample(reg: CollectorRegistry, name: str, **labels: str) -> Optional[float]:
     return reg.get_sample_value(name, {**labels, "rank": "0"})
 
 
 def errors_of(reg: CollectorRegistry, rule: str, policy: str = "p") -> float:
     return sample(reg, "hookpolicy_hook_errors_total", policy=policy, rule=rule) or 0.0
-
-
-def json_lines(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
-    assert text == "" or text.endswith("\n"), f"{path} ends in a partial line"
-    return [json.loads(line) for line in text.splitlines()]
-
-
-@pytest.fixture
-def out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The output folder for logs and tensor files."""
-    folder = tmp_path / "out"
-    folder.mkdir()
-    monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(folder))
-    return folder
 
 
 @pytest.fixture
@@ -152,7 +103,7 @@ DUMP_AND_NORMS = """\
 def test_disk_full_on_tensor_files_is_contained_under_continue(
     tmp_path: Path, out: Path, monkeypatch: pytest.MonkeyPatch, hookpolicy_log: pytest.LogCaptureFixture,
 ) -> None:
-    policy = make_policy(tmp_path, DUMP_AND_NORMS)
+    policy = load_policy(tmp_path, DUMP_AND_NORMS)
     model, reg = tiny(), CollectorRegistry()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     monkeypatch.setattr(sinks.os, "replace", disk_full)
@@ -184,7 +135,7 @@ def test_a_capture_folder_that_turns_into_a_file_mid_run_is_contained(
     tmp_path: Path, out: Path, hookpolicy_log: pytest.LogCaptureFixture,
 ) -> None:
     """Root ignores chmod, so "the folder became unwritable" is a file where the folder was."""
-    policy = make_policy(tmp_path, DUMP_AND_NORMS)
+    policy = load_policy(tmp_path, DUMP_AND_NORMS)
     model, reg = tiny(), CollectorRegistry()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with policy.attach(model, registry=reg, rank=0):
@@ -207,7 +158,7 @@ def test_a_capture_folder_that_turns_into_a_file_mid_run_is_contained(
 def test_on_error_halt_stops_cleanly_removes_hooks_and_flushes_the_log(
     tmp_path: Path, out: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    policy = make_policy(tmp_path, DUMP_AND_NORMS, on_error="halt")
+    policy = load_policy(tmp_path, DUMP_AND_NORMS, spec="onError: halt\n")
     model, reg = tiny(), CollectorRegistry()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     baseline = global_hook_counts()
@@ -235,7 +186,7 @@ def test_a_spent_budget_writes_nothing_more_warns_once_and_is_no_error(
     tmp_path: Path, out: Path, hookpolicy_log: pytest.LogCaptureFixture, budget: str,
 ) -> None:
     """The configured end of a capture: a warning, never a hook error (nobody gets paged)."""
-    policy = make_policy(tmp_path, f"""\
+    policy = load_policy(tmp_path, f"""\
         - name: dump
           match: {{modules: ["0"], params: [weight]}}
           trigger: {{at: step}}
@@ -260,7 +211,7 @@ def test_a_spent_budget_writes_nothing_more_warns_once_and_is_no_error(
 def test_a_log_sink_fault_is_contained_under_continue(
     tmp_path: Path, out: Path, monkeypatch: pytest.MonkeyPatch, fault: str,
 ) -> None:
-    policy = make_policy(tmp_path, DUMP_AND_NORMS.replace("tensors: {dir: tensors}", "tensors: {dir: t}"))
+    policy = load_policy(tmp_path, DUMP_AND_NORMS.replace("tensors: {dir: tensors}", "tensors: {dir: t}"))
     if fault == "folder-is-a-file":
         (out / "logs").write_text("a file where the log folder should be")
     else:
@@ -322,7 +273,7 @@ EVERY_HOOK_POINT = """\
 
 
 def test_a_forward_that_raises_leaves_no_hooks_behind(tmp_path: Path, out: Path) -> None:
-    policy = make_policy(tmp_path, EVERY_HOOK_POINT)
+    policy = load_policy(tmp_path, EVERY_HOOK_POINT)
     model = Flaky(fail_on={3})
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     baseline = global_hook_counts()
@@ -337,7 +288,7 @@ def test_a_forward_that_raises_leaves_no_hooks_behind(tmp_path: Path, out: Path)
 
 def test_training_goes_on_after_a_forward_that_raised(tmp_path: Path, out: Path) -> None:
     """A caught exception mid-forward must not leave the runtime thinking it is still inside one."""
-    policy = make_policy(tmp_path, EVERY_HOOK_POINT)
+    policy = load_policy(tmp_path, EVERY_HOOK_POINT)
     model, reg = Flaky(fail_on={2, 3}), CollectorRegistry()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with policy.attach(model, registry=reg, rank=0) as attached:
@@ -403,7 +354,7 @@ class Remover(nn.Module):
     "global-optimizer-pre-hook-after", "global-optimizer-post-hook",
 ])
 def test_remove_from_inside_a_step_is_safe(tmp_path: Path, out: Path, where: str) -> None:
-    policy = make_policy(tmp_path, LOGGED)
+    policy = load_policy(tmp_path, LOGGED)
     model = Remover(where)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     baseline = global_hook_counts()
@@ -442,7 +393,7 @@ def test_remove_from_inside_a_step_is_safe(tmp_path: Path, out: Path, where: str
 
 
 def test_remove_from_a_global_optimizer_hook_registered_before_attach_is_safe(tmp_path: Path, out: Path) -> None:
-    policy = make_policy(tmp_path, LOGGED)
+    policy = load_policy(tmp_path, LOGGED)
     model = tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     holder: dict[str, Any] = {}
@@ -459,7 +410,7 @@ def test_remove_from_a_global_optimizer_hook_registered_before_attach_is_safe(tm
 
 
 def test_remove_from_another_thread_while_training_is_safe(tmp_path: Path, out: Path) -> None:
-    policy = make_policy(tmp_path, LOGGED)
+    policy = load_policy(tmp_path, LOGGED)
     baseline = global_hook_counts()
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)  # switch threads often, so removal lands inside hooks
@@ -492,7 +443,7 @@ def test_remove_from_another_thread_while_training_is_safe(tmp_path: Path, out: 
 
 
 def test_attach_and_remove_many_times_leaks_no_hooks(tmp_path: Path, out: Path) -> None:
-    policy = make_policy(tmp_path, EVERY_HOOK_POINT)
+    policy = load_policy(tmp_path, EVERY_HOOK_POINT)
     model = Flaky(fail_on=set())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     baseline = global_hook_counts()
@@ -521,7 +472,7 @@ OUTS_B = """\
 
 def test_two_policies_attached_separately_to_one_model_work_independently(tmp_path: Path, out: Path) -> None:
     """Decided: different policies may be attached one by one; each removal takes off its own hooks only."""
-    a, b = make_policy(tmp_path, NORMS_A, name="a"), make_policy(tmp_path, OUTS_B, name="b")
+    a, b = load_policy(tmp_path, NORMS_A, name="a"), load_policy(tmp_path, OUTS_B, name="b")
     model, reg = tiny(), CollectorRegistry()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     baseline = global_hook_counts()
@@ -547,7 +498,7 @@ def test_two_policies_attached_separately_to_one_model_work_independently(tmp_pa
 
 
 def test_two_attachments_on_one_model_count_each_step_once(tmp_path: Path, out: Path) -> None:
-    a, b = make_policy(tmp_path, NORMS_A, name="a"), make_policy(tmp_path, OUTS_B, name="b")
+    a, b = load_policy(tmp_path, NORMS_A, name="a"), load_policy(tmp_path, OUTS_B, name="b")
     model, reg = tiny(), CollectorRegistry()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with a.attach(model, registry=reg, rank=0), b.attach(model, registry=reg, rank=0):
@@ -559,7 +510,7 @@ def test_two_attachments_on_one_model_count_each_step_once(tmp_path: Path, out: 
 def test_the_same_policies_attached_twice_to_one_model_are_refused(tmp_path: Path, out: Path) -> None:
     """Decided: refused with a clear error. Run twice, a policy would scale or clip twice and two
     attachments would share (and on removal drop) one set of metric series."""
-    policy = make_policy(tmp_path, NORMS_A)
+    policy = load_policy(tmp_path, NORMS_A)
     model, reg = tiny(), CollectorRegistry()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with policy.attach(model, registry=reg, rank=0):
@@ -574,7 +525,7 @@ def test_the_same_policies_attached_twice_to_one_model_are_refused(tmp_path: Pat
 
 
 def test_the_same_policies_on_two_models_work_independently(tmp_path: Path, out: Path) -> None:
-    policy = make_policy(tmp_path, NORMS_A)
+    policy = load_policy(tmp_path, NORMS_A)
     one, two = tiny(0), tiny(1)
     reg_one, reg_two = CollectorRegistry(), CollectorRegistry()
     opt_one = torch.optim.SGD(one.parameters(), lr=0.1)
@@ -586,147 +537,6 @@ def test_the_same_policies_on_two_models_work_independently(tmp_path: Path, out:
         assert (a.step, b.step) == (3, 1)
     assert sample(reg_one, "hookpolicy_steps_total") == 3
     assert sample(reg_two, "hookpolicy_steps_total") == 1
-
-
-# =========================================================================== long runs
-
-LONG_RUN_POLICY = """\
-- name: grads
-  match: {types: [Linear]}
-  trigger: {at: step}
-  target: grad
-  actions:
-    - capture: {stats: [l2_norm, abs_max, nonfinite]}
-    - alert: {if: "nonfinite > 0", per: rule, severity: critical, then: skip_step}
-- name: outputs
-  match: {types: [Linear]}
-  trigger: {at: forward, every: 10}
-  actions:
-    - capture: {stats: [rms, zero_fraction], log: {path: logs/outputs.jsonl}}
-- name: grad-outputs
-  match: {modules: ["2"]}
-  trigger: {at: backward, every: 5}
-  actions:
-    - capture: {stats: [l2_norm], per: tensor, log: {path: logs/grad-outputs.jsonl, max_bytes: 8000, keep: 2}}
-- name: dump-files
-  match: {modules: ["0"], params: [weight]}
-  trigger: {at: step, every: 10}
-  target: weight
-  actions:
-    - capture: {tensors: {dir: tensors/files, max_files: 30}}
-- name: dump-bytes
-  match: {modules: ["4"], params: [weight]}
-  trigger: {at: step, every: 7}
-  target: weight
-  actions:
-    - capture: {tensors: {dir: tensors/bytes, max_bytes: 40000}}
-"""
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Tiny models run fastest on one intra-op thread, and a busy CI machine cannot slow them 10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def live_tensors() -> int:
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
-
-
-def long_run(folder: Path, out: Path, steps: int, warmup: int = 100) -> dict[str, float]:
-    """Train a small MLP for `warmup + steps` steps under LONG_RUN_POLICY and check what it left.
-
-    Returns the measured numbers (for docs/reliability.md).
-    """
-    policy = make_policy(folder, LONG_RUN_POLICY, name="long")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    reg = CollectorRegistry()
-    seen: list[weakref.ref[torch.Tensor]] = []
-    spy = model[2].register_forward_hook(lambda m, a, o: seen.append(weakref.ref(o)))
-    baseline = global_hook_counts()
-    total = warmup + steps
-    started = time.perf_counter()
-    try:
-        with policy.attach(model, registry=reg, rank=0):
-            for step in range(total):
-                if step == warmup:
-                    tensors_before, rss_before = live_tensors(), resident_bytes()
-                    started = time.perf_counter()
-                if step == warmup + steps // 2:  # both tensor budgets are spent by now
-                    tensors_middle = live_tensors()
-                x = torch.randn(32, 16)
-                out_ = model(x)
-                loss = out_.pow(2).mean()
-                loss.backward()
-                grad = model[0].weight.grad
-                assert grad is not None
-                step_tensors = [weakref.ref(t) for t in (x, out_, loss, grad)]
-                opt.step()
-                opt.zero_grad()
-                del x, out_, loss, grad
-                if step % 97 == 0:  # every so often: nothing of this step outlives it
-                    gc.collect()
-                    alive = [r for r in step_tensors + seen if r() is not None]
-                    assert alive == [], f"step {step}: {len(alive)} tensors outlived their step"
-                    seen.clear()
-                seen = [r for r in seen if r() is not None]
-            elapsed = time.perf_counter() - started
-            rss_after, tensors_after = resident_bytes(), live_tensors()
-            assert sample(reg, "hookpolicy_steps_total") == total
-            assert sample(reg, "hookpolicy_grad_l2_norm", policy="long", rule="grads", module="4", tensor="") is not None
-    finally:
-        spy.remove()
-    assert module_hook_count(model) == 0 and global_hook_counts() == baseline
-    growth = rss_after - rss_before
-    assert growth < 50 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB over {steps} steps"
-    # No growth with the steps. (The first half may pin a few: a log handler that keeps records,
-    # as pytest's does, keeps the BudgetSpent exception logged once per writer, with its frames.)
-    assert tensors_after - tensors_middle <= 2, (tensors_before, tensors_middle, tensors_after)
-
-    # logs: exactly one record per evaluation, every line complete
-    outputs = json_lines(out / "logs" / "outputs.jsonl")
-    assert len(outputs) == 3 * len(range(0, total, 10))
-    # a rotated log: at most keep + 1 files within max_bytes, holding the latest records, no gap
-    rotated = [out / "logs" / name for name in ("grad-outputs.jsonl.2", "grad-outputs.jsonl.1", "grad-outputs.jsonl")]
-    assert sorted(p.name for p in (out / "logs").iterdir()) == sorted(["outputs.jsonl", *(p.name for p in rotated)])
-    assert all(0 < p.stat().st_size <= 8000 for p in rotated)
-    kept = [r["step"] for p in rotated for r in json_lines(p)]
-    assert kept == list(range(0, total, 5))[-len(kept):] and len(kept) > 8000 // 300
-    # tensor files: within their budgets, complete, nothing temporary left over
-    files = sorted((out / "tensors" / "files").iterdir())
-    assert len(files) == min(30, len(range(0, total, 10)))
-    by_bytes = sorted((out / "tensors" / "bytes").iterdir())
-    assert 0 < sum(f.stat().st_size for f in by_bytes) <= 40000
-    for file in files + by_bytes:
-        assert file.name.startswith("step") and file.suffix == ".pt", file
-        assert torch.load(file, weights_only=True).shape in ((32, 16), (4, 32))
-    return {
-        "steps": steps, "rss_growth_mib": growth / 2**20, "live_tensor_growth": tensors_after - tensors_middle,
-        "ms_per_step": 1000 * elapsed / steps,
-        "log_bytes": sum(p.stat().st_size for p in (out / "logs").iterdir()),
-        "tensor_files": len(files) + len(by_bytes),
-    }
-
-
-def test_a_long_run_keeps_memory_tensors_and_files_bounded(
-    tmp_path: Path, out: Path, one_thread: None, record_property: Callable[[str, object], None],
-) -> None:
-    """1,000 steps in CI; tests/test_soak.py runs 10,000 (`pytest -m soak`)."""
-    numbers = long_run(tmp_path, out, steps=1000)
-    for key, value in numbers.items():
-        record_property(key, value)
-    print(f"\nlong run: {numbers}")
 
 
 def rotating(root: Path, max_bytes: int, keep: int) -> "sinks.JsonLines":
@@ -932,7 +742,7 @@ DUMP_WEIGHTS = """\
 def test_a_run_killed_mid_write_leaves_no_partial_tensor_file(tmp_path: Path, procs: list[Proc]) -> None:
     """SIGKILL a process that writes 4 MiB tensor files back to back; only complete files have final names."""
     policy = tmp_path / "dump.yaml"
-    policy.write_text(HEADER.format(name="dump", on_error="continue") + textwrap.indent(DUMP_WEIGHTS, "    "))
+    policy.write_text(policy_text(DUMP_WEIGHTS, name="dump"))
     script = tmp_path / "writer.py"
     script.write_text(KILLED_SCRIPT)
     leftovers = partial_lines = 0
@@ -1026,20 +836,6 @@ def test_the_exporter_listens_with_room_for_fifty_simultaneous_connections(free_
 
     with served(CollectorRegistry(), free_port) as server:
         assert server.request_queue_size >= SCRAPERS
-
-
-@contextlib.contextmanager
-def served(registry: CollectorRegistry, port: int, **options: Any) -> Iterator[Any]:
-    """`hookpolicy.export.exporter.serve` for the length of a `with`, shut down after."""
-    from hookpolicy.export.exporter import serve
-
-    server = serve(registry, port, **options)
-    assert server is not None
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 class CountingApp:
@@ -1289,7 +1085,7 @@ def test_a_signal_to_apply_reaches_the_script_removes_hooks_and_flushes_logs(
     tmp_path: Path, procs: list[Proc], sig: int, mode: str, status: int, said: str,
 ) -> None:
     policy, script, report = tmp_path / "logged.yaml", tmp_path / "forever.py", tmp_path / "report.json"
-    policy.write_text(HEADER.format(name="logged", on_error="continue") + textwrap.indent(LOGGED_POLICY, "    "))
+    policy.write_text(policy_text(LOGGED_POLICY, name="logged"))
     script.write_text(SIGNALLED_SCRIPT)
     proc = apply(procs, tmp_path / "apply", [str(policy), "--", sys.executable, str(script), str(report), mode],
                  HOOKPOLICY_OUTPUT_DIR=str(tmp_path))
@@ -1309,7 +1105,7 @@ def test_a_signal_to_apply_reaches_the_script_removes_hooks_and_flushes_logs(
 @pytest.mark.slow
 def test_sighup_with_a_broken_policy_keeps_the_old_one(tmp_path: Path, procs: list[Proc], free_port: int) -> None:
     policy, stop = tmp_path / "watched.yaml", tmp_path / "stop"
-    policy.write_text(HEADER.format(name="watched", on_error="continue") + textwrap.indent(LOGGED_POLICY, "    "))
+    policy.write_text(policy_text(LOGGED_POLICY, name="watched"))
     proc = apply(procs, tmp_path / "apply", [
         str(policy), "--metrics-port", str(free_port), "--", sys.executable, str(REPO / "examples" / "train_mlp.py"),
         "--steps", "100000", "--sleep", "0.02", "--stop-file", str(stop),

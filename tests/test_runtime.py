@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import textwrap
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,15 +17,7 @@ import hookpolicy
 from hookpolicy.export import sinks
 from hookpolicy import Halt
 
-HEADER = "apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata: {name: p}\nspec:\n"
-
-
-def make_policy(tmp_path: Path, rules: str, spec: str = "", name: str = "p") -> hookpolicy.PolicySet:
-    text = HEADER.replace("name: p", f"name: {name}") + textwrap.indent(spec, "  ")
-    text += "  rules:\n" + textwrap.indent(textwrap.dedent(rules), "    ")
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(text)
-    return hookpolicy.load(path)
+from conftest import load_policy, module_hook_count
 
 
 class Block(nn.Module):
@@ -91,17 +82,10 @@ def sample(reg: CollectorRegistry, name: str, **labels: str) -> float | None:
     return reg.get_sample_value(name, {"rank": "0", "policy": "p", **labels})
 
 
-def no_hooks_left(model: nn.Module) -> bool:
-    return all(
-        not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
-        for m in model.modules()
-    )
-
-
 # -- statistics against references ---------------------------------------------------------
 
 def test_captured_norms_equal_vector_norm(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: out
           match: {modules: ["head"]}
           trigger: {at: forward}
@@ -156,7 +140,7 @@ def _keep_last_values(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_rule_clip_equals_clip_grad_norm(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: clip
           match: {modules: ["blocks.**"]}
           trigger: {at: step}
@@ -181,7 +165,7 @@ def test_rule_clip_equals_clip_grad_norm(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("norm_type", [2, "inf"])
 def test_per_module_and_tensor_clip(tmp_path: Path, norm_type: Any) -> None:
-    pol = make_policy(tmp_path, f"""
+    pol = load_policy(tmp_path, f"""
         - name: clip
           match: {{modules: ["inp", "head"]}}
           trigger: {{at: step}}
@@ -219,7 +203,7 @@ def grads_as_params(grads: list[torch.Tensor]) -> list[nn.Parameter]:
 # -- training is untouched when it should be ------------------------------------------------
 
 def test_capture_only_policy_leaves_losses_bit_identical(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: fwd
           match: {types: [Linear]}
           trigger: {at: forward}
@@ -245,7 +229,7 @@ def test_capture_only_policy_leaves_losses_bit_identical(tmp_path: Path) -> None
 
 
 def test_audit_mode_changes_nothing(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: clip
           match: {modules: ["**"]}
           trigger: {at: step}
@@ -273,7 +257,7 @@ def test_audit_mode_changes_nothing(tmp_path: Path) -> None:
 
 
 def test_audit_flag_overrides_enforce(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: freeze
           match: {modules: ["**"]}
           trigger: {at: step}
@@ -288,7 +272,7 @@ def test_audit_flag_overrides_enforce(tmp_path: Path) -> None:
 
 
 def test_skip_step_on_nan_keeps_params_and_adamw_state(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: nan-guard
           match: {modules: ["**"]}
           trigger: {at: step}
@@ -321,7 +305,7 @@ def test_skip_step_on_nan_keeps_params_and_adamw_state(tmp_path: Path) -> None:
 
 
 def test_halt_raises_with_policy_rule_step(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: explode
           match: {modules: ["**"]}
           trigger: {at: step}
@@ -333,13 +317,13 @@ def test_halt_raises_with_policy_rule_step(tmp_path: Path) -> None:
     assert (info.value.policy, info.value.rule, info.value.step) == ("p", "explode", 1)
     assert info.value.line().startswith("hookpolicy: halted by p/explode at step 1: norm ")
     assert attached.step == 1  # the halting step was not applied
-    assert no_hooks_left(model)
+    assert module_hook_count(model) == 0
 
 
 # -- backward correctness ------------------------------------------------------------------
 
 def test_backward_capture_on_inplace_model_equals_retain_grad(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: go
           match: {modules: ["blocks.*.fc", "blocks.*"]}
           trigger: {at: backward}
@@ -371,7 +355,7 @@ def test_backward_capture_on_inplace_model_equals_retain_grad(tmp_path: Path) ->
 
 
 def test_grad_input_equals_module_input_gradient(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: gi
           match: {modules: ["head"]}
           trigger: {at: backward}
@@ -390,7 +374,7 @@ def test_grad_input_equals_module_input_gradient(tmp_path: Path) -> None:
 
 
 def test_backward_scale_changes_gradient_flowing_down(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: half
           match: {modules: ["head"]}
           trigger: {at: backward}
@@ -409,7 +393,7 @@ def test_backward_scale_changes_gradient_flowing_down(tmp_path: Path) -> None:
 # -- steps ---------------------------------------------------------------------------------
 
 def test_grad_accumulation_is_one_step(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: g
           match: {modules: ["**"]}
           trigger: {at: step}
@@ -437,7 +421,7 @@ def test_grad_accumulation_is_one_step(tmp_path: Path) -> None:
 
 
 def test_manual_sgd_counts_one_step_per_backward(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: g
           match: {modules: ["**"]}
           trigger: {at: step}
@@ -460,7 +444,7 @@ def test_manual_sgd_counts_one_step_per_backward(tmp_path: Path) -> None:
 
 
 def test_two_optimizers_make_one_step(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: g
           match: {modules: ["**"]}
           trigger: {at: step}
@@ -481,7 +465,7 @@ def test_two_optimizers_make_one_step(tmp_path: Path) -> None:
 
 
 def test_every_and_window_gate_and_remove_hooks(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: sparse
           match: {modules: ["head"]}
           trigger: {at: forward, every: 3, steps: {from: 2, until: 8}}
@@ -499,7 +483,7 @@ def test_every_and_window_gate_and_remove_hooks(tmp_path: Path) -> None:
 
 
 def test_phase_eval_and_train(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: train-only
           match: {modules: ["head"]}
           trigger: {at: forward}
@@ -524,7 +508,7 @@ def test_phase_eval_and_train(tmp_path: Path) -> None:
 
 
 def test_checkpointed_blocks_counted_once(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: fwd
           match: {modules: ["blocks.*.fc"]}
           trigger: {at: forward}
@@ -547,7 +531,7 @@ def test_checkpointed_blocks_counted_once(tmp_path: Path) -> None:
 
 
 def test_gradscaler_skipped_step_raises_no_alert(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: nan-step
           match: {modules: ["**"]}
           trigger: {at: step}
@@ -587,7 +571,7 @@ class TwoHeads(nn.Module):
 
 
 def test_select_dict_and_tuple_outputs(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: logits
           match: {root: true}
           trigger: {at: forward}
@@ -611,7 +595,7 @@ def test_select_dict_and_tuple_outputs(tmp_path: Path) -> None:
 
 def test_log_records_are_json_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path))
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: g
           match: {modules: ["head"]}
           trigger: {at: step}
@@ -633,7 +617,7 @@ def test_log_records_are_json_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 def test_tensor_files_bounded_and_loadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path))
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: feats
           match: {modules: ["head"]}
           trigger: {at: forward}
@@ -657,7 +641,7 @@ def test_tensor_files_bounded_and_loadable(tmp_path: Path, monkeypatch: pytest.M
 
 def test_failing_rule_is_contained_then_switched_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: boom
           match: {modules: ["head"]}
           trigger: {at: forward}
@@ -676,11 +660,11 @@ def test_failing_rule_is_contained_then_switched_off(tmp_path: Path, monkeypatch
         assert sample(reg, "hookpolicy_hook_errors_total", rule="boom") == 3
     tracebacks = [r for r in caplog.records if "kaboom" in r.getMessage()]
     assert len(tracebacks) == 1 and "Traceback" in tracebacks[0].getMessage()
-    assert no_hooks_left(model)
+    assert module_hook_count(model) == 0
 
 
 def test_on_error_halt_stops_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: boom
           match: {modules: ["head"]}
           trigger: {at: forward}
@@ -692,11 +676,11 @@ def test_on_error_halt_stops_training(tmp_path: Path, monkeypatch: pytest.Monkey
     model, opt = fresh()
     with pol.attach(model), pytest.raises(Halt, match="ZeroDivisionError"):
         train(model, opt, batches(2))
-    assert no_hooks_left(model)
+    assert module_hook_count(model) == 0
 
 
 def test_hooks_removed_after_exception_and_remove_twice(tmp_path: Path) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: all
           match: {modules: ["**"]}
           trigger: {at: forward}
@@ -710,17 +694,17 @@ def test_hooks_removed_after_exception_and_remove_twice(tmp_path: Path) -> None:
     model, _ = fresh()
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         with pol.attach(model) as attached:
-            assert not no_hooks_left(model)
+            assert module_hook_count(model) > 0
             model(torch.randn(2, 3))  # wrong shape: forward raises
-    assert no_hooks_left(model)
+    assert module_hook_count(model) == 0
     attached.remove()
-    assert no_hooks_left(model)
+    assert module_hook_count(model) == 0
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
     assert not _global_optimizer_pre_hooks and not _global_optimizer_post_hooks
 
 
 def test_no_host_sync_inside_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: fwd
           match: {types: [Linear]}
           trigger: {at: forward}
@@ -751,7 +735,7 @@ def test_no_host_sync_inside_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 def test_step_nonfinite_count_is_exact(tmp_path: Path) -> None:
     """Step rules count non-finite gradient elements at the readback: the count stays exact."""
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: g
           match: {modules: ["head", "inp"]}
           trigger: {at: step}
@@ -774,7 +758,7 @@ def test_step_nonfinite_count_is_exact(tmp_path: Path) -> None:
 
 def test_grad_input_warns_when_it_cannot_be_observed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """An in-place module rewrites the identity view; a first layer's input needs no grad."""
-    pol = make_policy(tmp_path, """
+    pol = load_policy(tmp_path, """
         - name: gi
           match: {types: [ReLU, Linear]}
           trigger: {at: backward}

@@ -20,7 +20,6 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-import torch.nn as nn
 import yaml
 from click.testing import CliRunner
 from hypothesis import given, settings
@@ -34,8 +33,7 @@ from hookpolicy.policy.expr import STAT_NAMES, Compare, ExprError, Junction, par
 from hookpolicy.export.sinks import SinkError, TensorWriter, file_name, safe_path
 from hookpolicy.policy.model import TensorFiles
 
-from conftest import REPO
-from test_reliability import served
+from conftest import REPO, served, tiny
 
 POLICY = """\
 apiVersion: hookpolicy/v1
@@ -257,11 +255,6 @@ def test_paths_that_leave_the_output_folder_are_refused_at_load(tmp_path: Path, 
     (problem,) = problems(tmp_path, text)
     field = "tensors.dir" if where == "DIR" else "log.path"
     assert problem.path.endswith(field), problem
-
-
-def tiny() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
 def train(policies: hookpolicy.PolicySet, steps: int = 3) -> CollectorRegistry:
