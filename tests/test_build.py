@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import textwrap
 
 import pytest
 
@@ -16,60 +15,17 @@ from hookpolicy.policy.model import (
     Alert, Capture, Clip, LogSink, Match, Policy, Rule, Scale, TensorFiles, Trigger,
 )
 
-SPEC_EXAMPLE = """\
-# yaml-language-server: $schema=../schemas/hookpolicy-v1.schema.json
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata:
-  name: llm-guardrails              # required: [a-z0-9]([a-z0-9-]*[a-z0-9])?, at most 63 chars
-  labels: {team: ml-platform}       # optional, string to string; shown in hookpolicy_policy_info
-  annotations: {runbook: "..."}     # optional, free text, never parsed
-spec:
-  mode: enforce                     # enforce (default) | audit
-  onError: continue                 # continue (default) | halt
-  limits:
-    maxSeries: 10000                # cap on the metric series this policy may create
-  rules:
-    - name: clip-attention-grads    # required, unique within the policy
-      mode: audit                   # optional, overrides spec.mode for this rule
-      priority: 50                  # optional int 0..100, lower runs first; ties keep file order
-      match:
-        modules: ["transformer.h.*.attn.*"]
-        types: [Linear]
-        exclude: ["**.c_proj"]
-        params: ["weight"]          # only for targets that are parameters (grad, weight)
-      trigger:
-        at: step                    # forward_pre | forward | backward | step
-        every: 1                    # evaluate on steps where step % every == 0
-        steps: {from: 100, until: 5000}   # optional window: from inclusive, until exclusive
-        phase: train                # train (default) | eval | any
-      target: grad                  # see the table in 3.
-      actions:
-        - capture: {stats: [l2_norm, abs_max, nonfinite]}
-        - clip: {max_norm: 1.0, norm_type: 2, per: rule}
-        - alert:
-            if: "nonfinite > 0"
-            for: 1
-            severity: critical
-            then: skip_step
-            message: "non-finite gradients in {module} at step {step}"
-"""
+from conftest import SPEC_EXAMPLE, policy_text
 
 
 def policy_of(rules: str, spec: str = "", name: str = "p") -> Policy:
-    return build_policy(parse_document(_text(rules, spec, name), "p.yaml"))
+    return build_policy(parse_document(policy_text(rules, name=name, spec=spec), "p.yaml"))
 
 
 def problems_of(rules: str, spec: str = "") -> list[Problem]:
     with pytest.raises(PolicyError) as caught:
         policy_of(rules, spec)
     return list(caught.value.problems)
-
-
-def _text(rules: str, spec: str, name: str) -> str:
-    head = f"apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata:\n  name: {name}\nspec:\n"
-    body = textwrap.indent(textwrap.dedent(spec), "  ")
-    return head + body + "  rules:\n" + textwrap.indent(textwrap.dedent(rules), "    ")
 
 
 def test_the_spec_example_builds_into_the_expected_model() -> None:
@@ -188,7 +144,7 @@ def test_all_problems_of_a_file_are_reported_at_once() -> None:
 
 
 def test_semantic_checks_survive_malformed_documents() -> None:
-    text = _text("""\
+    text = policy_text("""\
         - name: [not, a, string]
           match: 3
           trigger: {at: [step], steps: {from: x, until: []}}
@@ -196,7 +152,7 @@ def test_semantic_checks_survive_malformed_documents() -> None:
           select: 5
           actions: [{capture: 1}, {clip: []}, {alert: {if: 3, message: 4}}, 7, {a: 1, b: 2}]
         - 42
-        """, "mode: 1\n", "p")
+        """, spec="mode: 1\n")
     document = parse_document(text, "p.yaml")
     assert check_semantics(document) == []
     with pytest.raises(PolicyError):
