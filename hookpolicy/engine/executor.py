@@ -27,6 +27,7 @@ from ..errors import Halt
 from ..export.metrics import MetricsStore
 from ..plan.planner import Binding
 from ..policy.model import Rule
+from .distributed import Shards, local_shards, shard_name, shard_partials
 from .readback import Entry
 from .rulestate import MAX_ERRORS, RuleState
 from .stats import tensor_partials
@@ -182,14 +183,18 @@ class Executor:
         changed = False
         for op, count_keys in zip(rs.program, rs.count_keys):
             if isinstance(op, StatsOp):
-                copies = [
-                    (index, module, name, t.detach().clone())
-                    for index, _ in op.tensors for (module, name), t in zip(rows, tensors)
-                ]
-                deferred = defer and "finite" in op.kinds
-                matrix = tensor_partials(tensors, op.kinds, defer_counts=True) if deferred else tensor_partials(tensors, op.kinds)
+                sharded = local_shards(tensors)
+                copies = _copies(op, rows, tensors, sharded) if op.tensors else []
+                deferred = defer and "finite" in op.kinds and sharded is None
+                if sharded is not None:
+                    matrix = shard_partials(sharded[0], op.kinds)
+                elif deferred:
+                    matrix = tensor_partials(tensors, op.kinds, defer_counts=True)
+                else:
+                    matrix = tensor_partials(tensors, op.kinds)
                 self.buffer.append(Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies,
-                                         list(tensors) if deferred else None))
+                                         list(tensors) if deferred else None,
+                                         None if sharded is None else sharded[1]))
                 for key in count_keys:
                     self.counts[key] += 1
             else:
@@ -248,3 +253,16 @@ def _groups(rows: Sequence[tuple[str, str]], per: str) -> list[list[int]]:
     for i, (module, _) in enumerate(rows):
         by_module.setdefault(module, []).append(i)
     return list(by_module.values())
+
+
+def _copies(
+    op: StatsOp, rows: list[tuple[str, str]], tensors: list[torch.Tensor],
+    sharded: Optional[tuple[list[torch.Tensor], Shards]],
+) -> list[tuple[int, str, str, torch.Tensor]]:
+    """Detached copies for tensor files; of a DTensor, this rank's shard (the whole would take a collective)."""
+    if sharded is None:
+        return [(index, module, name, t.detach().clone())
+                for index, _ in op.tensors for (module, name), t in zip(rows, tensors)]
+    names = [shard_name(name) if groups else name for (_, name), groups in zip(rows, sharded[1].groups)]
+    return [(index, module, names[i], sharded[0][i].detach().clone())
+            for index, _ in op.tensors for i, (module, _) in enumerate(rows)]

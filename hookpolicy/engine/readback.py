@@ -29,6 +29,7 @@ from ..export.metrics import MetricsStore, stat_family
 from ..policy.model import Alert, Capture, LogSink, Policy
 from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
 from .rulestate import MAX_ERRORS, RuleState
+from .distributed import Shards, reduce_shards
 from .stats import combine, finish, resolve_counts
 
 __all__ = ["Entry", "Readback", "StepReport"]
@@ -48,6 +49,8 @@ class Entry:
     copies: list[tuple[int, str, str, torch.Tensor]]  # (action index, module, tensor, copy)
     #: step targets whose `finite` counts wait for the readback (stats.resolve_counts)
     deferred: Optional[list[torch.Tensor]] = None
+    #: rows of DTensor shards, reduced over their mesh before the readback (distributed.reduce_shards)
+    shards: Optional[Shards] = None
 
 
 @dataclass
@@ -55,6 +58,8 @@ class StepReport:
     """What one read-back decided, for the coordinator to act on."""
 
     skip: bool = False
+    #: the first rule whose alert skips the step (named to the other ranks, see distributed.agree)
+    skip_rule: Optional[tuple[str, str]] = None
     #: the first alert with `then: halt` in enforce mode
     halt: Optional[Halt] = None
     #: sinks that could not write, in order: each is a fault of its rule, handled by `onError`
@@ -106,7 +111,8 @@ class Readback:
         start = time.perf_counter()
         self._step = step
         passes: dict[tuple[tuple[str, str], int], _Pass] = {}
-        for entry, rows in zip(entries, _fetch([e.matrix for e in entries])):
+        entries = _drop_shards(entries) if final else entries
+        for entry, rows in zip(entries, _fetch(_full_matrices(entries))):
             if entry.deferred is not None:
                 resolve_counts(rows, entry.deferred, entry.op.kinds)
                 entry.deferred = None
@@ -147,6 +153,7 @@ class Readback:
                     if rs.enforce and not final:
                         if action.then == "skip_step":
                             report.skip = True
+                            report.skip_rule = report.skip_rule or rs.key
                             self.store.inc("hookpolicy_skipped_steps", rs.key)
                         elif action.then == "halt" and report.halt is None:
                             report.halt = Halt(rs.policy.name, rs.rule.name, self._step, message)
@@ -211,6 +218,25 @@ class Readback:
             writer.write(records)
         except OSError as exc:
             self._fault(report, rs, exc)
+
+
+def _full_matrices(entries: Sequence[Entry]) -> list[torch.Tensor]:
+    """Every entry's matrix, sharded rows reduced to the full tensors' partials (collectives on their meshes)."""
+    matrices = [e.matrix for e in entries]
+    sharded = [i for i, e in enumerate(entries) if e.shards is not None]
+    if sharded:
+        reduced = reduce_shards([(e.matrix, e.op.kinds, e.shards, e.numels) for e in entries if e.shards is not None])
+        for i, matrix in zip(sharded, reduced):
+            matrices[i] = matrix
+    return matrices
+
+
+def _drop_shards(entries: list[Entry]) -> list[Entry]:
+    """At `remove()`, the entries that need no collective: the other ranks may be gone, or elsewhere."""
+    kept = [e for e in entries if e.shards is None]
+    if len(kept) < len(entries):
+        log.info("statistics of sharded tensors from an unfinished step are not published at detach")
+    return kept
 
 
 def _fetch(matrices: Sequence[torch.Tensor]) -> list[list[list[float]]]:

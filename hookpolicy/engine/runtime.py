@@ -33,7 +33,8 @@ from ..plan.planner import Plan, build_plan
 from ..policy.model import Alert, Policy
 from .executor import Executor
 from .installer import HookInstaller
-from .readback import Readback
+from .distributed import agree, agreeing, decode, encode
+from .readback import Readback, StepReport
 from .rulestate import MAX_ERRORS, rule_states
 from .steps import Phase, StepTracker
 
@@ -69,6 +70,11 @@ class Attached:
         self._executor = Executor(self._rules, phase, self.store, lambda: self.step, self._halting)
         self._installer = HookInstaller(self.plan, self._rules, self._executor)
         self._report = Readback(self.store, self.policies, output_root(), self.rank)
+        # Whether a step's decision must be every rank's (one collective a step, see distributed.py).
+        self._decides = any(
+            isinstance(a, Alert) and a.then in ("skip_step", "halt")
+            for rs in self._rules.values() if rs.enforce for a in rs.rule.actions
+        )
         self._removed = False
         for warning in self.plan.warnings:
             log.warning("%s", warning)
@@ -127,7 +133,7 @@ class Attached:
     def begin_step(self) -> bool:
         """Run the step rules, read everything back, decide alerts; True to skip the step."""
         self._executor.run_step_rules(self._installer.step_rules())
-        return self._readback()
+        return self._readback(decide=True)
 
     def end_step(self) -> None:
         self.step += 1
@@ -143,10 +149,11 @@ class Attached:
             self._readback()  # an evaluation loop steps no optimizer: read back per batch
 
     # -- readback ----------------------------------------------------------------------
-    def _readback(self, final: bool = False) -> bool:
+    def _readback(self, final: bool = False, decide: bool = False) -> bool:
         """Report the buffered statistics (one transfer) and decide the step; True to skip it.
 
-        `final` (at `remove()`) publishes what is left but takes no skip or halt decision.
+        `final` (at `remove()`) publishes what is left but takes no skip or halt decision;
+        `decide` (at a step, not at an evaluation forward) makes the decision every rank's.
         A sink that failed is a fault of its rule (`Executor.fail`: counted, maybe a Halt).
         """
         run = self._executor
@@ -157,9 +164,26 @@ class Attached:
         for rs, exc in report.errors:
             run.fail(rs, exc)
         self._flush_counters()
+        if decide and agreeing(self._decides):
+            self._agree(report)
         if report.halt is not None:
             raise self._halting(report.halt)
         return report.skip
+
+    def _agree(self, report: StepReport) -> None:
+        """One small collective: a skip or halt decided on any rank becomes this rank's too (distributed.agree)."""
+        keys = list(self._rules)
+        halt = report.halt
+        codes = agree(encode(None if report.skip_rule is None else keys.index(report.skip_rule)),
+                      encode(None if halt is None else keys.index((halt.policy, halt.rule))))
+        other_skip, other_halt = decode(codes[0]), decode(codes[1])
+        if not report.skip and other_skip is not None:
+            report.skip, report.skip_rule = True, keys[other_skip[0]]
+            self.store.inc("hookpolicy_skipped_steps", report.skip_rule)
+            log.warning("%s/%s: step %d skipped, as rank %d decided", *report.skip_rule, self.step, other_skip[1])
+        if halt is None and other_halt is not None:
+            policy, rule = keys[other_halt[0]]
+            report.halt = Halt(policy, rule, self.step, f"rank {other_halt[1]} halted; every rank stops at the same step")
 
     def _halting(self, halt: Halt) -> Halt:
         """Tell `on_halt` before the Halt propagates: the script may catch or hide it."""

@@ -1,0 +1,269 @@
+"""Distributed training: statistics of sharded tensors (FSDP2, DTensor), and one decision on every rank.
+
+**Sharded tensors.** Under FSDP2 (`fully_shard`) parameters and gradients are `DTensor`s,
+each rank holding a shard; tensor-parallel layers may return `DTensor` activations. A
+statistic of such a tensor is the statistic of the *full* tensor. In the hook, `shard_partials`
+reduces each rank's `to_local()` shard to the usual partials (an empty shard contributes
+the identity: sums 0, min +inf, max -inf). At the readback, before anything is read to the
+host, `reduce_shards` combines the shards' partials over the process groups of the mesh
+dimensions the tensor is sharded on: one `all_reduce(SUM)` and one `all_reduce(MAX)` per
+process group for all sharded rows of the step at once (minima travel negated in the MAX
+reduction). A mesh dimension with a `Replicate` placement holds the same data on every
+rank and is not reduced over, so nothing is counted twice. A `Partial` placement (a sum
+still pending across ranks) cannot be measured from its pieces without that sum: the rule
+raises (handled by `onError`) rather than report a wrong number.
+
+Exactness: sums, counts and extrema combine exactly. The centred second moment (std)
+travels as `m2 + sum**2 / n` per shard and comes back as `M2 = Q - S**2 / N`, in float64:
+this cancels only when the mean is 10**8 times the standard deviation or more. NaN in a
+minimum or maximum is carried by a count of its own (a MAX reduction need not propagate
+NaN), and comes back as NaN.
+
+**One decision on every rank.** A `skip_step` or `halt` decided on one rank (its own
+activations, its own gradient before DDP's all-reduce, a NaN injected into its shard)
+must be taken by every rank in the same step, or the ranks' parameters part ways (and
+FSDP's next collective waits forever for a rank that halted). `agree` does one
+`all_reduce(MAX)` of two integers over the default process group at each step decision,
+only when the attached policies hold an enforced `skip_step` or `halt` and a process group
+is initialised (and, once it did, for the rest of the process: see `_AGREED`). Every rank of the group must then step its optimizer together (which
+DDP and FSDP require anyway). Decisions taken during evaluation forwards (a halt at a
+per-batch readback) are not agreed on: a rank may evaluate alone.
+
+The process-wide side of this: these collectives are issued from the optimizer step
+pre-hook, where every rank of a DDP or FSDP job is at the same point of the same step.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+from .stats import tensor_partials
+
+__all__ = ["Shards", "local_shards", "shard_partials", "shard_name", "reduce_shards", "agreeing", "agree", "encode", "decode"]
+
+#: What an empty shard contributes to each partial.
+_IDENTITY = {"sumsq": 0.0, "sum": 0.0, "m2": 0.0, "min": math.inf, "max": -math.inf, "nonzero": 0.0, "finite": 0.0}
+#: The partials that add up across shards, in the layout of the SUM reduction; a NaN count last.
+_SUMMED = ("sumsq", "sum", "m2", "nonzero", "finite")
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Per row of a partial matrix: the process groups to reduce it over (none: nothing to reduce), its shard's size."""
+
+    groups: tuple[tuple[Any, ...], ...]
+    local_numels: tuple[int, ...]
+
+
+def _dtensor_type() -> Optional[type]:
+    """DTensor, if `torch.distributed.tensor` was imported (no DTensor exists before); importing it costs ~0.5 s."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
+def local_shards(tensors: Sequence[torch.Tensor]) -> Optional[tuple[list[torch.Tensor], Shards]]:
+    """Each tensor's local shard and the groups its partials must be reduced over; None when no DTensor is among them.
+
+    Raises ValueError for a `Partial` placement (see the module docstring).
+    """
+    dtensor = _dtensor_type()
+    if dtensor is None or not any(isinstance(t, dtensor) for t in tensors):
+        return None
+    locals_: list[torch.Tensor] = []
+    groups: list[tuple[Any, ...]] = []
+    for tensor in tensors:
+        if not isinstance(tensor, dtensor):
+            locals_.append(tensor)
+            groups.append(())
+            continue
+        t = cast("DTensor", tensor)
+        mesh = t.device_mesh
+        dims = []
+        for dim, placement in enumerate(t.placements):
+            if placement.is_partial():
+                raise ValueError(
+                    f"a DTensor with placements {tuple(t.placements)} holds a pending reduction across ranks; "
+                    "its statistics are not those of its pieces (measure it after the reduction)")
+            if not placement.is_replicate():
+                dims.append(dim)
+        locals_.append(t.to_local())
+        groups.append(tuple(mesh.get_group(d) for d in dims))
+    return locals_, Shards(tuple(groups), tuple(t.numel() for t in locals_))
+
+
+def shard_partials(locals_: Sequence[torch.Tensor], kinds: Sequence[str]) -> torch.Tensor:
+    """`stats.tensor_partials` of the local shards, where an empty shard gets the identity row."""
+    full = [i for i, t in enumerate(locals_) if t.numel() > 0]
+    if len(full) == len(locals_):
+        return tensor_partials(locals_, kinds)
+    device = locals_[0].device
+    out = torch.tensor([_IDENTITY[k] for k in kinds], dtype=torch.float64, device=device).repeat(len(locals_), 1)
+    if full:
+        out[full] = tensor_partials([locals_[i] for i in full], kinds)
+    return out
+
+
+def shard_name(name: str) -> str:
+    """The name of this rank's shard of the tensor `name` (for tensor files)."""
+    import torch.distributed as dist
+    return (f"{name}-" if name else "") + f"shard{dist.get_rank()}"
+
+
+def reduce_shards(items: Sequence[tuple[torch.Tensor, Sequence[str], Shards, Sequence[int]]]) -> list[torch.Tensor]:
+    """Per (matrix, kinds, shards, global numels): the matrix with its sharded rows' partials those of the full tensors.
+
+    Collective: every rank of each group must call it with the same sharded rows in the
+    same order (the same rules over the same modules, as FSDP's own collectives assume).
+    """
+    import torch.distributed as dist
+
+    summed: list[torch.Tensor] = []
+    maxed: list[torch.Tensor] = []
+    order: list[Any] = []  # the groups, in first-seen order (the same on every rank)
+    rows_of: dict[Any, list[int]] = {}
+    picks: list[list[int]] = []
+    position = 0
+    for matrix, kinds, shards, _ in items:
+        rows = [r for r, g in enumerate(shards.groups) if g]
+        picks.append(rows)
+        if not rows:
+            continue
+        s, m = _canonical(matrix[rows], kinds, [shards.local_numels[r] for r in rows])
+        summed.append(s)
+        maxed.append(m)
+        for r in rows:
+            for group in shards.groups[r]:
+                if group not in rows_of:
+                    rows_of[group] = []
+                    order.append(group)
+                rows_of[group].append(position)
+            position += 1
+    if not summed:
+        return [matrix for matrix, *_ in items]
+    total_s, total_m = torch.cat(summed), torch.cat(maxed)
+    for group in order:
+        rows = rows_of[group]
+        if len(rows) == position:
+            dist.all_reduce(total_s, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(total_m, op=dist.ReduceOp.MAX, group=group)
+            continue
+        part_s, part_m = total_s[rows], total_m[rows]
+        dist.all_reduce(part_s, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(part_m, op=dist.ReduceOp.MAX, group=group)
+        total_s[rows], total_m[rows] = part_s, part_m
+    out: list[torch.Tensor] = []
+    start = 0
+    for (matrix, kinds, _, numels), rows in zip(items, picks):
+        if not rows:
+            out.append(matrix)
+            continue
+        end = start + len(rows)
+        matrix = matrix.clone()
+        matrix[rows] = _restore(total_s[start:end], total_m[start:end], kinds, [numels[r] for r in rows])
+        out.append(matrix)
+        start = end
+    return out
+
+
+def _canonical(
+    rows: torch.Tensor, kinds: Sequence[str], local_numels: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of partials in the layout of the two reductions: SUM `[*_SUMMED, nan]`, MAX `[-min, max]`."""
+    n = rows.shape[0]
+    s = torch.zeros((n, len(_SUMMED) + 1), dtype=torch.float64, device=rows.device)
+    m = torch.full((n, 2), -math.inf, dtype=torch.float64, device=rows.device)
+    nan = torch.zeros(n, dtype=torch.bool, device=rows.device)
+    for j, kind in enumerate(kinds):
+        col = rows[:, j]
+        if kind == "m2":  # m2 + sum**2 / n adds up across shards (see the module docstring)
+            counts = torch.tensor(local_numels, dtype=torch.float64, device=rows.device).clamp(min=1)
+            col = col + rows[:, list(kinds).index("sum")].square() / counts
+        if kind in _SUMMED:
+            s[:, _SUMMED.index(kind)] = col
+            continue
+        nan |= col.isnan()
+        m[:, 0 if kind == "min" else 1] = (-col if kind == "min" else col).nan_to_num(nan=-math.inf)
+    s[:, -1] = nan.double()
+    return s, m
+
+
+def _restore(s: torch.Tensor, m: torch.Tensor, kinds: Sequence[str], numels: Sequence[int]) -> torch.Tensor:
+    """The partial columns `kinds` back from the reduced SUM and MAX rows."""
+    cols: list[torch.Tensor] = []
+    nan = s[:, -1] > 0
+    for kind in kinds:
+        if kind == "m2":
+            counts = torch.tensor(numels, dtype=torch.float64, device=s.device).clamp(min=1)
+            m2 = s[:, _SUMMED.index("m2")] - s[:, _SUMMED.index("sum")].square() / counts
+            cols.append(m2.clamp(min=0))  # rounding may leave -0.0...; NaN stays NaN
+        elif kind in _SUMMED:
+            cols.append(s[:, _SUMMED.index(kind)])
+        else:
+            col = -m[:, 0] if kind == "min" else m[:, 1]
+            cols.append(col.masked_fill(nan, math.nan))
+    return torch.stack(cols, dim=1)
+
+
+# -- one decision on every rank ----------------------------------------------------------
+
+
+#: Set at the first agreement: from then on this process agrees at every step decision,
+#: whatever its policies, because a reload that takes the last skip/halt rule out is swapped
+#: in at a different step on each rank, and a rank that stopped agreeing first would leave
+#: the others' collective unanswered.
+_AGREED = False
+
+
+def agreeing(decides: bool) -> bool:
+    """Whether to agree on this step's decision: a process group is up (it may start late) and
+    the policies can skip or halt (`decides`), or this process agreed before."""
+    import torch.distributed as dist
+    return (decides or _AGREED) and dist.is_available() and dist.is_initialized()
+
+
+def agree(skip: int, halt: int) -> tuple[int, int]:
+    """The largest `skip` and `halt` codes over the default process group (0: no rank decided that).
+
+    A code is `1 + what * world_size + rank` (see `encode`), so the reduced code names one
+    rank that decided and what it decided.
+    """
+    import torch.distributed as dist
+    global _AGREED
+    _AGREED = True
+    flags = torch.tensor([skip, halt], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    got = flags.tolist()
+    return int(got[0]), int(got[1])
+
+
+def encode(what: Optional[int]) -> int:
+    """A decision's code for `agree`: `what` (an index the same on every rank) and this rank; 0 for none."""
+    if what is None:
+        return 0
+    import torch.distributed as dist
+    return 1 + what * dist.get_world_size() + dist.get_rank()
+
+
+def decode(code: int) -> Optional[tuple[int, int]]:
+    """(what, rank) of a code; None for 0."""
+    if code == 0:
+        return None
+    import torch.distributed as dist
+    return divmod(code - 1, dist.get_world_size())
+
+
+def _collective_device() -> torch.device:
+    """CPU when the default group has a CPU backend (gloo), else this rank's current accelerator."""
+    import torch.distributed as dist
+    backend = str(dist.get_backend()).lower()
+    if "gloo" in backend or "cpu" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,441 @@
+"""Distributed training: FSDP2/DTensor statistics of the full tensor, one skip/halt decision on every rank.
+
+Two kinds of tests, all with 2 CPU ranks on gloo:
+
+- in process, `torch.multiprocessing.spawn`: policies attached with the API, each rank
+  compares what hookpolicy published with PyTorch's own functions on the full tensors
+  (`DTensor.full_tensor()`, `vector_norm`, `std`, `clip_grad_norm_`); results come back as
+  JSON files and are asserted here;
+- end to end, `hookpolicy apply -- torchrun`: the DDP and FSDP2 rows of the compatibility
+  matrix (tests/dist_train.py, which reads the gradients the optimizer used with an
+  optimizer step pre-hook of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry
+from torch import nn
+
+import hookpolicy
+from conftest import REPO
+from test_apply import Run, _torchrun, apply, labels_of, losses, value, wait_metrics  # noqa: F401 - apply is a fixture
+
+sys.path.insert(0, str(REPO / "examples"))
+from train_mlp import build_model, make_data  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(REPO / "tests" / "dist_train.py")
+HEADER = "apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata: {name: NAME}\nspec:\n  rules:\n"
+STATS = ["l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel"]
+
+
+def policy_text(rules: str, name: str = "p") -> str:
+    return HEADER.replace("NAME", name) + textwrap.indent(textwrap.dedent(rules), "    ")
+
+
+def write_policy(tmp_path: Path, rules: str, name: str = "p") -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(policy_text(rules, name))
+    return str(path)
+
+
+# -- in process: torch.multiprocessing.spawn ----------------------------------------------
+
+
+def spawn(worker: Callable[..., Any], tmp_path: Path, port: int, *args: Any) -> list[Any]:
+    """Run `worker(rank, *args)` on 2 gloo ranks; returns what each rank returned (JSON)."""
+    torch.multiprocessing.spawn(_entry, args=(worker.__name__, port, str(tmp_path), args), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _entry(rank: int, name: str, port: int, folder: str, args: tuple[Any, ...]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        result = globals()[name](rank, *args)
+    finally:
+        dist.destroy_process_group()
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def gauge(reg: CollectorRegistry, name: str, **labels: str) -> Optional[float]:
+    found = [s.value for f in reg.collect() for s in f.samples
+             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None
+
+
+def reference(t: torch.Tensor) -> dict[str, float]:
+    """The statistics of spec section 4, by PyTorch's own functions on the whole tensor."""
+    t = t.detach().double().reshape(-1)
+    n = t.numel()
+    norm = float(torch.linalg.vector_norm(t))
+    return {
+        "l2_norm": norm, "mean": float(t.mean()), "std": float(t.std()), "min": float(t.min()),
+        "max": float(t.max()), "abs_max": float(t.abs().max()), "rms": norm / math.sqrt(n),
+        "zero_fraction": float((t == 0).sum()) / n, "nonfinite": float((~torch.isfinite(t)).sum()),
+        "numel": float(n),
+    }
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def fsdp_model() -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = build_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+FSDP_RULES = """\
+- name: grads
+  priority: 0
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [%s], per: tensor}
+    - capture: {stats: [l2_norm, mean, std, min, max, nonfinite], per: module}
+    - capture: {stats: [l2_norm, std, numel], per: rule}
+- name: weights
+  priority: 0
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: weight
+  actions:
+    - capture: {stats: [%s], per: tensor}
+- name: clip
+  priority: 10
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - clip: {max_norm: 0.05, per: rule}
+""" % (", ".join(STATS), ", ".join(STATS))
+
+
+def fsdp_statistics(rank: int, policy: str) -> list[list[Any]]:
+    """Two FSDP2 steps: (what, published, reference) for every statistic, and the clip against clip_grad_norm_."""
+    model = fsdp_model()
+    params = list(model.parameters())
+    named = [(name.rsplit(".", 1), p) for name, p in model.named_parameters()]
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    used: list[torch.Tensor] = []
+    optimizer.register_step_pre_hook(lambda o, a, k: used.extend(full(p.grad) for p in params))
+    reg = CollectorRegistry()
+    x, y = make_data(0)
+    x, y = x[rank::2], y[rank::2]
+    out: list[list[Any]] = []
+    with hookpolicy.load(policy).attach(model, registry=reg, rank=rank):
+        for step in range(2):
+            loss = nn.functional.mse_loss(model(x[step * 32:(step + 1) * 32]), y[step * 32:(step + 1) * 32])
+            optimizer.zero_grad()
+            loss.backward()
+            grads = {(m, t): full(p.grad) for (m, t), p in named}
+            weights = {(m, t): full(p).detach().clone() for (m, t), p in named}
+            shadows = [nn.Parameter(p.detach().clone()) for p in params]
+            for s, p in zip(shadows, params):
+                s.grad = p.grad.clone()
+            torch.nn.utils.clip_grad_norm_(shadows, 0.05)
+            used.clear()
+            optimizer.step()
+            for target, tensors, rule in (("grad", grads, "grads"), ("weight", weights, "weights")):
+                for (module, tensor), t in tensors.items():
+                    want = reference(t)
+                    for stat in STATS:
+                        got = gauge(reg, f"hookpolicy_{target}_{stat}", rule=rule, module=module, tensor=tensor)
+                        out.append([f"step {step} {target} {module}.{tensor} {stat}", got, want[stat]])
+            for module in ("0", "2", "4"):
+                want = reference(torch.cat([grads[(module, "weight")].reshape(-1), grads[(module, "bias")]]))
+                for stat in ("l2_norm", "mean", "std", "min", "max", "nonfinite"):
+                    got = gauge(reg, f"hookpolicy_grad_{stat}", rule="grads", module=module, tensor="")
+                    out.append([f"step {step} grad {module} {stat}", got, want[stat]])
+            want = reference(torch.cat([g.reshape(-1) for g in grads.values()]))
+            for stat in ("l2_norm", "std", "numel"):
+                out.append([f"step {step} grad rule {stat}", gauge(reg, f"hookpolicy_grad_{stat}", rule="grads",
+                                                                      module=""), want[stat]])
+            diff = max(float((u - full(s.grad)).abs().max()) for u, s in zip(used, shadows))
+            out.append([f"step {step} clip - clip_grad_norm_", diff, 0.0])
+    return out
+
+
+def test_fsdp2_statistics_are_those_of_the_full_tensors(tmp_path: Path, free_port: int) -> None:
+    policy = write_policy(tmp_path, FSDP_RULES)
+    ranks = spawn(fsdp_statistics, tmp_path, free_port, policy)
+    assert ranks[0] and [r[0] for r in ranks[0]] == [r[0] for r in ranks[1]]
+    for rows in ranks:
+        for what, got, want in rows:
+            assert got is not None, what
+            assert got == pytest.approx(want, rel=1e-6, abs=1e-6 if "clip" in what else 1e-12, nan_ok=True), what
+    published = [[got for _, got, _ in rows] for rows in ranks]
+    assert published[0] == published[1]  # the same numbers on both ranks, bit for bit
+
+
+PLACEMENT_RULES = """\
+- name: replicated
+  match: {modules: [rep]}
+  trigger: {at: step}
+  target: weight
+  actions:
+    - capture: {stats: [l2_norm, mean, std, min, max, numel], per: tensor}
+- name: sharded-out
+  match: {modules: [out]}
+  trigger: {at: forward}
+  target: output
+  actions:
+    - capture: {stats: [l2_norm, mean, std, min, max, nonfinite, numel], per: tensor}
+- name: partial
+  match: {modules: [pending]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm], per: tensor}
+"""
+
+
+class ShardedOutput(nn.Module):
+    """Returns its input as the rank's rows of a `Shard(0)` DTensor (as a tensor-parallel layer may)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+        mesh = init_device_mesh("cpu", (2,))
+        return DTensor.from_local(x * 2, mesh, [Shard(0)], run_check=False)
+
+
+class Placements(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        self.rep = nn.Linear(6, 5)
+        for name in ("weight", "bias"):
+            setattr(self.rep, name, nn.Parameter(distribute_tensor(getattr(self.rep, name).detach(), mesh, [Replicate()])))
+        self.out = ShardedOutput()
+        self.pending = nn.Linear(3, 1)
+        self.pending.weight = nn.Parameter(distribute_tensor(self.pending.weight.detach(), mesh, [Replicate()]))
+        self._mesh = mesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x)
+
+
+def placements(rank: int, policy: str) -> list[list[Any]]:
+    from torch.distributed.tensor import DTensor, Partial
+    model = Placements()
+    reg = CollectorRegistry()
+    out: list[list[Any]] = []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hookpolicy.load(policy).attach(model, registry=reg, rank=rank):
+        x = torch.arange(12, dtype=torch.float32).reshape(4, 3) * (rank + 1) - 5
+        y = model(x)
+        whole = y.full_tensor()
+        model.pending.weight.grad = DTensor.from_local(torch.full((1, 3), float(rank + 1)), model._mesh, [Partial()])
+        for p in model.rep.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        for stat, want in reference(whole).items():
+            if stat in ("l2_norm", "mean", "std", "min", "max", "nonfinite", "numel"):
+                out.append([f"output {stat}", gauge(reg, f"hookpolicy_output_{stat}", rule="sharded-out"), want])
+        for name in ("weight", "bias"):
+            want = reference(getattr(model.rep, name).to_local())  # replicated: every rank holds the whole tensor
+            for stat in ("l2_norm", "mean", "std", "min", "max", "numel"):
+                out.append([f"rep.{name} {stat}", gauge(reg, f"hookpolicy_weight_{stat}", rule="replicated",
+                                                         tensor=name), want[stat]])
+        out.append(["partial: no statistic", gauge(reg, "hookpolicy_grad_l2_norm", rule="partial"), None])
+        out.append(["partial: one hook error", gauge(reg, "hookpolicy_hook_errors_total", rule="partial"), 1.0])
+    return out
+
+
+def test_replicated_sharded_and_partial_placements(tmp_path: Path, free_port: int) -> None:
+    policy = write_policy(tmp_path, PLACEMENT_RULES)
+    for rows in spawn(placements, tmp_path, free_port, policy):
+        for what, got, want in rows:
+            if want is None:
+                assert got is None, what
+            else:
+                assert got == pytest.approx(want, rel=1e-6, abs=1e-12), what
+
+
+DECISION_RULES = """\
+- name: guard
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - alert: {if: "nonfinite > 0", per: rule, severity: critical, then: %s}
+"""
+
+
+def one_decision(rank: int, policy: str) -> dict[str, Any]:
+    """Plain model, no wrapper: a NaN in rank 0's gradient at step 1 only; what each rank did."""
+    torch.manual_seed(0)
+    model = build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = make_data(rank)
+    digests: list[list[float]] = []
+    raised = None
+    steps = -1
+    reg = CollectorRegistry()
+    attached = hookpolicy.load(policy).attach(model, registry=reg, rank=rank)
+    try:
+        for step in range(3):
+            nn.functional.mse_loss(model(x[:16]), y[:16]).backward()
+            if step == 1 and rank == 0:
+                model[0].weight.grad[0, 0] = float("nan")
+            optimizer.step()
+            optimizer.zero_grad()
+            digests.append([float(p.detach().double().sum()) for p in model.parameters()])
+    except hookpolicy.Halt as halt:
+        raised = str(halt)
+    finally:
+        steps = attached.step
+        skipped = gauge(reg, "hookpolicy_skipped_steps_total", rule="guard")
+        attached.remove()
+    return {"digests": digests, "halt": raised, "steps": steps, "skipped": skipped}
+
+
+def test_skip_decided_on_one_rank_is_taken_by_all(tmp_path: Path, free_port: int) -> None:
+    policy = write_policy(tmp_path, DECISION_RULES % "skip_step")
+    ranks = spawn(one_decision, tmp_path, free_port, policy)
+    for r in ranks:
+        assert r["halt"] is None and r["steps"] == 3 and r["skipped"] == 1
+        assert r["digests"][0] == r["digests"][1] != r["digests"][2]  # step 1 changed nothing, step 2 did
+
+
+def test_halt_decided_on_one_rank_is_taken_by_all(tmp_path: Path, free_port: int) -> None:
+    policy = write_policy(tmp_path, DECISION_RULES % "halt")
+    ranks = spawn(one_decision, tmp_path, free_port, policy)
+    assert ranks[0]["halt"].startswith("hookpolicy: halted by p/guard at step 1")
+    assert ranks[1]["halt"].startswith("hookpolicy: halted by p/guard at step 1") and "rank 0" in ranks[1]["halt"]
+    assert [len(r["digests"]) for r in ranks] == [1, 1]  # no rank applied step 1
+
+
+# -- end to end: hookpolicy apply -- torchrun (the DDP and FSDP2 rows of the matrix) --------
+
+MATRIX_RULES = """\
+- name: nan-guard
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - alert: {if: "nonfinite > 0", per: rule, severity: critical, then: skip_step}
+- name: grad-norms
+  priority: 5
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm, nonfinite]}
+- name: clip
+  priority: 10
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - clip: {max_norm: 0.5, per: rule}
+"""
+
+ACTIVATION_RULES = """\
+- name: act-guard
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  target: output
+  actions:
+    - alert: {if: "nonfinite > 0", per: rule, severity: critical, then: %s}
+"""
+
+LINE = re.compile(r"rank (\d) step (\d+) loss \S+ params (\w+) norm (\S+)(?: clipdiff (\S+))?")
+
+
+def steps_of(stdout: str) -> dict[int, list[tuple[str, Optional[float], Optional[float]]]]:
+    """Per rank, per step: (parameter digest, norm the optimizer used, clip difference)."""
+    by_rank: dict[int, list[tuple[str, Optional[float], Optional[float]]]] = {0: [], 1: []}
+    for line in losses(stdout):
+        m = LINE.match(line)
+        assert m, line
+        norm = None if m[4] == "None" else float(m[4])
+        by_rank[int(m[1])].append((m[3], norm, None if m[5] is None else float(m[5])))
+    return by_rank
+
+
+def run_matrix(apply: Callable[..., Run], policy: str, wrap: str, *args: str) -> Run:
+    return apply(policy, "--", *_torchrun(), "--standalone", "--nproc_per_node", "2", SCRIPT, "--wrap", wrap, *args)
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_matrix_steps_clip_labels_and_nan_gradient_on_one_rank(
+    apply: Callable[..., Run], tmp_path: Path, free_port: int, wrap: str,
+) -> None:
+    hold = tmp_path / "hold"
+    policy = write_policy(tmp_path, MATRIX_RULES)
+    run = apply(policy, "--metrics-port", str(free_port), "--", *_torchrun(), "--standalone", "--nproc_per_node",
+                "2", SCRIPT, "--wrap", wrap, "--steps", "4", "--clip-ref", "0.5", "--nan-at", "2",
+                "--nan-rank", "0", "--nan-in", "grad", "--hold-file", str(hold))
+    ranks = []
+    for r in (0, 1):
+        ranks.append(wait_metrics(run, free_port + r, lambda s: value(s, "hookpolicy_steps_total") == 4, 120))
+    hold.touch()
+    assert run.wait(180) == 0, run.stderr
+    for r, samples in enumerate(ranks):
+        assert value(samples, "hookpolicy_skipped_steps_total", rule="nan-guard") == 1
+        assert {lab["module"] for lab in labels_of(samples, "hookpolicy_grad_l2_norm")} == {"0", "2", "4"}
+    for module in ("0", "2", "4"):  # DDP: after the all-reduce; FSDP2: of the full gradient
+        norms = [value(s, "hookpolicy_grad_l2_norm", module=module) for s in ranks]
+        assert norms[0] is not None and norms[0] > 0 and norms[0] == pytest.approx(norms[1], rel=1e-9)
+    steps = steps_of(run.stdout)
+    for r in (0, 1):
+        digests, norms, diffs = zip(*steps[r])
+        assert len(digests) == 4
+        assert digests[2] == digests[1] != digests[3]  # step 2 skipped on both ranks, bit for bit
+        assert norms[2] is None  # the optimizer saw no gradient at all
+        for step in (0, 1, 3):
+            assert norms[step] <= 0.5 * (1 + 1e-6)
+            assert diffs[step] <= 1e-6  # the clip is clip_grad_norm_'s
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_matrix_nan_activation_on_one_rank_skips_on_both(
+    apply: Callable[..., Run], tmp_path: Path, wrap: str,
+) -> None:
+    policy = write_policy(tmp_path, ACTIVATION_RULES % "skip_step")
+    run = run_matrix(apply, policy, wrap, "--steps", "3", "--nan-at", "1", "--nan-rank", "1", "--nan-in", "input")
+    assert run.wait(180) == 0, run.stderr
+    steps = steps_of(run.stdout)
+    for r in (0, 1):
+        digests = [d for d, _, _ in steps[r]]
+        assert len(digests) == 3 and digests[0] == digests[1] != digests[2]
+        assert steps[r][1][1] is None
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_matrix_halt_on_one_rank_halts_both(apply: Callable[..., Run], tmp_path: Path, wrap: str) -> None:
+    policy = write_policy(tmp_path, ACTIVATION_RULES % "halt")
+    run = run_matrix(apply, policy, wrap, "--steps", "4", "--nan-at", "2", "--nan-rank", "0", "--nan-in", "input")
+    assert run.wait(180) == 3, run.stderr
+    assert run.stderr.splitlines()[-1].startswith("hookpolicy: halted by p/act-guard at step 2: ")
+    assert sorted(line for line in run.stdout.splitlines() if " exit " in line) == [
+        "rank 0 exit Halt", "rank 1 exit Halt"]
+    assert [len(s) for s in steps_of(run.stdout).values()] == [2, 2]
