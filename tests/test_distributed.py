@@ -205,7 +205,7 @@ PLACEMENT_RULES = """\
   trigger: {at: forward}
   target: output
   actions:
-    - capture: {stats: [l2_norm, mean, std, min, max, nonfinite, numel], per: tensor}
+    - capture: {stats: [l2_norm, mean, std, min, max, nonfinite, numel], per: tensor, tensors: {dir: shards}}
 - name: partial
   match: {modules: [pending]}
   trigger: {at: step}
@@ -242,8 +242,9 @@ class Placements(nn.Module):
         return self.out(x)
 
 
-def placements(rank: int, policy: str) -> list[list[Any]]:
+def placements(rank: int, policy: str, folder: str) -> list[list[Any]]:
     from torch.distributed.tensor import DTensor, Partial
+    os.environ["HOOKPOLICY_OUTPUT_DIR"] = folder
     model = Placements()
     reg = CollectorRegistry()
     out: list[list[Any]] = []
@@ -266,12 +267,14 @@ def placements(rank: int, policy: str) -> list[list[Any]]:
                                                          tensor=name), want[stat]])
         out.append(["partial: no statistic", gauge(reg, "hookpolicy_grad_l2_norm", rule="partial"), None])
         out.append(["partial: one hook error", gauge(reg, "hookpolicy_hook_errors_total", rule="partial"), 1.0])
+    saved = torch.load(Path(folder, "shards", f"step00000000-out-output-shard{rank}.pt"))
+    out.append(["tensor file: this rank's shard", float((saved - x * 2).abs().max()), 0.0])
     return out
 
 
 def test_replicated_sharded_and_partial_placements(tmp_path: Path, free_port: int) -> None:
     policy = write_policy(tmp_path, PLACEMENT_RULES)
-    for rows in spawn(placements, tmp_path, free_port, policy):
+    for rows in spawn(placements, tmp_path, free_port, policy, str(tmp_path)):
         for what, got, want in rows:
             if want is None:
                 assert got is None, what

@@ -63,10 +63,20 @@ class Shards:
     local_numels: tuple[int, ...]
 
 
+#: Tensor types that are never a DTensor: checked first, since `isinstance(t, DTensor)` costs ~2.5 us a tensor.
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+_DTENSOR: Optional[type] = None
+
+
 def _dtensor_type() -> Optional[type]:
-    """DTensor, if `torch.distributed.tensor` was imported (no DTensor exists before); importing it costs ~0.5 s."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
+    """DTensor, once `torch.distributed.tensor` is imported (no DTensor exists before; importing it costs ~0.5 s)."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        module = sys.modules.get("torch.distributed.tensor")
+        _DTENSOR = getattr(module, "DTensor", None) if module is not None else None
+    return _DTENSOR
 
 
 def local_shards(tensors: Sequence[torch.Tensor]) -> Optional[tuple[list[torch.Tensor], Shards]]:
@@ -75,7 +85,12 @@ def local_shards(tensors: Sequence[torch.Tensor]) -> Optional[tuple[list[torch.T
     Raises ValueError for a `Partial` placement (see the module docstring).
     """
     dtensor = _dtensor_type()
-    if dtensor is None or not any(isinstance(t, dtensor) for t in tensors):
+    if dtensor is None:
+        return None
+    for t in tensors:
+        if type(t) not in _PLAIN and isinstance(t, dtensor):
+            break
+    else:
         return None
     locals_: list[torch.Tensor] = []
     groups: list[tuple[Any, ...]] = []
