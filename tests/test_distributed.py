@@ -18,7 +18,6 @@ import math
 import os
 import re
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -29,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
-from conftest import REPO
+from conftest import REPO, write_policy
 from test_apply import Run, _torchrun, apply, labels_of, losses, value, wait_metrics  # noqa: F401 - apply is a fixture
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -38,18 +37,7 @@ from train_mlp import build_model, make_data  # noqa: E402
 pytestmark = pytest.mark.slow
 
 SCRIPT = str(REPO / "tests" / "dist_train.py")
-HEADER = "apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata: {name: NAME}\nspec:\n  rules:\n"
 STATS = ["l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel"]
-
-
-def policy_text(rules: str, name: str = "p") -> str:
-    return HEADER.replace("NAME", name) + textwrap.indent(textwrap.dedent(rules), "    ")
-
-
-def write_policy(tmp_path: Path, rules: str, name: str = "p") -> str:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(policy_text(rules, name))
-    return str(path)
 
 
 # -- in process: torch.multiprocessing.spawn ----------------------------------------------
@@ -182,7 +170,7 @@ def fsdp_statistics(rank: int, policy: str) -> list[list[Any]]:
 
 
 def test_fsdp2_statistics_are_those_of_the_full_tensors(tmp_path: Path, free_port: int) -> None:
-    policy = write_policy(tmp_path, FSDP_RULES)
+    policy = str(write_policy(tmp_path, FSDP_RULES))
     ranks = spawn(fsdp_statistics, tmp_path, free_port, policy)
     assert ranks[0] and [r[0] for r in ranks[0]] == [r[0] for r in ranks[1]]
     for rows in ranks:
@@ -273,7 +261,7 @@ def placements(rank: int, policy: str, folder: str) -> list[list[Any]]:
 
 
 def test_replicated_sharded_and_partial_placements(tmp_path: Path, free_port: int) -> None:
-    policy = write_policy(tmp_path, PLACEMENT_RULES)
+    policy = str(write_policy(tmp_path, PLACEMENT_RULES))
     for rows in spawn(placements, tmp_path, free_port, policy, str(tmp_path)):
         for what, got, want in rows:
             if want is None:
@@ -321,7 +309,7 @@ def one_decision(rank: int, policy: str) -> dict[str, Any]:
 
 
 def test_skip_decided_on_one_rank_is_taken_by_all(tmp_path: Path, free_port: int) -> None:
-    policy = write_policy(tmp_path, DECISION_RULES % "skip_step")
+    policy = str(write_policy(tmp_path, DECISION_RULES % "skip_step"))
     ranks = spawn(one_decision, tmp_path, free_port, policy)
     for r in ranks:
         assert r["halt"] is None and r["steps"] == 3 and r["skipped"] == 1
@@ -329,7 +317,7 @@ def test_skip_decided_on_one_rank_is_taken_by_all(tmp_path: Path, free_port: int
 
 
 def test_halt_decided_on_one_rank_is_taken_by_all(tmp_path: Path, free_port: int) -> None:
-    policy = write_policy(tmp_path, DECISION_RULES % "halt")
+    policy = str(write_policy(tmp_path, DECISION_RULES % "halt"))
     ranks = spawn(one_decision, tmp_path, free_port, policy)
     assert ranks[0]["halt"].startswith("hookpolicy: halted by p/guard at step 1")
     assert ranks[1]["halt"].startswith("hookpolicy: halted by p/guard at step 1") and "rank 0" in ranks[1]["halt"]
@@ -393,7 +381,7 @@ def test_matrix_steps_clip_labels_and_nan_gradient_on_one_rank(
     apply: Callable[..., Run], tmp_path: Path, free_port: int, wrap: str,
 ) -> None:
     hold = tmp_path / "hold"
-    policy = write_policy(tmp_path, MATRIX_RULES)
+    policy = str(write_policy(tmp_path, MATRIX_RULES))
     run = apply(policy, "--metrics-port", str(free_port), "--", *_torchrun(), "--standalone", "--nproc_per_node",
                 "2", SCRIPT, "--wrap", wrap, "--steps", "4", "--clip-ref", "0.5", "--nan-at", "2",
                 "--nan-rank", "0", "--nan-in", "grad", "--hold-file", str(hold))
@@ -423,7 +411,7 @@ def test_matrix_steps_clip_labels_and_nan_gradient_on_one_rank(
 def test_matrix_nan_activation_on_one_rank_skips_on_both(
     apply: Callable[..., Run], tmp_path: Path, wrap: str,
 ) -> None:
-    policy = write_policy(tmp_path, ACTIVATION_RULES % "skip_step")
+    policy = str(write_policy(tmp_path, ACTIVATION_RULES % "skip_step"))
     run = run_matrix(apply, policy, wrap, "--steps", "3", "--nan-at", "1", "--nan-rank", "1", "--nan-in", "input")
     assert run.wait(180) == 0, run.stderr
     steps = steps_of(run.stdout)
@@ -435,7 +423,7 @@ def test_matrix_nan_activation_on_one_rank_skips_on_both(
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
 def test_matrix_halt_on_one_rank_halts_both(apply: Callable[..., Run], tmp_path: Path, wrap: str) -> None:
-    policy = write_policy(tmp_path, ACTIVATION_RULES % "halt")
+    policy = str(write_policy(tmp_path, ACTIVATION_RULES % "halt"))
     run = run_matrix(apply, policy, wrap, "--steps", "4", "--nan-at", "2", "--nan-rank", "0", "--nan-in", "input")
     assert run.wait(180) == 3, run.stderr
     assert run.stderr.splitlines()[-1].startswith("hookpolicy: halted by p/act-guard at step 2: ")
