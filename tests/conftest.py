@@ -1,15 +1,24 @@
 """Shared test helpers: the repository root, free ports, policies written on the fly, the
 tiny models (an MLP, a two-block GPT and its training loop), PyTorch's hook tables counted
 (to catch a leaked hook), the exporter for a `with`, the output-folder and one-thread
-fixtures."""
+fixtures, and `hookpolicy apply` run for real (the `apply` fixture, scraping its metrics,
+torchrun)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
+import re
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import textwrap
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -18,6 +27,7 @@ import torch
 import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 import torch.nn.functional as F
 from torch import nn
 
@@ -283,3 +293,121 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------- hookpolicy apply, for real
+
+
+Samples = list[tuple[str, dict[str, str], float]]
+
+
+class Run:
+    """One `python -m hookpolicy apply ...` process; its stdout and stderr go to files."""
+
+    def __init__(self, folder: Path, args: list[str], env: dict[str, str], cwd: Path) -> None:
+        self.out_path = folder / "apply.stdout"
+        self.err_path = folder / "apply.stderr"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hookpolicy", "apply", *args],
+                cwd=cwd, env=env, stdout=out, stderr=err,
+            )
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"apply did not finish in {timeout} s; stderr:\n{self.stderr}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # forwarded to the COMMAND's process group
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("HOOKPOLICY_POLICY_DIRS", None)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def apply(tmp_path: Path) -> Iterator[Callable[..., Run]]:
+    runs: list[Run] = []
+
+    def start(*args: str, env: Optional[dict[str, str]] = None, cwd: Path = REPO) -> Run:
+        folder = tmp_path / f"run{len(runs)}"
+        folder.mkdir()
+        run = Run(folder, list(args), env or child_env(), cwd)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        run.stop()
+
+
+def scrape(port: int) -> Optional[Samples]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    return [(s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def value(samples: Samples, name: str, **labels: str) -> Optional[float]:
+    found = [v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in labels.items())]
+    assert len(found) <= 1, f"{name}{labels} is ambiguous: {found}"
+    return found[0] if found else None
+
+
+def labels_of(samples: Samples, name: str) -> list[dict[str, str]]:
+    return [lab for n, lab, _ in samples if n == name]
+
+
+def wait_metrics(run: Run, port: int, ready: Callable[[Samples], bool], timeout: float = 90) -> Samples:
+    """Scrape until `ready` holds, while the script still runs."""
+    deadline = time.monotonic() + timeout
+    samples: Optional[Samples] = None
+    while time.monotonic() < deadline:
+        if run.proc.poll() is not None:
+            pytest.fail(f"apply exited ({run.proc.returncode}) before the metrics were ready; stderr:\n{run.stderr}")
+        samples = scrape(port)
+        if samples is not None and ready(samples):
+            assert run.proc.poll() is None  # read while the training script runs
+            return samples
+        time.sleep(0.1)
+    pytest.fail(f"metrics on port {port} never got ready; last scrape: {samples}\nstderr:\n{run.stderr}")
+
+
+def steps_are(n: int, rank: str = "0") -> Callable[[Samples], bool]:
+    return lambda samples: value(samples, "hookpolicy_steps_total", rank=rank) == n
+
+
+def losses(text: str) -> list[str]:
+    return [line for line in text.splitlines() if re.match(r"(rank \d+ )?step \d+ loss ", line)]
+
+
+def torchrun() -> list[str]:
+    """How to start torchrun: beside this Python, on PATH, or as `python -m torch.distributed.run`."""
+    beside = Path(sys.executable).with_name("torchrun")
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which("torchrun")
+    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]

@@ -17,18 +17,19 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import hookpolicy
-from conftest import REPO, global_hook_counts, tiny
+from conftest import (  # noqa: F401 - apply is a fixture; the others were defined here before
+    REPO, Run, Samples, apply, child_env, global_hook_counts, labels_of, losses, scrape, steps_are, tiny, torchrun,
+    value, wait_metrics,
+)
 from hookpolicy.apply.discovery import Discovery
 from hookpolicy.apply.reload import Reloader
 from hookpolicy.environment import ChildConfig
@@ -77,111 +78,6 @@ spec:
 """
 
 BROKEN_POLICY = WATCHED_POLICY.replace("EVERY", "0")  # every: 0 is out of range
-
-Samples = list[tuple[str, dict[str, str], float]]
-
-
-class Run:
-    """One `python -m hookpolicy apply ...` process; its stdout and stderr go to files."""
-
-    def __init__(self, folder: Path, args: list[str], env: dict[str, str], cwd: Path) -> None:
-        self.out_path = folder / "apply.stdout"
-        self.err_path = folder / "apply.stderr"
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hookpolicy", "apply", *args],
-                cwd=cwd, env=env, stdout=out, stderr=err,
-            )
-
-    @property
-    def stdout(self) -> str:
-        return self.out_path.read_text()
-
-    @property
-    def stderr(self) -> str:
-        return self.err_path.read_text()
-
-    def wait(self, timeout: float = 120) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            pytest.fail(f"apply did not finish in {timeout} s; stderr:\n{self.stderr}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # forwarded to the COMMAND's process group
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("HOOKPOLICY_POLICY_DIRS", None)
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
-
-
-@pytest.fixture
-def apply(tmp_path: Path) -> Iterator[Callable[..., Run]]:
-    runs: list[Run] = []
-
-    def start(*args: str, env: Optional[dict[str, str]] = None, cwd: Path = REPO) -> Run:
-        folder = tmp_path / f"run{len(runs)}"
-        folder.mkdir()
-        run = Run(folder, list(args), env or child_env(), cwd)
-        runs.append(run)
-        return run
-
-    yield start
-    for run in runs:
-        run.stop()
-
-
-def scrape(port: int) -> Optional[Samples]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            text = response.read().decode()
-    except OSError:
-        return None
-    return [(s.name, dict(s.labels), s.value) for family in text_string_to_metric_families(text) for s in family.samples]
-
-
-def value(samples: Samples, name: str, **labels: str) -> Optional[float]:
-    found = [v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in labels.items())]
-    assert len(found) <= 1, f"{name}{labels} is ambiguous: {found}"
-    return found[0] if found else None
-
-
-def labels_of(samples: Samples, name: str) -> list[dict[str, str]]:
-    return [lab for n, lab, _ in samples if n == name]
-
-
-def wait_metrics(run: Run, port: int, ready: Callable[[Samples], bool], timeout: float = 90) -> Samples:
-    """Scrape until `ready` holds, while the script still runs."""
-    deadline = time.monotonic() + timeout
-    samples: Optional[Samples] = None
-    while time.monotonic() < deadline:
-        if run.proc.poll() is not None:
-            pytest.fail(f"apply exited ({run.proc.returncode}) before the metrics were ready; stderr:\n{run.stderr}")
-        samples = scrape(port)
-        if samples is not None and ready(samples):
-            assert run.proc.poll() is None  # read while the training script runs
-            return samples
-        time.sleep(0.1)
-    pytest.fail(f"metrics on port {port} never got ready; last scrape: {samples}\nstderr:\n{run.stderr}")
-
-
-def steps_are(n: int, rank: str = "0") -> Callable[[Samples], bool]:
-    return lambda samples: value(samples, "hookpolicy_steps_total", rank=rank) == n
-
-
-def losses(text: str) -> list[str]:
-    return [line for line in text.splitlines() if re.match(r"(rank \d+ )?step \d+ loss ", line)]
 
 
 # -- the command forms -------------------------------------------------------------------
@@ -287,20 +183,12 @@ def test_amp_bfloat16_autocast(apply: Callable[..., Run], tmp_path: Path, free_p
     assert run.wait() == 0
 
 
-def _torchrun() -> list[str]:
-    beside = Path(sys.executable).with_name("torchrun")
-    if beside.exists():
-        return [str(beside)]
-    found = shutil.which("torchrun")
-    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
-
-
 @pytest.mark.slow
 def test_torchrun_ddp_ranks_serve_on_port_and_port_plus_one(
     apply: Callable[..., Run], tmp_path: Path, free_port: int,
 ) -> None:
     hold = tmp_path / "hold"
-    run = apply(MONITOR, "--metrics-port", str(free_port), "--", *_torchrun(), "--standalone",
+    run = apply(MONITOR, "--metrics-port", str(free_port), "--", *torchrun(), "--standalone",
                 "--nproc_per_node", "2", DDP, "--steps", "4", "--hold-file", str(hold))
     rank0 = wait_metrics(run, free_port, steps_are(4, "0"), timeout=120)
     rank1 = wait_metrics(run, free_port + 1, steps_are(4, "1"), timeout=60)
@@ -337,7 +225,7 @@ def test_halt_exits_3_with_the_one_line(apply: Callable[..., Run], tmp_path: Pat
 def test_halt_under_torchrun_is_one_line_too(apply: Callable[..., Run], tmp_path: Path) -> None:
     policy = tmp_path / "guard.yaml"
     policy.write_text(HALT_POLICY)
-    run = apply(str(policy), "--", *_torchrun(), "--standalone", "--nproc_per_node", "2", DDP,
+    run = apply(str(policy), "--", *torchrun(), "--standalone", "--nproc_per_node", "2", DDP,
                 "--steps", "6", "--nan-at", "2")
     assert run.wait(180) == 3
     line = "hookpolicy: halted by guard/nan-halt at step 2: non-finite gradients"

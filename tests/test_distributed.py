@@ -28,8 +28,7 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
-from conftest import REPO, write_policy
-from test_apply import Run, _torchrun, apply, labels_of, losses, value, wait_metrics  # noqa: F401 - apply is a fixture
+from conftest import REPO, Run, labels_of, losses, torchrun, value, wait_metrics, write_policy
 
 sys.path.insert(0, str(REPO / "examples"))
 from train_mlp import build_model, make_data  # noqa: E402
@@ -373,7 +372,7 @@ def steps_of(stdout: str) -> dict[int, list[tuple[str, Optional[float], Optional
 
 
 def run_matrix(apply: Callable[..., Run], policy: str, wrap: str, *args: str) -> Run:
-    return apply(policy, "--", *_torchrun(), "--standalone", "--nproc_per_node", "2", SCRIPT, "--wrap", wrap, *args)
+    return apply(policy, "--", *torchrun(), "--standalone", "--nproc_per_node", "2", SCRIPT, "--wrap", wrap, *args)
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
@@ -382,7 +381,7 @@ def test_matrix_steps_clip_labels_and_nan_gradient_on_one_rank(
 ) -> None:
     hold = tmp_path / "hold"
     policy = str(write_policy(tmp_path, MATRIX_RULES))
-    run = apply(policy, "--metrics-port", str(free_port), "--", *_torchrun(), "--standalone", "--nproc_per_node",
+    run = apply(policy, "--metrics-port", str(free_port), "--", *torchrun(), "--standalone", "--nproc_per_node",
                 "2", SCRIPT, "--wrap", wrap, "--steps", "4", "--clip-ref", "0.5", "--nan-at", "2",
                 "--nan-rank", "0", "--nan-in", "grad", "--hold-file", str(hold))
     ranks = []
