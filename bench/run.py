@@ -217,7 +217,9 @@ def terminal(info: dict[str, str], results: list[WorkloadResult], scale: Optiona
                   f"scrape of {scale.series:,} series ({scale.scrape_bytes / 1e6:.1f} MB): median "
                   f"{scale.scrape.median * 1e3:.1f} ms wall, {scale.scrape_cpu.median * 1e3:.1f} ms CPU; "
                   f"the step that publishes them: {scale.readback_step.median * 1e3:.0f} ms vs "
-                  f"{scale.plain_step.median * 1e3:.0f} ms"]
+                  f"{scale.plain_step.median * 1e3:.0f} ms",
+                  "copies: " + ", ".join(f"{op} {by['plain'].median * 1e3:.0f} ms plain, {by['governed'].median * 1e3:.0f} ms "
+                                         "governed" for op, by in scale.copies.items())]
     lines += ["", "targets:"]
     for name, got, goal, ok in checks(results, scale):
         lines.append(f"  {'met ' if ok else 'MISS'} {name}: {got} (goal {goal})")
@@ -309,7 +311,9 @@ def markdown(info: dict[str, str], command: str, results: list[WorkloadResult], 
                        f" ({scale.scrape_bytes / 1e6:.1f} MB), wall", scale.scrape, 1, bold=True),
             _scale_row("the same scrape, CPU time of the scraping thread", scale.scrape_cpu, 1),
             _scale_row("the optimizer step that reads back and publishes them (`scrape.yaml`)", scale.readback_step),
-            _scale_row("the same SGD step without a policy", scale.plain_step), "",
+            _scale_row("the same SGD step without a policy", scale.plain_step),
+            *(_scale_row(f"`{op}` of the model, {'with `monitor.yaml` attached' if label == 'governed' else 'no policy'}",
+                         s) for op, by in scale.copies.items() for label, s in by.items()), "",
         ]
     out += ["## Targets", "", "| target | measured | goal | |", "|---|---|---|---|"]
     for name, got, goal, ok in checks(results, scale):

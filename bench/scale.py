@@ -1,7 +1,9 @@
-"""Variant 6: compiling and attaching on a 10,001-module model, and a 10,000-series scrape."""
+"""Variant 6: compiling and attaching on a 10,001-module model, copying and saving it, and a 10,000-series scrape."""
 
 from __future__ import annotations
 
+import copy
+import io
 import time
 from dataclasses import dataclass
 
@@ -33,6 +35,8 @@ class ScaleResult:
     plain_step: Summary
     scrape: Summary
     scrape_cpu: Summary  # CPU time of the scraping thread: what the scrape costs without other tenants
+    #: "deepcopy"/"torch.save" -> "plain"/"governed" (monitor.yaml attached) -> seconds
+    copies: dict[str, dict[str, Summary]]
 
 
 def _hooks(model: torch.nn.Module) -> int:
@@ -60,6 +64,8 @@ def measure_scale(repeats: int, scrapes: int, device: torch.device) -> ScaleResu
         start = time.perf_counter()
         attached.remove()
         removes.append(time.perf_counter() - start)
+
+    copies = _copies(model, hookpolicy.load(POLICIES / "monitor.yaml"), repeats)
 
     # The scrape: one training step publishes l2_norm and nonfinite of 5,000 Linear layers.
     registry = CollectorRegistry()
@@ -95,4 +101,22 @@ def measure_scale(repeats: int, scrapes: int, device: torch.device) -> ScaleResu
     return ScaleResult(
         modules, linears, bindings, hooks, summarize(loads), summarize(plans), summarize(attaches),
         summarize(removes), series, len(text), summarize(readback), summarize(plain), summarize(times), summarize(cpu),
+        copies,
     )
+
+
+def _copies(model: torch.nn.Module, policy: hookpolicy.PolicySet, repeats: int) -> dict[str, dict[str, Summary]]:
+    """`copy.deepcopy` and `torch.save` of the model, alternately without and with the policy attached."""
+    times: dict[str, dict[str, list[float]]] = {op: {"plain": [], "governed": []} for op in ("deepcopy", "torch.save")}
+    for _ in range(repeats):
+        for label in ("plain", "governed"):
+            attached = policy.attach(model, registry=CollectorRegistry()) if label == "governed" else None
+            start = time.perf_counter()
+            copy.deepcopy(model)
+            times["deepcopy"][label].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            torch.save(model, io.BytesIO())
+            times["torch.save"][label].append(time.perf_counter() - start)
+            if attached is not None:
+                attached.remove()
+    return {op: {label: summarize(t) for label, t in by.items()} for op, by in times.items()}

@@ -7,7 +7,8 @@ Prints one line per optimizer step, `step N loss L` (L in full precision), so ru
 and without hookpolicy can be compared line by line. Runs in a few seconds on a CPU.
 The options beyond the usual ones exist to exercise hookpolicy's `apply` end to end:
 gradient accumulation, CPU autocast, hand-written SGD, a NaN injected at a given step,
-and files that pause or stop the run.
+files that pause or stop the run, and `--save PATH`, which keeps the best model by
+validation loss with `torch.save(model, f)`, as pytorch/examples' word_language_model does.
 """
 
 from __future__ import annotations
@@ -53,7 +54,23 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to wait after each step")
     p.add_argument("--stop-file", default=None, help="stop early once this file exists")
     p.add_argument("--hold-file", default=None, help="after training, wait (up to 120 s) until this file exists")
+    p.add_argument("--save", default=None, metavar="PATH", help="torch.save the whole model here at each best validation loss")
+    p.add_argument("--eval-every", type=int, default=10, metavar="N", help="steps between validations (with --save)")
     return p.parse_args(argv)
+
+
+def save_if_best(model: nn.Module, val: tuple[torch.Tensor, torch.Tensor], path: str, best: float, step: int) -> float:
+    """Evaluate on the validation set; save the whole model when its loss is the best so far."""
+    model.eval()
+    with torch.no_grad():
+        loss = nn.functional.mse_loss(model(val[0]), val[1]).item()
+    model.train()
+    print(f"step {step} validation loss {loss!r}", flush=True)
+    if loss < best:
+        with open(path, "wb") as f:
+            torch.save(model, f)
+        return loss
+    return best
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -69,6 +86,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = nn.MSELoss()
     batches = x.shape[0] // args.batch
+    val = make_data(args.seed + 1000, n=256)
+    best = float("inf")
     for step in range(args.steps):
         if args.stop_file and os.path.exists(args.stop_file):
             break
@@ -93,6 +112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         p -= args.lr * p.grad
                         p.grad = None
         print(f"step {step} loss {total!r}", flush=True)
+        if args.save and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            best = save_if_best(model, val, args.save, best, step)
         if args.sleep:
             time.sleep(args.sleep)
     if args.hold_file:

@@ -1,6 +1,7 @@
 """Train the tiny character-level GPT: `python -m examples.charlm --steps 100`.
 
-Prints `step N loss L` per optimizer step.
+Prints `step N loss L` per optimizer step. `--save PATH` keeps the best model by
+validation loss with `torch.save(model, f)`, as pytorch/examples' word_language_model does.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=32)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to wait after each step")
     p.add_argument("--hold-file", default=None, help="after training, wait (up to 120 s) until this file exists")
+    p.add_argument("--save", default=None, metavar="PATH", help="torch.save the whole model here at each best validation loss")
+    p.add_argument("--eval-every", type=int, default=10, metavar="N", help="steps between validations (with --save)")
     args = p.parse_args()
 
     torch.manual_seed(args.seed)
@@ -31,22 +34,40 @@ def main() -> None:
     data = torch.tensor([stoi[c] for c in TEXT])
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    val_x, val_y = batch(data, torch.arange(0, len(data) - args.context - 1, args.context), args.context)
+    best = float("inf")
     for step in range(args.steps):
-        starts = torch.randint(0, len(data) - args.context - 1, (args.batch,))
-        x = torch.stack([data[s:s + args.context] for s in starts])
-        y = torch.stack([data[s + 1:s + args.context + 1] for s in starts])
+        x, y = batch(data, torch.randint(0, len(data) - args.context - 1, (args.batch,)), args.context)
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         print(f"step {step} loss {loss.item()!r}", flush=True)
+        if args.save and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            model.eval()
+            with torch.no_grad():
+                logits = model(val_x)
+                val = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), val_y.reshape(-1)).item()
+            model.train()
+            print(f"step {step} validation loss {val!r}", flush=True)
+            if val < best:
+                best = val
+                with open(args.save, "wb") as f:
+                    torch.save(model, f)
         if args.sleep:
             time.sleep(args.sleep)
     if args.hold_file:
         deadline = time.monotonic() + 120
         while not os.path.exists(args.hold_file) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def batch(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-character targets of the windows starting at `starts`."""
+    x = torch.stack([data[s:s + context] for s in starts])
+    y = torch.stack([data[s + 1:s + context + 1] for s in starts])
+    return x, y
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..api import PolicySet
 from ..errors import Halt
-from ..engine import heap, optimizer_hooks
+from ..engine import heap, module_hooks, optimizer_hooks
 from ..engine.runtime import Attached
 from . import say
 from .reload import Governed, Swaps
@@ -82,6 +82,7 @@ class Discovery:
         self._warned_orphans = False
         self._forward: Optional[RemovableHandle] = None
         self._steps: Optional[optimizer_hooks.Subscription] = None
+        self._watching = module_hooks.Watching(self)
         self._removed = False
 
     # -- public ------------------------------------------------------------------------
@@ -112,6 +113,7 @@ class Discovery:
         self._roots.clear()
         self._inside.clear()
         self._covered.clear()
+        self._watching.remove()
 
     def govern(self, module: torch.nn.Module) -> Optional[Attached]:
         """Attach the policies to `module` now (replacing governed models it contains)."""
@@ -131,9 +133,22 @@ class Discovery:
         self._roots[root] = Governed(module, attached, generation)
         self._inside.update(dict.fromkeys(modules, root))
         self._covered.update(dict.fromkeys((id(p) for p in module.parameters()), root))
+        self._watching.add(list(module.modules()))
         if self._on_govern is not None:
             self._on_govern(module, attached)
         return attached
+
+    def tree_changed(self, parent: torch.nn.Module, name: str, value: object) -> None:
+        """A module or parameter joins a governed model (`model.head = ...`): it is inside that model."""
+        root = self._inside.get(id(parent))
+        if root is None or root not in self._roots:
+            return
+        if isinstance(value, torch.nn.Module):
+            self._inside.update(dict.fromkeys((id(m) for m in value.modules()), root))
+            self._covered.update(dict.fromkeys((id(p) for p in value.parameters()), root))
+            self._watching.add(list(value.modules()))
+        elif isinstance(value, torch.nn.Parameter):
+            self._covered[id(value)] = root
 
     # -- the global forward pre-hook ---------------------------------------------------
     def _on_call(self, module: torch.nn.Module, args: Any) -> None:

@@ -60,15 +60,19 @@ class Executor:
         self._store = store
         self._step = step
         self._halting = halting
-        self._selectors = {key: selector(rs.rule.select) for key, rs in rules.items()}
+        self.rules_changed()
+        self._versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        self._warned_inplace: set[tuple[str, ...]] = set()
+
+    def rules_changed(self) -> None:
+        """Derive what the hook bodies need from `rules` (again, after a rule joined on a rebind)."""
+        self._selectors = {key: selector(rs.rule.select) for key, rs in self.rules.items()}
         # A step rule's count of finite elements waits for the readback (no pass over the
         # gradients in a normal step, see stats.resolve_counts) unless some step rule clips or
         # scales the gradients in between, which could change what the count would see.
         self._defer_step_counts = not any(
-            not isinstance(op, StatsOp) for rs in rules.values() if rs.rule.trigger.at == "step" for op in rs.program
+            not isinstance(op, StatsOp) for rs in self.rules.values() if rs.rule.trigger.at == "step" for op in rs.program
         )
-        self._versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
-        self._warned_inplace: set[tuple[str, ...]] = set()
 
     # -- module hooks ------------------------------------------------------------------
     def pre_hook(self, bindings: list[Binding], args: Any, kwargs: Any) -> Any:

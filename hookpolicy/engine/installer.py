@@ -5,7 +5,9 @@ and `steps` window, minus rules switched off by errors). If the set is unchanged
 happens; otherwise every module hook is removed and re-registered for exactly the active
 rules, grouped per module: one forward pre-hook (`forward_pre` targets, and the identity
 views of `grad_input`) and one forward hook (`forward` and `backward` targets). A rule
-with `every: 100` therefore has no hook installed on 99 steps out of 100.
+with `every: 100` therefore has no hook installed on 99 steps out of 100. The hooks go
+through `module_hooks`, so copies and saves of the model never carry them; `rebind(plan)`
+installs them anew for a model whose tree changed.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
+from . import module_hooks
 from .executor import Executor
 from ..plan.planner import Binding, Plan
 from .rulestate import RuleState
@@ -30,7 +32,12 @@ class HookInstaller:
         self._rules = rules
         self._executor = executor
         self._active: Optional[frozenset[tuple[str, str]]] = None
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[module_hooks.OwnHandle] = []
+
+    def rebind(self, plan: Plan) -> None:
+        """Bind to `plan` (the model changed); the next `activate` installs its hooks whatever the set."""
+        self._plan = plan
+        self._active = None
 
     def activate(self, step: int) -> None:
         """Install hooks for the rules active at `step`; nothing changes if the set is the same."""
@@ -54,11 +61,11 @@ class HookInstaller:
         run = self._executor
         for module, pre, post in by_module.values():
             if pre:
-                self._handles.append(module.register_forward_pre_hook(
-                    lambda m, a, k, pre=pre: run.pre_hook(pre, a, k), with_kwargs=True))
+                self._handles.append(module_hooks.forward_pre_hook(
+                    module, lambda m, a, k, pre=pre: run.pre_hook(pre, a, k), with_kwargs=True))
             if post:
-                self._handles.append(module.register_forward_hook(
-                    lambda m, a, k, o, post=post: run.post_hook(post, m, a, k, o), with_kwargs=True))
+                self._handles.append(module_hooks.forward_hook(
+                    module, lambda m, a, k, o, post=post: run.post_hook(post, m, a, k, o), with_kwargs=True))
 
     def step_rules(self) -> list[RuleState]:
         """The `step` rules active now and not switched off, in plan order."""

@@ -1,7 +1,8 @@
 """What the engine keeps for one rule of one policy while it is attached.
 
-Built once per attachment from the plan (`rule_states`); read by every part of the
-engine. Its one mutable field, `errors`, is written only by the executor's error
+Built once per attachment from the plan (`rule_states`), and bound anew to a new plan
+when the model's tree changes (`rebind`: a rule keeps its state); read by every part of
+the engine. Its one mutable field, `errors`, is written only by the executor's error
 containment (`Executor.fail`), so "is this rule switched off?" has one answer.
 """
 
@@ -13,7 +14,7 @@ from .actions import Program, StatsOp, compile_rule
 from ..plan.planner import Binding, Plan
 from ..policy.model import Capture, Policy, Rule
 
-__all__ = ["MAX_ERRORS", "RuleState", "rule_states"]
+__all__ = ["MAX_ERRORS", "RuleState", "rebind", "rule_states"]
 
 #: A rule that raised this many times is switched off (`onError: continue`).
 MAX_ERRORS = 3
@@ -52,10 +53,24 @@ class RuleState:
 def rule_states(plan: Plan, audit: bool) -> dict[tuple[str, str], RuleState]:
     """One `RuleState` per (policy, rule) of the plan, in binding order, programs compiled."""
     rules: dict[tuple[str, str], RuleState] = {}
+    rebind(rules, plan, audit)
+    return rules
+
+
+def rebind(rules: dict[tuple[str, str], RuleState], plan: Plan, audit: bool) -> list[RuleState]:
+    """Give each rule its bindings in `plan`, in place; returns the rules that are new.
+
+    A rule keeps its state (error count, alert history in the read-back) across a rebind;
+    one that binds nothing now keeps an empty list.
+    """
+    for kept in rules.values():
+        kept.bindings = []
+    new: list[RuleState] = []
     for b in plan.bindings:
         rs = rules.get(b.key)
         if rs is None:
             mode = "audit" if audit else b.rule.mode
             rs = rules[b.key] = RuleState(b.policy, b.rule, compile_rule(b.rule), mode)
+            new.append(rs)
         rs.bindings.append(b)
-    return rules
+    return new

@@ -8,7 +8,10 @@
 - `executor.Executor`: the hook bodies, the compiled actions, error containment, and the
   buffer of device-side statistics;
 - `readback.Readback`: at a step boundary, one transfer of the buffer, statistics,
-  metrics, sinks, and a `StepReport` (skip, halt, sink errors, time) acted on here.
+  metrics, sinks, and a `StepReport` (skip, halt, sink errors, time) acted on here;
+- `module_hooks.watch`: a module or parameter assigned inside the model (`model.head =
+  ...`, LoRA injection) marks the plan stale; it is rebuilt and the rules bound anew at
+  the next step boundary (`_replan_if_changed`), never between a step's micro-batches.
 
 Hooks are global state on the user's model: every handle is kept and `remove()` (also
 on exceptions, through the context manager) takes all of them off again.
@@ -31,11 +34,12 @@ from ..export.metrics import MetricsStore, store_for
 from ..export.sinks import output_root
 from ..plan.planner import Plan, build_plan
 from ..policy.model import Alert, Policy
+from . import module_hooks
 from .executor import Executor
 from .installer import HookInstaller
 from .distributed import agree, agreeing, decode, encode
 from .readback import Readback, StepReport
-from .rulestate import MAX_ERRORS, rule_states
+from .rulestate import MAX_ERRORS, RuleState, rebind, rule_states
 from .steps import Phase, StepTracker
 
 __all__ = ["Attached", "MAX_ERRORS"]
@@ -65,6 +69,7 @@ class Attached:
         self.rank = environment.rank(os.environ) if rank is None else rank
         self.step = start_step
         self.store: MetricsStore = store_for(registry, self.rank)
+        self._audit = audit
         self._rules = rule_states(self.plan, audit)
         phase = Phase()
         self._executor = Executor(self._rules, phase, self.store, lambda: self.step, self._halting)
@@ -81,6 +86,10 @@ class Attached:
         _claim_model(model, self.policies)  # from here on nothing raises before the hooks are in
         self._publish_initial_series(audit)
         self._tracker = StepTracker(model, self, phase)
+        self._stale = False  # the model's tree changed since the plan was built
+        self._forwarded = False  # a training forward ran in this step
+        self._watching = module_hooks.watch(model, self)
+        self._warn_self_reducing()
         self._installer.activate(self.step)
 
     def _publish_initial_series(self, audit: bool) -> None:
@@ -89,15 +98,18 @@ class Attached:
             self.store.set("hookpolicy_policy_info", (policy.name, policy.revision, "audit" if audit else policy.mode), 1.0)
             self.store.inc("hookpolicy_series_dropped", (policy.name,), 0)
         for rs in self._rules.values():
-            self.store.inc("hookpolicy_hook_errors", rs.key, 0)
-            for action in rs.rule.actions:
-                if isinstance(action, Alert):
-                    self.store.inc("hookpolicy_alerts", (*rs.key, action.severity), 0)
-                    self.store.set("hookpolicy_alert_firing", (*rs.key, action.severity), 0.0)
-                    if action.then == "skip_step":
-                        self.store.inc("hookpolicy_skipped_steps", rs.key, 0)
+            self._publish_rule_series(rs)
         self.store.raise_to("hookpolicy_steps", (), self.step)
         self.store.config_loaded()
+
+    def _publish_rule_series(self, rs: RuleState) -> None:
+        self.store.inc("hookpolicy_hook_errors", rs.key, 0)
+        for action in rs.rule.actions:
+            if isinstance(action, Alert):
+                self.store.inc("hookpolicy_alerts", (*rs.key, action.severity), 0)
+                self.store.set("hookpolicy_alert_firing", (*rs.key, action.severity), 0.0)
+                if action.then == "skip_step":
+                    self.store.inc("hookpolicy_skipped_steps", rs.key, 0)
 
     # -- public handle -----------------------------------------------------------------
     def __enter__(self) -> "Attached":
@@ -112,6 +124,7 @@ class Attached:
             return
         self._removed = True
         _release_model(self.model, self.policies)
+        self._watching.remove()
         self._tracker.remove()
         self._installer.remove()
         try:
@@ -132,6 +145,7 @@ class Attached:
     # -- step events (called by StepTracker) -------------------------------------------
     def begin_step(self) -> bool:
         """Run the step rules, read everything back, decide alerts; True to skip the step."""
+        self._replan_if_changed()
         self._executor.run_step_rules(self._installer.step_rules())
         return self._readback(decide=True)
 
@@ -139,10 +153,66 @@ class Attached:
         self.step += 1
         self.store.raise_to("hookpolicy_steps", (), self.step)
         self.store.set("hookpolicy_last_step_timestamp_seconds", (), time.time())
+        self._forwarded = False
+        self._replan_if_changed()
         self._installer.activate(self.step)
 
     def discard_step(self) -> None:
         self._executor.buffer.clear()
+        self._forwarded = False
+
+    def training_forward(self) -> None:
+        if self._stale and not self._forwarded:
+            self._replan_if_changed()
+        self._forwarded = True
+
+    # -- the model's tree changes (called by module_hooks) -----------------------------
+    def tree_changed(self, parent: torch.nn.Module, name: str, value: object) -> None:
+        """`parent.name = value` is about to land inside the model: re-plan at the next step boundary."""
+        if parent._modules.get(name, parent._parameters.get(name)) is not value:
+            self._stale = True
+
+    def _replan_if_changed(self) -> None:
+        """Bind the rules anew to the model as it is now, if its tree changed since the plan.
+
+        Called where no step is half-governed: before a step's first training forward,
+        before its step rules, after its update. The new hooks go in at the installer's
+        next `activate`; series of modules no longer bound are removed.
+        """
+        if not self._stale or self._removed:
+            return
+        self._stale = False
+        try:
+            plan = build_plan(self.policies, self.model)
+        except Exception as exc:  # noqa: BLE001 - a guardrail that cannot re-plan must not stop training
+            log.warning("the model changed at step %d and cannot be planned again (%s: %s); "
+                        "the policies stay bound to the modules they had", self.step, type(exc).__name__, exc)
+            return
+        gone = {b.module for b in self.plan.bindings} - {b.module for b in plan.bindings}
+        self.plan = plan
+        for rs in rebind(self._rules, plan, self._audit):
+            self._publish_rule_series(rs)
+        self._executor.rules_changed()
+        self._installer.rebind(plan)
+        self._installer.activate(self.step)
+        self._tracker.refresh()
+        self._watching.update(list(self.model.modules()))
+        self._warn_self_reducing()
+        for warning in plan.warnings:
+            log.warning("%s", warning)
+        for policy in self.policies:
+            self.store.forget_modules(policy.name, gone)
+        log.info("the model changed at step %d: %d binding(s) now", self.step, len(plan.bindings))
+
+    def _warn_self_reducing(self) -> None:
+        """Say once per class when its copies would carry hookpolicy's hooks (it reduces itself)."""
+        hooked = {type(self.model), *(type(b.obj) for b in self.plan.bindings if b.hook != "step")}
+        for cls in hooked - _CHECKED_CLASSES:
+            _CHECKED_CLASSES.add(cls)
+            if module_hooks.reduces_itself(cls):
+                log.warning("%s defines its own __reduce_ex__/__reduce__, so a copy, pickle or "
+                            "torch.save of it would carry hookpolicy's hooks; remove() the policy before copying it",
+                            cls.__qualname__)
 
     def eval_forward_done(self) -> None:
         if self._executor.buffer:
@@ -200,6 +270,9 @@ class Attached:
         run.counts.clear()
         run.seconds.clear()
 
+
+#: module classes `_warn_self_reducing` has looked at
+_CHECKED_CLASSES: set[type] = set()
 
 #: model -> names of the policies attached to it, so a policy is never applied twice to one model.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, set[str]]" = weakref.WeakKeyDictionary()

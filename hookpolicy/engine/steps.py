@@ -17,7 +17,8 @@ Traps this module handles:
 - The root module carries two small hooks, installed here: the pre-hook decides the
   phase (train/eval) once per forward (`Phase`), the post-hook marks backward passes
   with a tensor hook on each output. Both skip a forward that activation checkpointing
-  re-runs inside the backward pass (`recomputing()`).
+  re-runs inside the backward pass (`recomputing()`). They go through `module_hooks`, so
+  copies and saves of the model never carry them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from . import heap, optimizer_hooks
+from . import heap, module_hooks, optimizer_hooks
 from .structure import named_tensors
 
 __all__ = ["Phase", "StepEvents", "StepTracker", "recomputing"]
@@ -50,6 +51,9 @@ class StepEvents(Protocol):
 
     def eval_forward_done(self) -> None:
         """A forward of the root outside training ended (an evaluation loop steps no optimizer)."""
+
+    def training_forward(self) -> None:
+        """A training forward of the root is about to run (its modules' hooks have not run yet)."""
 
 
 class Phase:
@@ -95,8 +99,8 @@ class StepTracker:
         self._probe: Optional[torch.nn.Parameter] = None
         self._subscription = optimizer_hooks.subscribe(self, optimizer_hooks.STEP_TRACKING)
         self._root_handles = [
-            model.register_forward_pre_hook(self._root_pre),
-            model.register_forward_hook(self._root_post, always_call=True),
+            module_hooks.forward_pre_hook(model, self._root_pre),
+            module_hooks.forward_hook(model, self._root_post, always_call=True),
         ]
 
     def remove(self) -> None:
@@ -104,6 +108,13 @@ class StepTracker:
             handle.remove()
         self._root_handles.clear()
         self._subscription.remove()
+
+    def refresh(self) -> None:
+        """The model's parameters changed (a module or parameter replaced): whose optimizer is whose anew."""
+        model = self._model_params()
+        if model is not None:
+            self._param_ids = {id(p) for p in model.parameters()}
+        self._owned = weakref.WeakKeyDictionary()
 
     # -- the root's forward ------------------------------------------------------------
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -114,6 +125,7 @@ class StepTracker:
         phase.train = module.training and torch.is_grad_enabled()
         if phase.train:
             self.check_forward()
+            self._events.training_forward()
 
     def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         phase = self.phase
@@ -172,6 +184,9 @@ class StepTracker:
         owned = self._owned.get(optimizer)
         if owned is None:
             owned = any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
+            if not owned:  # the model may hold new parameter objects since (`model.to()` can make them)
+                self.refresh()
+                owned = any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
             self._owned[optimizer] = owned
         return owned
 

@@ -13,7 +13,7 @@ import logging
 import threading
 import weakref
 from collections import defaultdict
-from typing import Callable, Iterator, Optional
+from typing import Callable, Collection, Iterator, Optional
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -142,6 +142,14 @@ class MetricsStore:
                     del series[labels]
             self._series.pop(policy, None)
             self._warned.discard(policy)
+
+    def forget_modules(self, policy: str, modules: Collection[str]) -> None:
+        """Remove a policy's statistic gauges of modules it no longer binds (replaced or removed)."""
+        with self._lock:
+            for series in self._stats.values():
+                for labels in [lab for lab in series if lab[0] == policy and lab[2] in modules]:
+                    del series[labels]
+                    self._series[policy] -= 1
 
     # -- scrape ------------------------------------------------------------------------
     def snapshot(self) -> tuple[dict[str, dict[Labels, float]], dict[str, dict[Labels, float]]]:

@@ -1,0 +1,215 @@
+"""The one owner of hookpolicy's hooks on modules: kept on the governed model, never copied with it.
+
+A governed model must stay an ordinary model: `torch.save(model)`, `pickle`,
+`copy.deepcopy` (and so `torch.optim.swa_utils.AveragedModel`, EMA helpers) behave exactly
+as without hookpolicy. The trap: PyTorch keeps a module's hooks in the module's own dicts
+(`_forward_hooks`, `_forward_pre_hooks`, their `_with_kwargs` / `_always_called` companions),
+and `Module.__getstate__` hands the whole `__dict__` to pickle and to deepcopy. Hooks
+living there would travel into every copy and file, dragging the runtime (locks, sinks)
+along: a copy would keep feeding the original's metrics, and a save would fail with
+`cannot pickle '_thread.lock' object`.
+
+Two mechanisms, both here and nowhere else:
+
+- **Per-module forward hooks**, registered through `forward_pre_hook` / `forward_hook`,
+  which record the handle's id. While any is installed, `torch.nn.Module.__reduce_ex__`
+  (what pickle, `torch.save`, `copy.copy` and `copy.deepcopy` call on every module) is
+  `object.__reduce_ex__` with those ids left out of the state it returns: a copy or a file
+  is, byte for byte, what it would be without hookpolicy, and carries no hook of ours. A
+  module without hookpolicy's hooks reduces exactly as before. The hooks themselves stay
+  where PyTorch expects them, so nothing changes on the hot path: a module without hooks
+  keeps `_call_impl`'s fast path, `torch.compile` sees per-module hooks as it always did
+  (no process-wide module hook, no warning), forward pre-hooks keep their kwargs, and a
+  user's own hooks run and come off as before.
+  Process-wide module call hooks (`register_module_forward_hook`) would have kept the
+  module dicts clean too, but they take every module of the process off the fast path
+  (about 2 µs a call), cannot see keyword arguments before a forward, and make
+  `torch.compile(model)` warn at every call; see docs/semantics.md.
+- **Tree changes**: `watch(root, subscriber)` reports a module or parameter assigned
+  inside a governed model (`model.head = nn.Linear(...)`, LoRA injection, `load_state_dict
+  (assign=True)`), through PyTorch's process-wide *registration* hooks (they run when a
+  module's attribute is set, never on a call, and `torch.compile` ignores them).
+
+The subscriber contract, as a literal signature:
+
+    subscriber.tree_changed(parent, name, value) -> None   # before `parent.name = value` lands
+
+Limits: a class (or a user's patch) that defines its own `__reduce_ex__` or `__reduce__`
+bypasses the filter (`attach` says so); so does a `__getstate__` that returns something
+other than a dict. Changes made behind `Module.__setattr__` (`model._modules[name] = m`,
+`ModuleList.insert`, `del model.head`) are not seen.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+from torch.nn.modules.module import (
+    register_module_module_registration_hook, register_module_parameter_registration_hook,
+)
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["OwnHandle", "TreeSubscriber", "Watching", "reduces_itself", "forward_hook", "forward_pre_hook", "watch"]
+
+#: The module dicts a forward hook's id lands in.
+_HOOK_DICTS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+)
+
+_lock = threading.Lock()
+#: ids of the hook handles hookpolicy holds on modules right now
+_ours: set[int] = set()
+#: what `nn.Module.__reduce_ex__` was before ours went in (None: not defined on Module itself)
+_saved: list[Optional[Any]] = []
+
+
+class OwnHandle:
+    """A hook hookpolicy put on a module; `remove()` takes it off (safe to call twice)."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, handle: RemovableHandle) -> None:
+        self._handle = handle
+
+    def remove(self) -> None:
+        self._handle.remove()
+        with _lock:
+            _ours.discard(self._handle.id)
+            if not _ours and _saved:
+                _restore()
+
+
+def forward_pre_hook(module: torch.nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False) -> OwnHandle:
+    """`module.register_forward_pre_hook`, left out of copies, pickles and saves of `module`."""
+    return _own(module.register_forward_pre_hook(hook, with_kwargs=with_kwargs))
+
+
+def forward_hook(
+    module: torch.nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False, always_call: bool = False,
+) -> OwnHandle:
+    """`module.register_forward_hook`, left out of copies, pickles and saves of `module`."""
+    return _own(module.register_forward_hook(hook, with_kwargs=with_kwargs, always_call=always_call))
+
+
+def reduces_itself(cls: type) -> bool:
+    """Whether copies of a module of class `cls` bypass the filter: the class reduces itself."""
+    return any(
+        "__reduce_ex__" in vars(k) or "__reduce__" in vars(k)
+        for k in cls.__mro__[: cls.__mro__.index(torch.nn.Module)]
+    )
+
+
+def _own(handle: RemovableHandle) -> OwnHandle:
+    with _lock:
+        if not _saved:
+            _saved.append(torch.nn.Module.__dict__.get("__reduce_ex__"))
+            torch.nn.Module.__reduce_ex__ = _reduce_ex  # type: ignore[method-assign,assignment]
+        _ours.add(handle.id)
+    return OwnHandle(handle)
+
+
+def _restore() -> None:
+    previous = _saved.pop()
+    if previous is None:
+        del torch.nn.Module.__reduce_ex__
+    else:
+        torch.nn.Module.__reduce_ex__ = previous  # type: ignore[method-assign]
+
+
+def _reduce_ex(self: torch.nn.Module, protocol: Any) -> Any:
+    """`object.__reduce_ex__` (or what was there before), minus hookpolicy's hooks in the state."""
+    previous = _saved[0] if _saved and _saved[0] is not None else object.__reduce_ex__
+    reduced = previous(self, protocol)
+    if not (isinstance(reduced, tuple) and len(reduced) > 2 and isinstance(reduced[2], dict)):
+        return reduced
+    state = reduced[2]
+    ours = _ours
+    dirty = [name for name in _HOOK_DICTS if state.get(name) and not ours.isdisjoint(state[name])]
+    if not dirty:
+        return reduced
+    state = dict(state)  # a __getstate__ may hand out the live __dict__: never edit it
+    for name in dirty:
+        state[name] = OrderedDict((k, v) for k, v in state[name].items() if k not in ours)
+    return (*reduced[:2], state, *reduced[3:])
+
+
+# -- tree changes ----------------------------------------------------------------------
+class TreeSubscriber(Protocol):
+    """What `watch` reports to."""
+
+    def tree_changed(self, parent: torch.nn.Module, name: str, value: object) -> None:
+        """`parent.name = value` (a module or a parameter) is about to land inside a watched model."""
+
+
+class _Watch:
+    """One pair of process-wide registration hooks, calling the subscribers watching a module."""
+
+    def __init__(self) -> None:
+        #: id of every module of a watched model -> (weak ref to it, its subscribers)
+        self._modules: dict[int, tuple["weakref.ref[torch.nn.Module]", list[TreeSubscriber]]] = {}
+        self._handles: list[RemovableHandle] = []
+
+    def add(self, modules: list[torch.nn.Module], subscriber: TreeSubscriber) -> None:
+        for module in modules:
+            entry = self._modules.get(id(module))
+            if entry is None or entry[0]() is not module:
+                entry = self._modules[id(module)] = (weakref.ref(module), [])
+            if subscriber not in entry[1]:
+                entry[1].append(subscriber)
+        if not self._handles and self._modules:
+            self._handles = [register_module_module_registration_hook(self._registered),
+                             register_module_parameter_registration_hook(self._registered)]
+
+    def discard(self, subscriber: TreeSubscriber) -> None:
+        for key, (_, subscribers) in list(self._modules.items()):
+            if subscriber in subscribers:
+                subscribers.remove(subscriber)
+                if not subscribers:
+                    del self._modules[key]
+        if not self._modules:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+
+    def _registered(self, parent: torch.nn.Module, name: str, value: object) -> None:
+        """hook(module, name, submodule_or_param) -> None: runs on every such assignment in the process."""
+        entry = self._modules.get(id(parent))
+        if entry is None or entry[0]() is not parent:
+            return None
+        for subscriber in list(entry[1]):
+            subscriber.tree_changed(parent, name, value)
+        return None
+
+
+_WATCH = _Watch()
+
+
+class Watching:
+    """What `watch` returns: `update(modules)` after a re-plan, `remove()` when done."""
+
+    def __init__(self, subscriber: TreeSubscriber) -> None:
+        self._subscriber = subscriber
+
+    def update(self, modules: list[torch.nn.Module]) -> None:
+        """Watch exactly `modules` from now on (the model's modules after a change)."""
+        _WATCH.discard(self._subscriber)
+        _WATCH.add(modules, self._subscriber)
+
+    def add(self, modules: list[torch.nn.Module]) -> None:
+        """Watch `modules` too (a subtree that joined the model)."""
+        _WATCH.add(modules, self._subscriber)
+
+    def remove(self) -> None:
+        _WATCH.discard(self._subscriber)
+
+
+def watch(root: torch.nn.Module, subscriber: TreeSubscriber) -> Watching:
+    """Report to `subscriber` every module or parameter assigned anywhere inside `root`."""
+    watching = Watching(subscriber)
+    watching.update(list(root.modules()))
+    return watching
