@@ -358,3 +358,12 @@ def test_a_class_that_reduces_itself_is_named_at_attach(tmp_path: Path, caplog: 
         "SelfReducing defines its own __reduce_ex__/__reduce__, so a copy, pickle or torch.save of it would "
         "carry hookpolicy's hooks; remove() the policy before copying it"
     ]
+
+
+def test_a_compiled_model_is_not_named_and_its_copy_carries_no_hook(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    policy = make_policy(tmp_path, RULES)
+    compiled = torch.compile(build())  # never called: nothing is compiled, only wrapped
+    with caplog.at_level("WARNING", logger="hookpolicy"), policy.attach(compiled, registry=CollectorRegistry()):
+        copied = copy.deepcopy(compiled)
+        assert hooks(copied) == 0 and hooks(copied._orig_mod) == 0
+    assert not [r for r in caplog.records if "__reduce" in r.getMessage()]

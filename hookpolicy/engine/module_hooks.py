@@ -35,8 +35,9 @@ The subscriber contract, as a literal signature:
     subscriber.tree_changed(parent, name, value) -> None   # before `parent.name = value` lands
 
 Limits: a class (or a user's patch) that defines its own `__reduce_ex__` or `__reduce__`
-bypasses the filter (`attach` says so); so does a `__getstate__` that returns something
-other than a dict. Changes made behind `Module.__setattr__` (`model._modules[name] = m`,
+bypasses the filter (`attach` says so, except for `torch.compile`'s wrapper, which is
+rebuilt from the module it wraps); so does a `__getstate__` that returns something other
+than a dict. Changes made behind `Module.__setattr__` (`model._modules[name] = m`,
 `ModuleList.insert`, `del model.head`) are not seen.
 """
 
@@ -96,8 +97,15 @@ def forward_hook(
     return _own(module.register_forward_hook(hook, with_kwargs=with_kwargs, always_call=always_call))
 
 
+#: classes that reduce themselves without their own hook dicts: `torch.compile`'s wrapper is
+#: rebuilt from the module it wraps (`OptimizedModule.__reduce__`), which reduces through the filter
+_REBUILT = {("torch._dynamo.eval_frame", "OptimizedModule")}
+
+
 def reduces_itself(cls: type) -> bool:
     """Whether copies of a module of class `cls` bypass the filter: the class reduces itself."""
+    if (cls.__module__, cls.__qualname__) in _REBUILT:
+        return False
     return any(
         "__reduce_ex__" in vars(k) or "__reduce__" in vars(k)
         for k in cls.__mro__[: cls.__mro__.index(torch.nn.Module)]
