@@ -21,8 +21,7 @@ import torch.nn as nn
 from prometheus_client import CollectorRegistry, generate_latest
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-import hookpolicy
-from test_runtime import make_policy
+from conftest import load_policy
 
 RULES = """
 - name: act
@@ -81,7 +80,7 @@ class Governed:
     """A model trained two steps under the policy, and its twin trained the same way without it."""
 
     def __init__(self, tmp_path: Path) -> None:
-        self.policy = make_policy(tmp_path, RULES)
+        self.policy = load_policy(tmp_path, RULES)
         self.registry = CollectorRegistry()
         self.model, self.twin = build(), build()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
@@ -297,7 +296,7 @@ class LoRA(nn.Module):
 
 @pytest.mark.parametrize("after_steps", [0, 2], ids=["right-after-attach", "mid-training"])
 def test_a_replaced_submodule_is_governed_from_the_next_step(tmp_path: Path, after_steps: int) -> None:
-    policy = make_policy(tmp_path, RULES)
+    policy = load_policy(tmp_path, RULES)
     model = build()
     registry = CollectorRegistry()
     with policy.attach(model, registry=registry) as attached:
@@ -350,7 +349,7 @@ class SelfReducing(nn.Linear):
 
 
 def test_a_class_that_reduces_itself_is_named_at_attach(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    policy = make_policy(tmp_path, RULES)
+    policy = load_policy(tmp_path, RULES)
     model = nn.Sequential(SelfReducing(4, 2))
     with caplog.at_level("WARNING", logger="hookpolicy"), policy.attach(model, registry=CollectorRegistry()):
         pass
@@ -361,7 +360,7 @@ def test_a_class_that_reduces_itself_is_named_at_attach(tmp_path: Path, caplog: 
 
 
 def test_a_compiled_model_is_not_named_and_its_copy_carries_no_hook(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    policy = make_policy(tmp_path, RULES)
+    policy = load_policy(tmp_path, RULES)
     compiled = torch.compile(build())  # never called: nothing is compiled, only wrapped
     with caplog.at_level("WARNING", logger="hookpolicy"), policy.attach(compiled, registry=CollectorRegistry()):
         copied = copy.deepcopy(compiled)
