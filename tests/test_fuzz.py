@@ -109,9 +109,12 @@ JSON_PATH = re.compile(r"\$(?:\.[A-Za-z_][A-Za-z0-9_]*|\[\d+\]|\['(?:[^'\\]|\\.)
 
 #: Examples per property; raise it for a longer hunt (`HOOKPOLICY_FUZZ_EXAMPLES=5000 pytest ...`).
 EXAMPLES = int(os.environ.get("HOOKPOLICY_FUZZ_EXAMPLES", "120"))
+#: A hang guard, not a timing: an example that takes this long is stuck (a typical one takes
+#: milliseconds, a 1 MiB file a second or two on a busy 2-core machine).
+DEADLINE_MS = 20_000
 
 FUZZ = settings(
-    max_examples=EXAMPLES, deadline=2000,
+    max_examples=EXAMPLES, deadline=DEADLINE_MS,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
 )
 
@@ -437,7 +440,7 @@ def test_textual_mutations_load_or_give_positioned_problems(
         train_under(loaded)
 
 
-@settings(max_examples=EXAMPLES, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=DEADLINE_MS, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.sampled_from(SEEDS),
     flips=st.lists(st.tuples(st.floats(min_value=0, max_value=1), st.integers(0, 255)), min_size=1, max_size=6),
@@ -529,7 +532,7 @@ def valid_policy(draw: st.DrawFn) -> dict[str, Any]:
     return data
 
 
-@settings(max_examples=EXAMPLES, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=DEADLINE_MS, suppress_health_check=[HealthCheck.too_slow])
 @given(data=valid_policy(), flow=st.sampled_from([None, True, False]))
 def test_mutated_policies_that_stay_valid_compile_attach_and_detach_cleanly(
     folder: Path, data: dict[str, Any], flow: Optional[bool],
@@ -540,7 +543,7 @@ def test_mutated_policies_that_stay_valid_compile_attach_and_detach_cleanly(
     train_under(loaded, steps=3)
 
 
-@settings(max_examples=25, deadline=2000, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=25, deadline=DEADLINE_MS, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(
     seed=st.sampled_from(SEEDS),
     extra=st.integers(min_value=-64, max_value=4096),
@@ -569,7 +572,7 @@ def test_files_around_one_mib_are_refused_before_parsing_or_load(
         assert loaded is not None
 
 
-@settings(max_examples=40, deadline=2000)
+@settings(max_examples=40, deadline=DEADLINE_MS)
 @given(
     depth=st.integers(min_value=1, max_value=5000),
     opening=st.sampled_from(["[", "{a: ", "- ", "? ", "{", "[{x: "]),
@@ -587,7 +590,7 @@ def test_deep_nesting_is_refused_with_a_position_never_a_recursion_error(
     assert loaded is None
 
 
-@settings(max_examples=30, deadline=2000)
+@settings(max_examples=30, deadline=DEADLINE_MS)
 @given(levels=st.integers(min_value=2, max_value=40), width=st.integers(min_value=2, max_value=40))
 def test_alias_bombs_are_refused_without_expansion(folder: Path, levels: int, width: int) -> None:
     bomb = [f'a0: &a0 [{", ".join(["x"] * width)}]']
