@@ -16,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 import hookpolicy
 from hookpolicy.export import sinks
 from hookpolicy import Halt
+from hookpolicy.engine.runtime import Attached
+from hookpolicy.export.metrics import split_family
 
 from conftest import load_policy, module_hook_count
 
@@ -99,7 +101,7 @@ def test_captured_norms_equal_vector_norm(tmp_path: Path) -> None:
     reg = CollectorRegistry()
     seen: dict[str, torch.Tensor] = {}
     model.head.register_forward_hook(lambda m, a, o: seen.__setitem__("out", o.detach().clone()))
-    with pol.attach(model, registry=reg):
+    with pol.attach(model, registry=reg) as attached:
         x, y = batches(1)[0]
         nn.functional.mse_loss(model(x), y).backward()
         fc = model.blocks[0].fc
@@ -112,31 +114,22 @@ def test_captured_norms_equal_vector_norm(tmp_path: Path) -> None:
         "max": out.max(), "abs_max": out.abs().max(), "rms": out.pow(2).mean().sqrt(),
         "zero_fraction": (out == 0).double().mean(), "nonfinite": torch.tensor(0.0), "numel": torch.tensor(12.0),
     }
+    last = last_values(attached)
     for stat, ref in expected.items():
-        assert _last[("out", stat)] == pytest.approx(ref.item(), rel=1e-5, abs=1e-7), stat
-    assert _last[("grads", "l2_norm", "blocks.0.fc", "")] == pytest.approx(joint.item(), rel=1e-6)
-    assert _last[("grads", "abs_max", "blocks.0.fc", "weight")] == pytest.approx(abs_max_w.item(), rel=1e-6)
+        assert last[("out", stat)] == pytest.approx(ref.item(), rel=1e-5, abs=1e-7), stat
+    assert last[("grads", "l2_norm", "blocks.0.fc", "")] == pytest.approx(joint.item(), rel=1e-6)
+    assert last[("grads", "abs_max", "blocks.0.fc", "weight")] == pytest.approx(abs_max_w.item(), rel=1e-6)
 
 
-_last: dict[tuple[str, str], float] = {}
-
-
-@pytest.fixture(autouse=True)
-def _keep_last_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Record every published statistic: gauges are removed when a policy detaches."""
-    from hookpolicy.export import metrics
-
-    original = metrics.MetricsStore.set_stats
-    _last.clear()
-
-    def spy(self: metrics.MetricsStore, values: dict[Any, float], max_series: dict[str, int]) -> None:
-        for (family, labels), value in values.items():
-            _, stat = metrics._split_family(family)
-            _last[(labels[1], stat)] = value
-            _last[(labels[1], stat, labels[2], labels[3])] = value
-        original(self, values, max_series)
-
-    monkeypatch.setattr(metrics.MetricsStore, "set_stats", spy)
+def last_values(attached: Attached) -> dict[tuple[str, ...], float]:
+    """`attached.last_values()` keyed by (rule, stat, module, tensor), and by (rule, stat) for the last series."""
+    last: dict[tuple[str, ...], float] = {}
+    for family, series in attached.last_values().items():
+        _, stat = split_family(family)
+        for (_, rule, module, tensor), value in series.items():
+            last[(rule, stat)] = value
+            last[(rule, stat, module, tensor)] = value
+    return last
 
 
 def test_rule_clip_equals_clip_grad_norm(tmp_path: Path) -> None:
@@ -341,7 +334,7 @@ def test_backward_capture_on_inplace_model_equals_retain_grad(tmp_path: Path) ->
     nn.functional.mse_loss(model(x), y).backward()
     ref = {n: t.grad.clone() for n, t in outs.items()}
     model2, _ = fresh()
-    with pol.attach(model2):
+    with pol.attach(model2) as attached:
         nn.functional.mse_loss(model2(x), y).backward()
         with pytest.raises(RuntimeError):  # what the hand-written hook gets wrong
             h = model2.blocks[0].fc.register_full_backward_hook(lambda *a: None)
@@ -350,8 +343,9 @@ def test_backward_capture_on_inplace_model_equals_retain_grad(tmp_path: Path) ->
             finally:
                 h.remove()
         model2.zero_grad()
+    last = last_values(attached)
     for name, grad in ref.items():
-        assert _last[("go", "l2_norm", name, "")] == pytest.approx(torch.linalg.vector_norm(grad).item(), rel=1e-6)
+        assert last[("go", "l2_norm", name, "")] == pytest.approx(torch.linalg.vector_norm(grad).item(), rel=1e-6)
 
 
 def test_grad_input_equals_module_input_gradient(tmp_path: Path) -> None:
@@ -368,9 +362,10 @@ def test_grad_input_equals_module_input_gradient(tmp_path: Path) -> None:
     feats: list[torch.Tensor] = []
     ref.head.register_forward_pre_hook(lambda m, a: feats.append(a[0]))
     (grad_in,) = torch.autograd.grad(nn.functional.mse_loss(ref(x), y), feats[0])
-    with pol.attach(model):
+    with pol.attach(model) as attached:
         nn.functional.mse_loss(model(x), y).backward()
-    assert _last[("gi", "l2_norm", "head", "")] == pytest.approx(torch.linalg.vector_norm(grad_in).item(), rel=1e-6)
+    last = last_values(attached)
+    assert last[("gi", "l2_norm", "head", "")] == pytest.approx(torch.linalg.vector_norm(grad_in).item(), rel=1e-6)
 
 
 def test_backward_scale_changes_gradient_flowing_down(tmp_path: Path) -> None:
@@ -417,7 +412,8 @@ def test_grad_accumulation_is_one_step(tmp_path: Path) -> None:
         assert reg.get_sample_value("hookpolicy_steps_total", {"rank": "0"}) == 2
         assert sample(reg, "hookpolicy_output_numel", rule="fwd", module="head", tensor="") == 4 * 12
     # root is named "" in labels; the step norm is the accumulated gradient's norm
-    assert _last[("g", "l2_norm", "", "")] == pytest.approx(norms[-1], rel=1e-6)
+    last = last_values(attached)
+    assert last[("g", "l2_norm", "", "")] == pytest.approx(norms[-1], rel=1e-6)
 
 
 def test_manual_sgd_counts_one_step_per_backward(tmp_path: Path) -> None:
@@ -523,11 +519,12 @@ def test_checkpointed_blocks_counted_once(tmp_path: Path) -> None:
     reg = CollectorRegistry()
     data = batches(2)
     train(ref_model, ref_opt, data[:1])
-    with pol.attach(model, registry=reg):
+    with pol.attach(model, registry=reg) as attached:
         train(model, opt, data[:1])
         for rule in ("fwd", "bwd"):
             assert sample(reg, "hookpolicy_actions_total", rule=rule, action="capture", mode="enforce") == 2
-    assert _last[("bwd", "l2_norm", "blocks.0.fc", "")] > 0
+    last = last_values(attached)
+    assert last[("bwd", "l2_norm", "blocks.0.fc", "")] > 0
 
 
 def test_gradscaler_skipped_step_raises_no_alert(tmp_path: Path) -> None:
@@ -585,12 +582,13 @@ def test_select_dict_and_tuple_outputs(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = TwoHeads()
     x = torch.randn(3, 4)
-    with pol.attach(model):
+    with pol.attach(model) as attached:
         out = model(x)  # forward statistics cover every call of a step: call once
         out["logits"].sum().backward()
-    assert _last[("logits", "l2_norm", "", "logits")] == pytest.approx(out["logits"].norm().item(), rel=1e-6)
-    assert ("logits", "l2_norm", "", "aux.0") not in _last
-    assert {k[3] for k in _last if k[0] == "all" and len(k) == 4} == {"logits", "aux.0"}
+    last = last_values(attached)
+    assert last[("logits", "l2_norm", "", "logits")] == pytest.approx(out["logits"].norm().item(), rel=1e-6)
+    assert ("logits", "l2_norm", "", "aux.0") not in last
+    assert {k[3] for k in last if k[0] == "all" and len(k) == 4} == {"logits", "aux.0"}
 
 
 def test_log_records_are_json_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -743,16 +741,17 @@ def test_step_nonfinite_count_is_exact(tmp_path: Path) -> None:
     """)
     model, opt = fresh()
     x, y = batches(1)[0]
-    with pol.attach(model):
+    with pol.attach(model) as attached:
         nn.functional.mse_loss(model(x), y).backward()
         g = model.head.weight.grad
         g[0, 0], g[0, 1], g[1, 2] = float("nan"), float("inf"), float("-inf")
         model.inp.bias.grad[3] = float("inf")
         opt.step()
-    assert _last[("g", "nonfinite", "head", "weight")] == 3
-    assert _last[("g", "nonfinite", "inp", "bias")] == 1
-    assert _last[("g", "nonfinite", "head", "bias")] == 0
-    assert _last[("g", "l2_norm", "head", "bias")] == pytest.approx(
+    last = last_values(attached)
+    assert last[("g", "nonfinite", "head", "weight")] == 3
+    assert last[("g", "nonfinite", "inp", "bias")] == 1
+    assert last[("g", "nonfinite", "head", "bias")] == 0
+    assert last[("g", "l2_norm", "head", "bias")] == pytest.approx(
         torch.linalg.vector_norm(model.head.bias.grad).item(), rel=1e-6)
 
 
@@ -767,11 +766,12 @@ def test_grad_input_warns_when_it_cannot_be_observed(tmp_path: Path, caplog: pyt
     """)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
-    with pol.attach(model):
+    with pol.attach(model) as attached:
         for _ in range(2):  # warned once, not per call
             model(torch.randn(3, 4)).sum().backward()
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings.count("p/gi: 1 modifies its input in place, so its grad_input cannot be observed; "
                           "use grad_output of the module before it") == 1
     assert warnings.count("p/gi: no input of 0 requires grad, so its grad_input never fires") == 1
-    assert _last[("gi", "l2_norm", "2", "")] > 0  # the last Linear's grad_input is observed
+    last = last_values(attached)
+    assert last[("gi", "l2_norm", "2", "")] > 0  # the last Linear's grad_input is observed

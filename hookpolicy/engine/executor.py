@@ -24,7 +24,7 @@ import torch
 
 from .actions import StatsOp, mutate
 from ..errors import Halt
-from ..export.metrics import MetricsStore
+from ..export.metrics import HOOK_ERRORS, MetricsStore
 from ..plan.planner import Binding
 from ..policy.model import Rule
 from .distributed import Shards, local_shards, shard_name, shard_partials
@@ -223,7 +223,7 @@ class Executor:
     def fail(self, rs: RuleState, exc: BaseException) -> None:
         """Count an error of `rs`; raise `Halt` (onError: halt) or log it and maybe switch the rule off."""
         rs.errors += 1
-        self._store.inc("hookpolicy_hook_errors", rs.key)
+        self._store.inc(HOOK_ERRORS, rs.key)
         step = self._step()
         if rs.policy.on_error == "halt":
             raise self._halting(

@@ -19,13 +19,14 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .actions import StatsOp
 from ..errors import Halt
-from ..export.metrics import MetricsStore, stat_family
+from ..export.metrics import ALERT_FIRING, ALERTS, SKIPPED_STEPS, MetricsStore, Labels, stat_family
 from ..policy.model import Alert, Capture, LogSink, Policy
 from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
 from .rulestate import MAX_ERRORS, RuleState
@@ -87,7 +88,12 @@ class Readback:
         self._streaks: dict[tuple[Any, ...], int] = {}
         self._writers: dict[tuple[tuple[str, str], int], TensorWriter] = {}
         self._logs: dict[tuple[tuple[str, str], int], JsonLines] = {}
+        self._last: dict[str, dict[Labels, float]] = defaultdict(dict)
         self._step = 0
+
+    def last_values(self) -> Mapping[str, Mapping[Labels, float]]:
+        """A read-only copy of the latest value of every statistic series published so far."""
+        return MappingProxyType({family: MappingProxyType(dict(series)) for family, series in self._last.items()})
 
     def close(self) -> None:
         """Close the log sinks (at `remove()`)."""
@@ -145,7 +151,7 @@ class Readback:
                     if not fired:
                         continue
                     message = _render(action, base, stats)
-                    self.store.inc("hookpolicy_alerts", (*rs.key, action.severity))
+                    self.store.inc(ALERTS, (*rs.key, action.severity))
                     logged[(-1, None)].append({
                         **base, "stats": {k: _json_number(v) for k, v in stats.items()}, "event": "alert",
                         "severity": action.severity, "then": action.then, "mode": rs.mode, "message": message,
@@ -154,18 +160,20 @@ class Readback:
                         if action.then == "skip_step":
                             report.skip = True
                             report.skip_rule = report.skip_rule or rs.key
-                            self.store.inc("hookpolicy_skipped_steps", rs.key)
+                            self.store.inc(SKIPPED_STEPS, rs.key)
                         elif action.then == "halt" and report.halt is None:
                             report.halt = Halt(rs.policy.name, rs.rule.name, self._step, message)
             for (index, sink), records in logged.items():
                 self._write_log(rs, index, sink, records, report)
             for severity, on in firing.items():
-                self.store.set("hookpolicy_alert_firing", (*rs.key, severity), 1.0 if on else 0.0)
+                self.store.set(ALERT_FIRING, (*rs.key, severity), 1.0 if on else 0.0)
             report.seconds[rs.key] += fetch_share + time.perf_counter() - pass_start
         for entry in entries:
             if entry.copies:
                 self._write_copies(entry, report)
         self.store.set_stats(published, self._max_series)
+        for (family, labels), value in published.items():
+            self._last[family][labels] = value
 
     def _evaluate_alert(
         self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],

@@ -23,14 +23,17 @@ import logging
 import os
 import time
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from prometheus_client import CollectorRegistry
 
 from .. import environment
 from ..errors import Halt, HookPolicyError
-from ..export.metrics import MetricsStore, store_for
+from ..export.metrics import (
+    ACTIONS, ALERT_FIRING, ALERTS, HOOK_ERRORS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, POLICY_INFO,
+    SERIES_DROPPED, SKIPPED_STEPS, STEPS, Labels, MetricsStore, store_for,
+)
 from ..export.sinks import output_root
 from ..plan.planner import Plan, build_plan
 from ..policy.model import Alert, Policy
@@ -95,21 +98,21 @@ class Attached:
     def _publish_initial_series(self, audit: bool) -> None:
         """Create every counter at 0, so `increase()` sees the first event and dashboards list the run."""
         for policy in self.policies:
-            self.store.set("hookpolicy_policy_info", (policy.name, policy.revision, "audit" if audit else policy.mode), 1.0)
-            self.store.inc("hookpolicy_series_dropped", (policy.name,), 0)
+            self.store.set(POLICY_INFO, (policy.name, policy.revision, "audit" if audit else policy.mode), 1.0)
+            self.store.inc(SERIES_DROPPED, (policy.name,), 0)
         for rs in self._rules.values():
             self._publish_rule_series(rs)
-        self.store.raise_to("hookpolicy_steps", (), self.step)
+        self.store.raise_to(STEPS, (), self.step)
         self.store.config_loaded()
 
     def _publish_rule_series(self, rs: RuleState) -> None:
-        self.store.inc("hookpolicy_hook_errors", rs.key, 0)
+        self.store.inc(HOOK_ERRORS, rs.key, 0)
         for action in rs.rule.actions:
             if isinstance(action, Alert):
-                self.store.inc("hookpolicy_alerts", (*rs.key, action.severity), 0)
-                self.store.set("hookpolicy_alert_firing", (*rs.key, action.severity), 0.0)
+                self.store.inc(ALERTS, (*rs.key, action.severity), 0)
+                self.store.set(ALERT_FIRING, (*rs.key, action.severity), 0.0)
                 if action.then == "skip_step":
-                    self.store.inc("hookpolicy_skipped_steps", rs.key, 0)
+                    self.store.inc(SKIPPED_STEPS, rs.key, 0)
 
     # -- public handle -----------------------------------------------------------------
     def __enter__(self) -> "Attached":
@@ -135,12 +138,23 @@ class Attached:
             self._report.close()
             for policy in self.policies:
                 self.store.forget_policy(policy.name)
-                for family in ("hookpolicy_policy_info", "hookpolicy_alert_firing"):
+                for family in (POLICY_INFO, ALERT_FIRING):
                     self.store.drop(family, _not_of(policy.name))
 
     @property
     def removed(self) -> bool:
         return self._removed
+
+    def last_values(self) -> Mapping[str, Mapping[Labels, float]]:
+        """The latest value of every statistic this attachment computed, read-only.
+
+        `{family: {(policy, rule, module, tensor): value}}`, e.g.
+        `last_values()["hookpolicy_grad_l2_norm"][("guard", "clip", "head", "weight")]`:
+        what the last read-back published (Prometheus' families and labels, without
+        `rank`). Kept after `remove()`, when the exported gauges are gone; series beyond
+        `spec.limits.maxSeries`, which are not exported, are included.
+        """
+        return self._report.last_values()
 
     # -- step events (called by StepTracker) -------------------------------------------
     def begin_step(self) -> bool:
@@ -151,8 +165,8 @@ class Attached:
 
     def end_step(self) -> None:
         self.step += 1
-        self.store.raise_to("hookpolicy_steps", (), self.step)
-        self.store.set("hookpolicy_last_step_timestamp_seconds", (), time.time())
+        self.store.raise_to(STEPS, (), self.step)
+        self.store.set(LAST_STEP_TIMESTAMP, (), time.time())
         self._forwarded = False
         self._replan_if_changed()
         self._installer.activate(self.step)
@@ -249,7 +263,7 @@ class Attached:
         other_skip, other_halt = decode(codes[0]), decode(codes[1])
         if not report.skip and other_skip is not None:
             report.skip, report.skip_rule = True, keys[other_skip[0]]
-            self.store.inc("hookpolicy_skipped_steps", report.skip_rule)
+            self.store.inc(SKIPPED_STEPS, report.skip_rule)
             log.warning("%s/%s: step %d skipped, as rank %d decided", *report.skip_rule, self.step, other_skip[1])
         if halt is None and other_halt is not None:
             policy, rule = keys[other_halt[0]]
@@ -264,9 +278,9 @@ class Attached:
     def _flush_counters(self) -> None:
         run = self._executor
         for labels, count in run.counts.items():
-            self.store.inc("hookpolicy_actions", labels, count)
+            self.store.inc(ACTIONS, labels, count)
         for key, seconds in run.seconds.items():
-            self.store.inc("hookpolicy_hook_seconds", key, seconds)
+            self.store.inc(HOOK_SECONDS, key, seconds)
         run.counts.clear()
         run.seconds.clear()
 

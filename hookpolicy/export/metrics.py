@@ -5,6 +5,14 @@ The runtime writes into a `MetricsStore` once per step (never from inside a hook
 prometheus_client's own custom-collector pattern. One store serves one
 `CollectorRegistry`, so several attached models (or a hot-reloaded policy) in one
 process share it and counters stay monotonic across a reload.
+
+The engine's families are typed: each is a `Family` constant below (`STEPS`,
+`HOOK_ERRORS`, ...), the store refuses any other family or a wrong number of labels
+(`ValueError`, so a typo cannot silently never be exported), and the collector's
+`describe()` names them, so `registry.restricted_registry([...])` finds them and a user
+metric with a clashing name fails when it is registered. The statistic families
+(`hookpolicy_<target>_<stat>`) are made by `stat_family` from the policy language's
+targets and statistics; any other name is refused too.
 """
 
 from __future__ import annotations
@@ -13,7 +21,9 @@ import logging
 import threading
 import weakref
 from collections import defaultdict
-from typing import Callable, Collection, Iterator, Optional
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Collection, Iterator, Mapping, Optional, Union
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -22,44 +32,92 @@ from prometheus_client.registry import Collector
 from ..policy.model import STATS, TARGETS
 
 __all__ = [
-    "ENGINE_FAMILIES", "RELOAD_GAUGE", "STAT_LABELS", "MetricsStore", "StoreCollector", "store_for",
-    "stat_family",
+    "ACTIONS", "ALERTS", "ALERT_FIRING", "ENGINE_FAMILIES", "FAMILIES", "Family", "HOOK_ERRORS", "HOOK_SECONDS",
+    "LAST_STEP_TIMESTAMP", "POLICY_INFO", "RELOAD_GAUGE", "RELOAD_SUCCESSFUL", "SERIES_DROPPED", "SKIPPED_STEPS", "STAT_LABELS",
+    "STEPS", "Labels", "MetricsStore", "StoreCollector", "split_family", "stat_family", "store_for",
 ]
 
 log = logging.getLogger("hookpolicy")
 
 Labels = tuple[str, ...]
 
+
+@dataclass(frozen=True)
+class Family:
+    """One engine metric family: name (without `_total` for counters), type, help, labels besides `rank`."""
+
+    name: str
+    kind: str  # "counter" | "gauge"
+    help: str
+    labels: Labels = ()
+
+
+STEPS = Family("hookpolicy_steps", "counter", "Optimizer steps evaluated by hookpolicy (of the furthest model in the process).")
+LAST_STEP_TIMESTAMP = Family("hookpolicy_last_step_timestamp_seconds", "gauge", "Unix time of the last step hookpolicy evaluated.")
+ACTIONS = Family(
+    "hookpolicy_actions", "counter", "Actions run, by action and mode (audit actions change nothing).",
+    ("policy", "rule", "action", "mode"),
+)
+ALERTS = Family("hookpolicy_alerts", "counter", "Evaluations on which an alert fired.", ("policy", "rule", "severity"))
+ALERT_FIRING = Family(
+    "hookpolicy_alert_firing", "gauge", "1 while an alert's condition holds (after its for: count), else 0.",
+    ("policy", "rule", "severity"),
+)
+SKIPPED_STEPS = Family("hookpolicy_skipped_steps", "counter", "Optimizer steps skipped by an alert.", ("policy", "rule"))
+HOOK_ERRORS = Family("hookpolicy_hook_errors", "counter", "Errors raised inside hookpolicy's hooks.", ("policy", "rule"))
+HOOK_SECONDS = Family("hookpolicy_hook_seconds", "counter", "Time spent inside hookpolicy's hooks.", ("policy", "rule"))
+POLICY_INFO = Family(
+    "hookpolicy_policy_info", "gauge", "The applied policies: revision is the file's content hash.",
+    ("policy", "revision", "mode"),
+)
+RELOAD_SUCCESSFUL = Family(
+    "hookpolicy_config_last_reload_successful", "gauge", "1 if the last policy (re)load succeeded, else 0.",
+)
+SERIES_DROPPED = Family(
+    "hookpolicy_series_dropped", "counter",
+    "Statistic series not exported because spec.limits.maxSeries was reached.", ("policy",),
+)
+
+#: Every engine family, in exposition order.
+FAMILIES: tuple[Family, ...] = (
+    STEPS, LAST_STEP_TIMESTAMP, ACTIONS, ALERTS, ALERT_FIRING, SKIPPED_STEPS, HOOK_ERRORS, HOOK_SECONDS,
+    POLICY_INFO, RELOAD_SUCCESSFUL, SERIES_DROPPED,
+)
+_BY_NAME = {f.name: f for f in FAMILIES}
+
 #: name (without `_total` for counters) -> (type, help, label names besides `rank`)
-ENGINE_FAMILIES: dict[str, tuple[str, str, Labels]] = {
-    "hookpolicy_steps": ("counter", "Optimizer steps evaluated by hookpolicy (of the furthest model in the process).", ()),
-    "hookpolicy_last_step_timestamp_seconds": ("gauge", "Unix time of the last step hookpolicy evaluated.", ()),
-    "hookpolicy_actions": (
-        "counter", "Actions run, by action and mode (audit actions change nothing).",
-        ("policy", "rule", "action", "mode"),
-    ),
-    "hookpolicy_alerts": ("counter", "Evaluations on which an alert fired.", ("policy", "rule", "severity")),
-    "hookpolicy_alert_firing": (
-        "gauge", "1 while an alert's condition holds (after its for: count), else 0.",
-        ("policy", "rule", "severity"),
-    ),
-    "hookpolicy_skipped_steps": ("counter", "Optimizer steps skipped by an alert.", ("policy", "rule")),
-    "hookpolicy_hook_errors": ("counter", "Errors raised inside hookpolicy's hooks.", ("policy", "rule")),
-    "hookpolicy_hook_seconds": ("counter", "Time spent inside hookpolicy's hooks.", ("policy", "rule")),
-    "hookpolicy_policy_info": ("gauge", "The applied policies: revision is the file's content hash.", ("policy", "revision", "mode")),
-    "hookpolicy_config_last_reload_successful": ("gauge", "1 if the last policy (re)load succeeded, else 0.", ()),
-    "hookpolicy_series_dropped": ("counter", "Statistic series not exported because spec.limits.maxSeries was reached.", ("policy",)),
-}
+ENGINE_FAMILIES: dict[str, tuple[str, str, Labels]] = {f.name: (f.kind, f.help, f.labels) for f in FAMILIES}
 
 STAT_LABELS: Labels = ("policy", "rule", "module", "tensor")
 
-#: Written only by `MetricsStore.config_loaded`.
-RELOAD_GAUGE = "hookpolicy_config_last_reload_successful"
+#: The name of `RELOAD_SUCCESSFUL`, written only by `MetricsStore.config_loaded`.
+RELOAD_GAUGE = RELOAD_SUCCESSFUL.name
 
 
 def stat_family(target: str, stat: str) -> str:
     """`hookpolicy_<target>_<stat>`, e.g. `hookpolicy_grad_l2_norm`."""
     return f"hookpolicy_{target}_{stat}"
+
+
+_STAT_FAMILIES = frozenset(stat_family(t, s) for t in TARGETS for s in STATS)
+
+
+def split_family(name: str) -> tuple[str, str]:
+    """(target, statistic) of a statistic family name: the inverse of `stat_family`."""
+    rest = name[len("hookpolicy_"):]
+    for target in sorted(TARGETS, key=len, reverse=True):
+        if rest.startswith(target + "_") and rest[len(target) + 1:] in STATS:
+            return target, rest[len(target) + 1:]
+    raise ValueError(f"{name!r} is not a statistic family (hookpolicy_<target>_<stat>)")
+
+
+def _checked(family: Family, labels: Labels) -> str:
+    """`family`'s name, after refusing an unknown family or a wrong number of labels."""
+    if _BY_NAME.get(getattr(family, "name", None)) is not family:  # type: ignore[arg-type]
+        raise ValueError(f"unknown metric family {family!r}; the engine's are {', '.join(_BY_NAME)}")
+    if len(labels) != len(family.labels):
+        raise ValueError(f"{family.name} takes labels {family.labels}, got {labels!r}")
+    return family.name
 
 
 class MetricsStore:
@@ -75,20 +133,23 @@ class MetricsStore:
         self._warned: set[str] = set()
 
     # -- engine families ---------------------------------------------------------------
-    def inc(self, family: str, labels: Labels = (), by: float = 1.0) -> None:
+    def inc(self, family: Family, labels: Labels = (), by: float = 1.0) -> None:
+        name = _checked(family, labels)
         with self._lock:
-            series = self._engine[family]
+            series = self._engine[name]
             series[labels] = series.get(labels, 0.0) + by
 
-    def raise_to(self, family: str, labels: Labels, value: float) -> None:
+    def raise_to(self, family: Family, labels: Labels, value: float) -> None:
         """Set a counter to `value` unless it is already higher (several models, one process)."""
+        name = _checked(family, labels)
         with self._lock:
-            series = self._engine[family]
+            series = self._engine[name]
             series[labels] = max(series.get(labels, 0.0), value)
 
-    def set(self, family: str, labels: Labels, value: float) -> None:
+    def set(self, family: Family, labels: Labels, value: float) -> None:
+        name = _checked(family, labels)
         with self._lock:
-            self._engine[family][labels] = value
+            self._engine[name][labels] = value
 
     def config_loaded(self, ok: Optional[bool] = None) -> None:
         """Write RELOAD_GAUGE, and nothing else does: `ok` is a (re)load's outcome.
@@ -101,9 +162,10 @@ class MetricsStore:
             if ok is not None or () not in series:
                 series[()] = 0.0 if ok is False else 1.0
 
-    def drop(self, family: str, keep: Callable[[Labels], bool]) -> None:
+    def drop(self, family: Family, keep: Callable[[Labels], bool]) -> None:
+        name = _checked(family, family.labels)
         with self._lock:
-            series = self._engine[family]
+            series = self._engine[name]
             for labels in [lab for lab in series if not keep(lab)]:
                 del series[labels]
 
@@ -112,8 +174,12 @@ class MetricsStore:
         """Publish one step's statistics: {(family, (policy, rule, module, tensor)): value}.
 
         A new series beyond its policy's `maxSeries` is dropped, counted in
-        `hookpolicy_series_dropped_total` and warned about once per policy.
+        `hookpolicy_series_dropped_total` and warned about once per policy. A family
+        `stat_family` cannot make raises `ValueError`.
         """
+        unknown = {family for family, _ in values} - _STAT_FAMILIES
+        if unknown:
+            raise ValueError(f"unknown statistic families {sorted(unknown)}")
         dropped: dict[str, int] = defaultdict(int)
         with self._lock:
             for (family, labels), value in values.items():
@@ -126,7 +192,7 @@ class MetricsStore:
                     self._series[policy] += 1
                 series[labels] = value
         for policy, count in dropped.items():
-            self.inc("hookpolicy_series_dropped", (policy,), count)
+            self.inc(SERIES_DROPPED, (policy,), count)
             if policy not in self._warned:
                 self._warned.add(policy)
                 log.warning(
@@ -167,20 +233,23 @@ class StoreCollector(Collector):
         self.store = store
 
     def describe(self) -> list[Metric]:
-        # Describing nothing keeps registration cheap; the names are fixed and unique.
-        return []
+        """The engine families, empty: registration checks their names against the registry's.
+
+        The statistic families depend on the policies attached later, so they are not
+        described (a registry restricted to them finds nothing).
+        """
+        return [_metric_family(f) for f in FAMILIES]
 
     def collect(self) -> Iterator[Metric]:
         engine, stats = self.store.snapshot()
         rank = self.store.rank
-        for name, (kind, help_text, label_names) in ENGINE_FAMILIES.items():
-            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            family = cls(name, help_text, labels=[*label_names, "rank"])
-            for labels, value in engine.get(name, {}).items():
+        for f in FAMILIES:
+            family = _metric_family(f)
+            for labels, value in engine.get(f.name, {}).items():
                 family.add_metric([*labels, rank], value)
             yield family
         for name, series in sorted(stats.items()):
-            target, stat = _split_family(name)
+            target, stat = split_family(name)
             family = GaugeMetricFamily(
                 name, f"{stat} of the {target} tensors a rule selected, read once per step.",
                 labels=[*STAT_LABELS, "rank"],
@@ -190,12 +259,10 @@ class StoreCollector(Collector):
             yield family
 
 
-def _split_family(name: str) -> tuple[str, str]:
-    rest = name[len("hookpolicy_"):]
-    for target in sorted(TARGETS, key=len, reverse=True):
-        if rest.startswith(target + "_") and rest[len(target) + 1:] in STATS:
-            return target, rest[len(target) + 1:]
-    return rest, ""
+def _metric_family(family: Family) -> Union[CounterMetricFamily, GaugeMetricFamily]:
+    if family.kind == "counter":
+        return CounterMetricFamily(family.name, family.help, labels=[*family.labels, "rank"])
+    return GaugeMetricFamily(family.name, family.help, labels=[*family.labels, "rank"])
 
 
 _STORES: "weakref.WeakKeyDictionary[CollectorRegistry, MetricsStore]" = weakref.WeakKeyDictionary()
