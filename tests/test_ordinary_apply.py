@@ -23,8 +23,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import pytest
 
-from conftest import REPO
-from test_apply import Run, apply, child_env  # noqa: F401 - `apply` is a fixture
+from conftest import REPO, Run, child_env
 
 POLICY = """\
 apiVersion: hookpolicy/v1
