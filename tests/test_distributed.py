@@ -390,6 +390,7 @@ def test_matrix_steps_clip_labels_and_nan_gradient_on_one_rank(
     hold.touch()
     assert run.wait(180) == 0, run.stderr
     for r, samples in enumerate(ranks):
+        assert f"hookpolicy: governing Sequential (rank {r}, " in run.stderr  # not FSDPSequential, not DDP
         assert value(samples, "hookpolicy_skipped_steps_total", rule="nan-guard") == 1
         assert {lab["module"] for lab in labels_of(samples, "hookpolicy_grad_l2_norm")} == {"0", "2", "4"}
     for module in ("0", "2", "4"):  # DDP: after the all-reduce; FSDP2: of the full gradient

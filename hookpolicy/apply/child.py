@@ -33,6 +33,7 @@ from ..export.exporter import serve
 from ..policy.sources import load_sources
 from .reload import Reloader, fingerprint
 from ..engine.runtime import Attached
+from ..plan.matcher import model_class
 
 __all__ = ["Reloader", "bootstrap"]
 
@@ -69,7 +70,7 @@ class _Session:
     def _governed(self, module: torch.nn.Module, attached: Attached) -> None:
         bindings = len(attached.plan.bindings)
         names = ", ".join(p.name for p in attached.policies)
-        say(f"governing {type(module).__name__} (rank {self.config.rank}, pid {os.getpid()}): "
+        say(f"governing {model_class(module)} (rank {self.config.rank}, pid {os.getpid()}): "
              f"{bindings} binding(s) of {names}")
         if self._started:
             return

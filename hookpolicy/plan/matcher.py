@@ -17,6 +17,7 @@ pattern that does not compile before a plan is ever built.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple, Optional
@@ -24,7 +25,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 from ..policy.model import Match
 from ..policy.patterns import compile_glob
 
-__all__ = ["WRAPPER_SEGMENTS", "ModuleEntry", "iter_modules", "type_matches", "Matcher", "select"]
+__all__ = ["WRAPPER_SEGMENTS", "ModuleEntry", "iter_modules", "model_class", "type_matches", "Matcher", "select"]
 
 #: wrapper attribute -> the parent class names under which it is removed (None: always).
 #: `module` is an ordinary attribute name in user code, so it is removed only under the
@@ -119,6 +120,19 @@ def _join(prefix: str, segment: str) -> str:
 
 
 # --------------------------------------------------------------------------- types
+
+
+def model_class(model: Any) -> str:
+    """The class name of the user's model: the innermost of its wrappers (DDP, torch.compile),
+    and under FSDP2 the class `fully_shard` replaced (it swaps in a subclass `FSDP<Name>` of
+    `FSDPModule` and the original class), so the name does not change with the wrapping."""
+    cls: type = type(iter_modules(model)[0].module)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    marker = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    if marker is not None and issubclass(cls, marker):
+        cls = next((c for c in cls.__mro__ if not issubclass(c, marker)), cls)
+    return cls.__name__
+
 
 
 def type_matches(cls: type, spec: str) -> bool:
