@@ -111,10 +111,12 @@ class StepTracker:
 
     def refresh(self) -> None:
         """The model's parameters changed (a module or parameter replaced): whose optimizer is whose anew."""
-        model = self._model_params()
-        if model is not None:
-            self._param_ids = {id(p) for p in model.parameters()}
+        self._param_ids = self._current_param_ids()
         self._owned = weakref.WeakKeyDictionary()
+
+    def _current_param_ids(self) -> set[int]:
+        model = self._model_params()
+        return self._param_ids if model is None else {id(p) for p in model.parameters()}
 
     # -- the root's forward ------------------------------------------------------------
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -185,7 +187,7 @@ class StepTracker:
         if owned is None:
             owned = any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
             if not owned:  # the model may hold new parameter objects since (`model.to()` can make them)
-                self.refresh()
+                self._param_ids = self._current_param_ids()
                 owned = any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
             self._owned[optimizer] = owned
         return owned
