@@ -478,7 +478,7 @@ class FullyShardedDataParallel(nn.Module):
 
 def test_wrapper_segments() -> None:
     assert set(WRAPPER_SEGMENTS) == {
-        "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module",
+        "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module", "base_model", "model",
     }
     assert WRAPPER_SEGMENTS["_orig_mod"] is None
     assert WRAPPER_SEGMENTS["module"] == frozenset({"DistributedDataParallel", "DataParallel"})

@@ -25,7 +25,7 @@ import torch
 from .actions import StatsOp, mutate
 from ..errors import Halt
 from ..export.metrics import HOOK_ERRORS, MetricsStore
-from ..plan.planner import Binding
+from ..plan.planner import Binding, param as find_param
 from ..policy.model import Rule
 from .distributed import Shards, local_shards, shard_name, shard_partials
 from .readback import Entry
@@ -168,10 +168,8 @@ class Executor:
         rows: list[tuple[str, str]] = []
         tensors: list[torch.Tensor] = []
         for b in rs.bindings:
-            for pname in b.params:
-                param = b.obj._parameters.get(pname)
-                if param is None:  # not a registered parameter (a property, a wrapper's alias)
-                    param = getattr(b.obj, pname)
+            for pname, path in zip(b.params, b.paths()):
+                param = find_param(b.obj, path)
                 t = param.grad if rs.rule.target == "grad" else param.detach()
                 if t is not None and t.numel() > 0:
                     rows.append((b.module, pname))

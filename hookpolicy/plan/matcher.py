@@ -7,8 +7,9 @@ name, never imported, so a policy naming `my_pkg.Adapter` loads where `my_pkg` d
 
 Names are canonical: the attribute names that wrappers insert (`module` of DDP and
 DataParallel, `_orig_mod` of `torch.compile`, `_checkpoint_wrapped_module`,
-`_fsdp_wrapped_module`) are removed, so one policy selects the same modules of the
-wrapped and the unwrapped model.
+`_fsdp_wrapped_module`, PEFT's `base_model.model`) are removed, so one policy selects the
+same modules of the wrapped and the unwrapped model. A PEFT tuner layer (`lora.Linear`)
+stands for the layer it adapts, under that layer's name and type (see `adapters`).
 
 The glob syntax and its compiler live in `policy.patterns`: the policy checks refuse a
 pattern that does not compile before a plan is ever built.
@@ -20,21 +21,27 @@ import re
 import sys
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
 from ..policy.model import Match
 from ..policy.patterns import compile_glob
+from .adapters import ADAPTER_ROLES, TunerLayer, tuner_layer
 
-__all__ = ["WRAPPER_SEGMENTS", "ModuleEntry", "iter_modules", "model_class", "type_matches", "Matcher", "select"]
+__all__ = [
+    "WRAPPER_SEGMENTS", "ModuleEntry", "iter_modules", "model_class", "type_matches", "Matcher", "Target", "select",
+]
 
 #: wrapper attribute -> the parent class names under which it is removed (None: always).
 #: `module` is an ordinary attribute name in user code, so it is removed only under the
-#: data-parallel wrappers that insert it.
+#: data-parallel wrappers that insert it; PEFT's `base_model` (under PeftModel) and
+#: `model` (under its tuner, LoraModel and the other BaseTuner classes) likewise.
 WRAPPER_SEGMENTS: Mapping[str, Optional[frozenset[str]]] = MappingProxyType({
     "_orig_mod": None,
     "_checkpoint_wrapped_module": None,
     "_fsdp_wrapped_module": None,
     "module": frozenset({"DistributedDataParallel", "DataParallel"}),
+    "base_model": frozenset({"PeftModel"}),
+    "model": frozenset({"BaseTuner"}),
 })
 
 
@@ -43,11 +50,20 @@ WRAPPER_SEGMENTS: Mapping[str, Optional[frozenset[str]]] = MappingProxyType({
 
 @dataclass(frozen=True)
 class ModuleEntry:
-    """One module of a model: its canonical `name`, its `qualname` as named_modules gives it."""
+    """One module of a model: its canonical `name`, its `qualname` as named_modules gives it.
+
+    `tuner` is set on a PEFT tuner layer: the layer it adapts and the adapter's pieces.
+    """
 
     name: str
     qualname: str
     module: Any
+    tuner: Optional[TunerLayer] = None
+
+    @property
+    def typed(self) -> Any:
+        """The module whose class `types` is compared with: a tuner layer's base layer."""
+        return self.tuner.base if self.tuner is not None else self.module
 
 
 class _Pending(NamedTuple):
@@ -66,7 +82,8 @@ def iter_modules(model: Any) -> list[ModuleEntry]:
     A wrapper and the module it wraps share a canonical name; only the innermost is kept,
     in the wrapper's place, so `root: true` on a DDP- or compile-wrapped model selects the
     user's model. A module reachable twice appears once, under its first name, and its
-    subtree is not walked again (as named_modules does).
+    subtree is not walked again (as named_modules does). A PEFT tuner layer is one entry;
+    its base layer and adapter pieces are not walked (they are in its `tuner`).
     """
     entries = [ModuleEntry("", "", model)]
     seen = {id(model)}
@@ -76,13 +93,17 @@ def iter_modules(model: Any) -> list[ModuleEntry]:
         if id(item.module) in seen:
             continue
         seen.add(id(item.module))
-        entry = ModuleEntry(item.name, item.qualname, item.module)
+        tuner = tuner_layer(item.module, item.name, item.qualname)
+        entry = ModuleEntry(item.name, item.qualname, item.module, tuner)
         if item.unwraps:
             slot = item.parent_slot
             entries[slot] = entry
         else:
             slot = len(entries)
             entries.append(entry)
+        if tuner is not None:
+            seen.update(id(m) for m in _descendants(item.module))
+            continue
         stack.extend(_children(item.module, item.qualname, item.name, slot))
     return entries
 
@@ -103,6 +124,13 @@ def _children(parent: Any, qualname: str, name: str, slot: int) -> list[_Pending
         ))
     pending.reverse()
     return pending
+
+
+def _descendants(module: Any) -> Iterator[Any]:
+    for _, child in module.named_children():
+        if child is not None:
+            yield child
+            yield from _descendants(child)
 
 
 def _is_wrapper_segment(segment: str, parent: Any) -> bool:
@@ -132,7 +160,6 @@ def model_class(model: Any) -> str:
     if marker is not None and issubclass(cls, marker):
         cls = next((c for c in cls.__mro__ if not issubclass(c, marker)), cls)
     return cls.__name__
-
 
 
 def type_matches(cls: type, spec: str) -> bool:
@@ -187,10 +214,47 @@ class Matcher:
 
     def param_names(self, module: Any) -> list[str]:
         """The module's own parameter names that `params` selects (all when it is empty)."""
-        names = [n for n, _ in module.named_parameters(recurse=False)]
+        return [n for n, _ in self._select_params([(n, n) for n, _ in module.named_parameters(recurse=False)])]
+
+    def targets(self, entry: ModuleEntry, params: bool) -> list[Target]:
+        """What a selected module binds: itself, or with `match.adapters` its adapter's pieces.
+
+        `params` asks for the (label, path) of the parameters `match.params` selects. A
+        module that is not a tuner layer has no adapter: `adapters` leaves nothing of it.
+        """
+        adapters = self.match.adapters
+        if adapters is None:
+            own = entry.tuner.params() if entry.tuner is not None else [
+                (n, n) for n, _ in entry.module.named_parameters(recurse=False)]
+            return [Target(entry.name, entry.qualname, entry.module, tuple(self._select_params(own)) if params else ())]
+        if entry.tuner is None:
+            return []
+        roles = ADAPTER_ROLES[adapters]
+        return [
+            Target(part.name, part.qualname, part.module, tuple(self._select_params(
+                [(n, n) for n, _ in part.module.named_parameters(recurse=False)])) if params else ())
+            for part in entry.tuner.parts if part.role in roles and (params or part.called)
+        ]
+
+    def _select_params(self, params: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The (label, path) pairs whose label `params` selects (all when it is empty)."""
         if not self._params:
-            return names
-        return [n for n in names if _any_fullmatch(self._params, n)]
+            return params
+        return [(label, path) for label, path in params if _any_fullmatch(self._params, label)]
+
+
+class Target(NamedTuple):
+    """A module a rule binds: its canonical name, and for `grad`/`weight` its parameters.
+
+    `params` holds (label, path): the label names the parameter in metrics, the dotted path
+    finds it from `module` (they differ for a tuner layer's base weight: `weight`,
+    `base_layer.weight`).
+    """
+
+    name: str
+    qualname: str
+    module: Any
+    params: tuple[tuple[str, str], ...]
 
 
 def _any_fullmatch(patterns: tuple[re.Pattern[str], ...], name: str) -> bool:
@@ -202,4 +266,4 @@ def select(model: Any, match: Match) -> list[ModuleEntry]:
     matcher = Matcher(match)
     entries = iter_modules(model)
     root = entries[0]
-    return [e for e in entries if matcher.matches(e.name, e.module, e is root)]
+    return [e for e in entries if matcher.matches(e.name, e.typed, e is root)]

@@ -3,7 +3,7 @@
 `build_plan(policies, model)` is a pure function: it walks the model once, matches every
 rule, and returns bindings ordered by (priority, policy order, rule order, module order),
 plus the warnings a user should see before training (a rule that matches nothing, a
-`grad_input` rule on a module whose inputs are indices). The runtime installs exactly
+`grad_input` rule on a module whose inputs are indices, a `grad` rule's frozen parameters). The runtime installs exactly
 what the plan lists and nothing else; `explain` prints it.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .matcher import Matcher, iter_modules
+from .matcher import Matcher, ModuleEntry, Target, iter_modules
 from ..policy.model import PARAM_TARGETS, Action, Alert, Capture, Clip, Policy, Rule, Scale
 
-__all__ = ["Binding", "Plan", "build_plan", "describe_action"]
+__all__ = ["Binding", "Plan", "build_plan", "describe_action", "param"]
 
 #: Modules whose inputs are integer indices: no gradient ever reaches them.
 _INDEX_INPUT_TYPES = ("Embedding", "EmbeddingBag")
@@ -23,7 +23,14 @@ _INDEX_INPUT_TYPES = ("Embedding", "EmbeddingBag")
 
 @dataclass(frozen=True)
 class Binding:
-    """One rule on one module: `module` is the canonical name, `params` its selected parameters."""
+    """One rule on one module: `module` is the canonical name, `params` its selected parameters.
+
+    `params` are labels; `param_paths`, when given, are the dotted paths that find them
+    from `obj` (a PEFT tuner layer's `weight` lives at `base_layer.weight`). `kind` says
+    what `obj` is when it is not an ordinary module: the tuner (`lora`) for a tuner layer,
+    which stands for its base layer, or the tuner and role of an adapter piece (`lora down`,
+    `lora up`, `lora other`).
+    """
 
     policy: Policy = field(repr=False)
     rule: Rule = field(repr=False)
@@ -33,10 +40,27 @@ class Binding:
     target: str
     params: tuple[str, ...] = ()
     obj: Any = field(default=None, repr=False, compare=False)
+    param_paths: tuple[str, ...] = ()
+    kind: str = ""
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.policy.name, self.rule.name)
+
+    def paths(self) -> tuple[str, ...]:
+        """The dotted path of each of `params` from `obj`."""
+        return self.param_paths or self.params
+
+    def type_name(self) -> str:
+        """`Linear`; `Conv1D+lora` for a tuner layer adapting a Conv1D; `Linear[lora down]` for a piece."""
+        if " " in self.kind:
+            return f"{type(self.obj).__name__}[{self.kind}]"
+        if self.kind:
+            base = self.obj
+            while getattr(base, "base_layer", None) is not None:
+                base = base.base_layer
+            return f"{type(base).__name__}+{self.kind}"
+        return type(self.obj).__name__
 
     def row(self) -> dict[str, Any]:
         """A JSON-ready description, as `explain --format json` prints it."""
@@ -46,7 +70,7 @@ class Binding:
             "priority": self.rule.priority,
             "mode": self.rule.mode,
             "module": self.module,
-            "type": type(self.obj).__name__,
+            "type": self.type_name(),
             "hook": self.hook,
             "target": self.target,
             "params": list(self.params),
@@ -106,34 +130,68 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
     warnings: list[str] = []
     for *_, policy, rule in ordered:
         matcher = Matcher(rule.match)
-        found = [e for e in entries if matcher.matches(e.name, e.module, e.name == "")]
+        found = [e for e in entries if matcher.matches(e.name, e.typed, e.name == "")]
         where = f"{policy.name}/{rule.name}"
         if not found:
             warnings.append(f"{where}: matches no module of {type(model).__name__}")
             continue
-        made = 0
+        targets = [(entry, t) for entry in found for t in matcher.targets(entry, rule.target in PARAM_TARGETS)]
+        if not targets:
+            warnings.append(f"{where}: none of the {len(found)} matched modules is an adapted layer "
+                            f"(PEFT tuner layer), so adapters: {rule.match.adapters} selects nothing")
+            continue
+        made, frozen = 0, 0
         claimed: set[int] = set()  # a shared (tied) parameter belongs to the first module that has it
-        for entry in found:
-            params: tuple[str, ...] = ()
+        for entry, target in targets:
+            params = target.params
             if rule.target in PARAM_TARGETS:
-                params = tuple(
-                    name for name in matcher.param_names(entry.module)
-                    if _claim(claimed, getattr(entry.module, name))
-                )
+                params = tuple(p for p in params if _claim(claimed, param(target.module, p[1])))
+                if rule.target == "grad":
+                    trainable = tuple(p for p in params if param(target.module, p[1]).requires_grad)
+                    frozen += len(params) - len(trainable)
+                    params = trainable
                 if not params:
                     continue
-            if rule.target == "grad_input" and type(entry.module).__name__ in _INDEX_INPUT_TYPES:
+            if rule.target == "grad_input" and type(entry.typed).__name__ in _INDEX_INPUT_TYPES:
                 warnings.append(
-                    f"{where}: {entry.name or '<root>'} is an {type(entry.module).__name__}; "
+                    f"{where}: {entry.name or '<root>'} is an {type(entry.typed).__name__}; "
                     "its inputs are indices and never receive a gradient"
                 )
-            bindings.append(Binding(
-                policy, rule, entry.name, entry.qualname, rule.trigger.at, rule.target, params, entry.module,
-            ))
+            bindings.append(_binding(policy, rule, entry, target, params))
             made += 1
+        if frozen:
+            warnings.append(f"{where}: {frozen} frozen parameters (requires_grad=False) left out: "
+                            "they never get a gradient")
         if not made:
-            warnings.append(f"{where}: the matched modules have no parameters matching {list(rule.match.params) or '*'}")
+            what = "trainable parameters" if frozen else "parameters"
+            warnings.append(f"{where}: the matched modules have no {what} matching {list(rule.match.params) or '*'}")
     return Plan(tuple(bindings), tuple(warnings))
+
+
+def _binding(policy: Policy, rule: Rule, entry: ModuleEntry, target: Target,
+             params: tuple[tuple[str, str], ...]) -> Binding:
+    labels = tuple(label for label, _ in params)
+    paths = tuple(path for _, path in params)
+    kind = ""
+    if entry.tuner is not None:
+        roles = [part.role for part in entry.tuner.parts if part.module is target.module]
+        kind = f"{entry.tuner.tuner} {roles[0]}" if roles else entry.tuner.tuner
+    return Binding(
+        policy, rule, target.name, target.qualname, rule.trigger.at, rule.target, labels, target.module,
+        paths if paths != labels else (), kind,
+    )
+
+
+def param(module: Any, path: str) -> Any:
+    """The parameter at dotted `path` from `module`, looked up now (it may have been replaced).
+
+    A registered parameter first; else the attribute (a property, a wrapper's alias).
+    """
+    owner_path, _, name = path.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    found = owner._parameters.get(name)
+    return found if found is not None else getattr(owner, name)
+
 
 
 def _claim(claimed: set[int], obj: Any) -> bool:

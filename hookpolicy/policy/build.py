@@ -188,8 +188,15 @@ class _Checker:
         return given
 
     def match(self, match: dict[str, Any], path: JsonPath, target: Optional[str]) -> None:
-        if not ("modules" in match or "types" in match or match.get("root") is True):
-            self.add(path, "a match needs at least one of: modules, types, root: true")
+        if not ("modules" in match or "types" in match or match.get("root") is True or "adapters" in match):
+            self.add(path, "a match needs at least one of: modules, types, root: true, adapters")
+        if "adapters" in match and match.get("root") is True:
+            self.add(
+                path + ("adapters",),
+                "adapters selects the adapter pieces of adapted layers; the root (the whole model) "
+                "is never one: drop root: true, or select the layers with modules or types",
+                key=True,
+            )
         for field in ("modules", "exclude", "params"):
             for index, pattern in enumerate(_list(match.get(field))):
                 if isinstance(pattern, str) and pattern:
@@ -395,6 +402,7 @@ def _match(match: dict[str, Any]) -> Match:
         root=bool(match.get("root", False)),
         exclude=tuple(match.get("exclude", ())),
         params=tuple(match.get("params", ())),
+        adapters=match.get("adapters"),
     )
 
 

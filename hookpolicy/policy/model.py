@@ -15,7 +15,7 @@ from .expr import Condition
 
 __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "STATS", "Mode", "OnError", "HookPoint",
-    "Phase", "Per", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
+    "Phase", "Per", "Adapters", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
     "LogSink", "Clip", "Scale", "Alert", "Action", "Rule", "Policy",
 ]
 
@@ -29,6 +29,7 @@ Phase = Literal["train", "eval", "any"]
 Per = Literal["tensor", "module", "rule"]
 Severity = Literal["info", "warning", "critical"]
 Then = Literal["log", "skip_step", "halt"]
+Adapters = Literal["all", "down", "up"]
 
 #: hook point -> its targets, the default first (spec section 3).
 HOOK_POINTS: Mapping[str, tuple[str, ...]] = {
@@ -54,6 +55,7 @@ class Match:
     root: bool = False
     exclude: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
+    adapters: Optional[Adapters] = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,249 @@
+"""A policy written for a base model, on its PEFT (LoRA) fine-tune: same names, same labels,
+the adapter selectable on its own, frozen parameters never bound by a gradient rule.
+
+The models are real: HF's GPT2LMHeadModel from a tiny GPT2Config, wrapped by peft's
+get_peft_model with LoraConfig(r=4, target_modules=["c_attn"]). References are computed
+by the test itself: forward hooks it registers, torch.linalg.vector_norm of the
+parameters' own `.grad`.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from prometheus_client import CollectorRegistry
+
+import hookpolicy
+from hookpolicy.cli import cli
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+VOCAB, BLOCK = 64, 8
+
+
+def base_model(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=BLOCK,
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def lora_model(seed: int = 0) -> Any:
+    """The tiny GPT-2 with LoRA on c_attn; B starts at zero in PEFT, so it is randomised here
+    to give the adapter an output and A a gradient from the first step."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's fan_in_fan_out notice for GPT-2's Conv1D
+        model = peft.get_peft_model(base_model(seed), peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    torch.manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, BLOCK), generator=torch.Generator().manual_seed(seed))
+
+
+def train(model: Any, steps: int, lr: float = 1e-2) -> torch.optim.Optimizer:
+    """`steps` AdamW steps on the trainable parameters (LoRA's A and B on a PEFT model)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    for i in range(steps):
+        x = batch(i)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def policy(tmp_path: Path, rules: str, name: str = "p") -> hookpolicy.PolicySet:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        apiVersion: hookpolicy/v1
+        kind: HookPolicy
+        metadata: {{name: {name}}}
+        spec:
+          rules:
+        """) + textwrap.indent(textwrap.dedent(rules), "    "))
+    return hookpolicy.load(path)
+
+
+def stat(registry: CollectorRegistry, family: str, rule: str, module: str, tensor: str = "") -> float:
+    value = registry.get_sample_value(
+        family, {"policy": "p", "rule": rule, "module": module, "tensor": tensor, "rank": "0"})
+    assert value is not None, f"{family}{{rule={rule}, module={module}, tensor={tensor}}} not exported"
+    return value
+
+
+def modules_of(plan: Any) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    return [(b.rule.name, b.module, b.target, b.params) for b in plan.bindings]
+
+
+BASE_POLICY = """\
+- name: attn-out
+  match: {modules: ["transformer.h.*.attn.c_attn"]}
+  trigger: {at: forward}
+  actions: [{capture: {stats: [rms]}}]
+- name: by-type
+  match: {types: [Conv1D]}
+  trigger: {at: forward}
+  actions: [{capture: {stats: [rms]}}]
+- name: everything
+  match: {modules: ["**"]}
+  trigger: {at: forward}
+  actions: [{capture: {stats: [rms]}}]
+- name: linear
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  actions: [{capture: {stats: [rms]}}]
+- name: weights
+  match: {modules: ["**.c_attn"], params: [weight]}
+  trigger: {at: step}
+  target: weight
+  actions: [{capture: {stats: [l2_norm]}}]
+"""
+
+
+def test_a_base_model_policy_binds_the_same_names_on_the_fine_tune(tmp_path: Path) -> None:
+    policies = policy(tmp_path, BASE_POLICY)
+    base, tuned = policies.plan(base_model()), policies.plan(lora_model())
+    assert modules_of(tuned) == modules_of(base)
+    assert not tuned.warnings
+    attn = [b for b in tuned.bindings if b.rule.name == "attn-out"]
+    assert [b.module for b in attn] == ["transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_attn"]
+    assert [b.qualname for b in attn] == [f"base_model.model.{b.module}" for b in attn]
+    assert all(type(b.obj).__module__.startswith("peft.") for b in attn)  # the lora.Linear wrapper
+    weights = [b for b in tuned.bindings if b.rule.name == "weights"]
+    assert {(b.params, b.paths()) for b in weights} == {(("weight",), ("base_layer.weight",))}
+
+
+def test_the_adapted_layer_reports_what_the_fine_tuned_layer_outputs(tmp_path: Path) -> None:
+    """The wrapper's output (base + adapter) is what a rule on the layer's output sees."""
+    model = lora_model()
+    seen: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if name.endswith("h.0.attn.c_attn") or name.endswith("h.0.attn.c_attn.base_layer"):
+            module.register_forward_hook(lambda m, a, out, name=name: seen.setdefault(name, out.detach().clone()))
+    registry = CollectorRegistry()
+    with policy(tmp_path, BASE_POLICY).attach(model, registry=registry):
+        train(model, 1)
+        rms = stat(registry, "hookpolicy_output_rms", "attn-out", "transformer.h.0.attn.c_attn")
+    wrapper = seen["base_model.model.transformer.h.0.attn.c_attn"]
+    base = seen["base_model.model.transformer.h.0.attn.c_attn.base_layer"]
+    assert not torch.equal(wrapper, base)  # the adapter contributes
+    assert rms == pytest.approx(wrapper.pow(2).mean().sqrt().item(), rel=1e-5)
+
+
+def test_a_whole_model_gradient_rule_binds_the_adapter_and_names_the_frozen_rest(tmp_path: Path) -> None:
+    model = lora_model()
+    plan = policy(tmp_path, """\
+        - name: grads
+          match: {modules: ["**"]}
+          trigger: {at: step}
+          target: grad
+          actions: [{capture: {stats: [l2_norm], per: tensor}}]
+        """).plan(model)
+    assert modules_of(plan) == [
+        ("grads", f"transformer.h.{i}.attn.c_attn", "grad", ("lora_A.default.weight", "lora_B.default.weight"))
+        for i in range(2)
+    ]
+    frozen = sum(1 for p in model.parameters() if not p.requires_grad)
+    assert plan.warnings == (
+        f"p/grads: {frozen} frozen parameters (requires_grad=False) left out: they never get a gradient",)
+
+
+def test_a_gradient_rule_on_frozen_layers_only_says_so(tmp_path: Path) -> None:
+    plan = policy(tmp_path, """\
+        - name: frozen
+          match: {modules: ["**.mlp.*"]}
+          trigger: {at: step}
+          target: grad
+          actions: [{capture: {stats: [l2_norm]}}]
+        """).plan(lora_model())
+    assert not plan.bindings
+    assert plan.warnings == (
+        "p/frozen: 8 frozen parameters (requires_grad=False) left out: they never get a gradient",
+        "p/frozen: the matched modules have no trainable parameters matching *",
+    )
+
+
+ADAPTER_POLICY = """\
+- name: pieces
+  match: {adapters: all}
+  trigger: {at: step}
+  target: grad
+  actions: [{capture: {stats: [l2_norm, nonfinite], per: module}}]
+- name: down
+  match: {modules: ["transformer.h.1.**"], adapters: down}
+  trigger: {at: forward}
+  actions: [{capture: {stats: [rms]}}]
+- name: up-weights
+  match: {types: [Conv1D], adapters: up}
+  trigger: {at: step}
+  target: weight
+  actions: [{capture: {stats: [l2_norm]}}]
+- name: no-adapter-here
+  match: {modules: ["**.mlp.c_fc"], adapters: all}
+  trigger: {at: step}
+  target: grad
+  actions: [{capture: {stats: [l2_norm]}}]
+"""
+
+
+def test_adapters_selects_the_lora_pieces_without_spelling_their_names(tmp_path: Path) -> None:
+    plan = policy(tmp_path, ADAPTER_POLICY).plan(lora_model())
+    layer = "transformer.h.{}.attn.c_attn"
+    assert modules_of(plan) == [
+        *[("pieces", f"{layer.format(i)}.lora_{ab}.default", "grad", ("weight",)) for i in range(2) for ab in "AB"],
+        ("down", f"{layer.format(1)}.lora_A.default", "output", ()),
+        *[("up-weights", f"{layer.format(i)}.lora_B.default", "weight", ("weight",)) for i in range(2)],
+    ]
+    assert [b.kind for b in plan.bindings] == ["lora down", "lora up"] * 2 + ["lora down"] + ["lora up"] * 2
+    assert plan.warnings == (
+        "p/no-adapter-here: none of the 2 matched modules is an adapted layer (PEFT tuner layer), "
+        "so adapters: all selects nothing",
+    )
+
+
+def test_adapter_gradient_norms_are_those_of_the_lora_parameters(tmp_path: Path) -> None:
+    model = lora_model()
+    grads: dict[str, torch.Tensor] = {}
+    registry = CollectorRegistry()
+    with policy(tmp_path, ADAPTER_POLICY).attach(model, registry=registry):
+        opt = train(model, 0)
+        x = batch(0)
+        model(input_ids=x, labels=x).loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        got = {
+            f"{i}{ab}": stat(registry, "hookpolicy_grad_l2_norm", "pieces", f"transformer.h.{i}.attn.c_attn.lora_{ab}.default")
+            for i in range(2) for ab in "AB"
+        }
+        nonfinite = stat(registry, "hookpolicy_grad_nonfinite", "pieces", "transformer.h.0.attn.c_attn.lora_A.default")
+    assert len(grads) == 4
+    for key, value in got.items():
+        reference = grads[f"base_model.model.transformer.h.{key[0]}.attn.c_attn.lora_{key[1]}.default.weight"]
+        assert value == pytest.approx(torch.linalg.vector_norm(reference).item(), rel=1e-5)
+    assert nonfinite == 0
+
+
+def test_explain_shows_the_adapted_layer_and_the_adapter_pieces(tmp_path: Path) -> None:
+    policy(tmp_path, ADAPTER_POLICY + BASE_POLICY)
+    (tmp_path / "peft_model.py").write_text(
+        "import sys\nsys.path.insert(0, " + repr(str(Path(__file__).parent)) + ")\n"
+        "from test_peft import lora_model as build\n")
+    result = CliRunner().invoke(cli, ["explain", str(tmp_path / "p.yaml"), "--model", f"{tmp_path / 'peft_model.py'}:build"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any(line.split()[:3] == ["p/attn-out", "transformer.h.0.attn.c_attn", "Conv1D+lora"] for line in lines)
+    assert any(line.split()[:4] == ["p/down", "transformer.h.1.attn.c_attn.lora_A.default", "Linear[lora", "down]"]
+               for line in lines)
