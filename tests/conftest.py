@@ -203,6 +203,13 @@ def make_model(seed: int = 0) -> GPT:
     return GPT()
 
 
+def lora(model: GPT) -> nn.Module:
+    """`model` with LoRA (r=4) on every c_attn, as peft.get_peft_model makes it."""
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"]))  # type: ignore[no-any-return]
+
+
 def batch(seed: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + seed)
     idx = torch.randint(0, VOCAB, (size, BLOCK), generator=g)

@@ -20,7 +20,7 @@ from hookpolicy.export.rules import exported_families, prometheus_rules
 from hookpolicy.export.grafana import grafana_dashboard
 from hookpolicy.export.metrics import ENGINE_FAMILIES
 from hookpolicy.policy.model import Alert, Capture, Policy
-from conftest import make_model, train_step
+from conftest import lora, make_model, train_step
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = sorted((ROOT / "policies").glob("*.y*ml"))
@@ -58,16 +58,20 @@ def library() -> list[Policy]:
 
 
 def really_exported(policies: list[Policy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> set[str]:
-    """The families a scrape shows after a short run of the policies on a GPT-like model:
-    statistic families with samples, and every declared engine family."""
+    """The families a scrape shows after a short run of the policies on a GPT-like model
+    (with LoRA on c_attn for the policies that bind only adapters): statistic families
+    with samples, and every declared engine family."""
     monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path))
-    model = make_model()
-    reg = CollectorRegistry()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    with hookpolicy.PolicySet(tuple(policies)).attach(model, registry=reg, rank=0):
-        for i in range(2):
-            train_step(model, opt, i)
-        names = {s.name for m in reg.collect() for s in m.samples}
+    names: set[str] = set()
+    adapter_only = [p for p in policies if all(rule.match.adapters for rule in p.rules)]
+    for group, model in ((adapter_only, lora(make_model())),
+                         ([p for p in policies if p not in adapter_only], make_model())):
+        reg = CollectorRegistry()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        with hookpolicy.PolicySet(tuple(group)).attach(model, registry=reg, rank=0):
+            for i in range(2):
+                train_step(model, opt, i)
+            names |= {s.name for m in reg.collect() for s in m.samples}
     engine = {f"{n}_total" if kind == "counter" else n for n, (kind, _, _) in ENGINE_FAMILIES.items()}
     return names | engine
 

@@ -77,9 +77,10 @@ def policy(tmp_path: Path, rules: str, name: str = "p") -> hookpolicy.PolicySet:
     return hookpolicy.load(path)
 
 
-def stat(registry: CollectorRegistry, family: str, rule: str, module: str, tensor: str = "") -> float:
+def stat(registry: CollectorRegistry, family: str, rule: str, module: str, tensor: str = "",
+         policy_name: str = "p") -> float:
     value = registry.get_sample_value(
-        family, {"policy": "p", "rule": rule, "module": module, "tensor": tensor, "rank": "0"})
+        family, {"policy": policy_name, "rule": rule, "module": module, "tensor": tensor, "rank": "0"})
     assert value is not None, f"{family}{{rule={rule}, module={module}, tensor={tensor}}} not exported"
     return value
 
@@ -247,3 +248,110 @@ def test_explain_shows_the_adapted_layer_and_the_adapter_pieces(tmp_path: Path) 
     assert any(line.split()[:3] == ["p/attn-out", "transformer.h.0.attn.c_attn", "Conv1D+lora"] for line in lines)
     assert any(line.split()[:4] == ["p/down", "transformer.h.1.attn.c_attn.lora_A.default", "Linear[lora", "down]"]
                for line in lines)
+
+
+# --------------------------------------------------------------------------- the library's policies
+
+POLICIES = Path(__file__).resolve().parent.parent / "policies"
+
+
+def adapter_params(model: Any) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_lora_gradient_health_norms_and_clip_against_torch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-piece norms equal vector_norm of each raw gradient; the optimizer then applies the
+    adapter gradients clipped as clip_grad_norm_(adapter, 1.0) clips a copy of them."""
+    monkeypatch.chdir(tmp_path)
+    model = lora_model()
+    params = adapter_params(model)
+    raw: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: raw.__setitem__(name, p.grad.detach().clone()))
+    applied: list[dict[str, torch.Tensor]] = []
+    opt = torch.optim.SGD(params.values(), lr=1e-3)
+    opt.register_step_pre_hook(lambda o, a, k: applied.append({n: p.grad.clone() for n, p in params.items()}))
+    registry = CollectorRegistry()
+    policies = hookpolicy.load(POLICIES / "lora-gradient-health.yaml")
+    assert [w for w in policies.plan(model).warnings if "frozen" not in w] == []
+    with policies.attach(model, registry=registry):
+        x = batch(0)
+        (model(input_ids=x, labels=x).loss * 100).backward()  # a norm well above max_norm
+        opt.step()
+
+        def value(rule: str, family: str, module: str = "") -> float | None:
+            return registry.get_sample_value(family, {
+                "policy": "lora-gradient-health", "rule": rule, "module": module, "tensor": "", "rank": "0"})
+
+        norms = {n: value("adapter-grad-norms", "hookpolicy_grad_l2_norm", n.removeprefix("base_model.model.")
+                          .removesuffix(".weight")) for n in params}
+        joint = value("adapter-clip", "hookpolicy_grad_l2_norm")
+        weights = {n: value("adapter-weight-norms", "hookpolicy_weight_l2_norm", n.removeprefix("base_model.model.")
+                            .removesuffix(".weight")) for n in params}
+    assert len(params) == 4 and set(raw) == set(params)
+    for name, grad in raw.items():
+        assert norms[name] == pytest.approx(torch.linalg.vector_norm(grad).item(), rel=1e-5)
+        assert weights[name] is not None
+    reference = {n: g.clone() for n, g in raw.items()}
+    copies = [torch.nn.Parameter(torch.zeros_like(g)) for g in reference.values()]
+    for c, g in zip(copies, reference.values()):
+        c.grad = g.clone()
+    total = torch.nn.utils.clip_grad_norm_(copies, 1.0)
+    assert total.item() > 1.0 and joint == pytest.approx(total.item(), rel=1e-5)
+    for c, name in zip(copies, reference):
+        torch.testing.assert_close(applied[0][name], c.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_lora_gradient_health_skips_a_non_finite_step_bit_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    model = lora_model()
+    params = adapter_params(model)
+    opt = torch.optim.AdamW(params.values(), lr=1e-2)
+    registry = CollectorRegistry()
+    with hookpolicy.load(POLICIES / "lora-gradient-health.yaml").attach(model, registry=registry):
+        for step in range(3):
+            x = batch(step)
+            model(input_ids=x, labels=x).loss.backward()
+            if step == 1:
+                next(iter(params.values())).grad[0, 0] = float("nan")
+                before = {n: p.detach().clone() for n, p in params.items()}
+                state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in params.items()}
+            opt.step()
+            opt.zero_grad()
+            if step == 1:
+                assert all(torch.equal(p, before[n]) for n, p in params.items())
+                assert all(torch.equal(v, state[n][k]) for n, p in params.items() for k, v in opt.state[p].items())
+            else:
+                assert all(torch.isfinite(p).all() for p in params.values())
+        skipped = registry.get_sample_value("hookpolicy_skipped_steps_total", {
+            "policy": "lora-gradient-health", "rule": "adapter-nonfinite", "rank": "0"})
+    assert skipped == 1
+
+
+def test_activation_sparsity_measures_the_adapter_neurons(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """adapter-neurons reads LoRA's A outputs (the bottleneck, r per token); the base
+    model's MLP activations keep their names and labels on the fine-tune."""
+    monkeypatch.chdir(tmp_path)
+    policies = hookpolicy.load(POLICIES / "activation-sparsity.yaml")
+    model = lora_model()
+    on_base = {b.module for b in policies.plan(base_model()).bindings}
+    on_tuned = {(b.rule.name, b.module) for b in policies.plan(model).bindings}
+    assert on_tuned == {("mlp-activations", m) for m in on_base} | {
+        ("adapter-neurons", f"transformer.h.{i}.attn.c_attn.lora_A.default") for i in range(2)}
+    outputs: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if name.endswith("lora_A.default"):
+            module.register_forward_hook(lambda m, a, out, name=name: outputs.setdefault(name, out.detach().clone()))
+    registry = CollectorRegistry()
+    with policies.attach(model, registry=registry):
+        train(model, 1)
+        got = {name: {stat_name: stat(registry, f"hookpolicy_output_{stat_name}", "adapter-neurons",
+                                      name.removeprefix("base_model.model."), policy_name="activation-sparsity")
+                      for stat_name in ("rms", "abs_max", "zero_fraction")}
+               for name in outputs}
+    assert len(outputs) == 2
+    for name, out in outputs.items():
+        assert out.shape[-1] == 4  # r neurons per token
+        assert got[name]["rms"] == pytest.approx(out.pow(2).mean().sqrt().item(), rel=1e-5)
+        assert got[name]["abs_max"] == pytest.approx(out.abs().max().item(), rel=1e-6)
+        assert got[name]["zero_fraction"] == (out == 0).float().mean().item()

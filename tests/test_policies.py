@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 import hookpolicy
 
-from conftest import batch, make_model, train_step, train_then_evaluate
+from conftest import batch, lora, make_model, train_step, train_then_evaluate
 
 POLICIES = Path(__file__).resolve().parent.parent / "policies"
 LIBRARY = sorted(POLICIES.glob("*.y*ml"))
@@ -28,7 +28,12 @@ SCHEMA_LINE = "# yaml-language-server: $schema=../schemas/hookpolicy-v1.schema.j
 EXPECTED = {
     "nan-guard.yaml", "clip-per-layer.yaml", "clip-global.yaml", "gradient-monitor.yaml",
     "activation-sparsity.yaml", "feature-extraction.yaml", "explosion-guard.yaml", "freeze-embeddings.yaml",
+    "lora-gradient-health.yaml",
 }
+#: policies that bind only a PEFT adapter: run on the model with LoRA on c_attn (tests/test_peft.py
+#: checks their effects on a real GPT-2 fine-tune)
+ADAPTER_ONLY = {"lora-gradient-health.yaml"}
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -124,7 +129,7 @@ def test_policy_header(path: Path) -> None:
 @pytest.mark.parametrize("path", LIBRARY, ids=[p.name for p in LIBRARY])
 def test_policy_loads_compiles_and_runs(path: Path, workdir: Path) -> None:
     policies = hookpolicy.load(path)
-    model = make_model()
+    model = make_model() if path.name not in ADAPTER_ONLY else lora(make_model())
     plan = policies.plan(model)
     assert plan.bindings
     assert not [w for w in plan.warnings if "matches no module" in w], plan.warnings
