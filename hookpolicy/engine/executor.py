@@ -227,13 +227,16 @@ class Executor:
             raise self._halting(
                 Halt(rs.policy.name, rs.rule.name, step, f"hook error: {type(exc).__name__}: {exc}")
             ) from exc
-        if rs.errors == 1:
+        if rs.errors == 1 and isinstance(exc, OSError):  # a sink that cannot write: the message says it all
+            log.error("hookpolicy: %s/%s raised at step %d: %s (logged once; the rule is switched off after %d errors)",
+                      *rs.key, step, exc, MAX_ERRORS)
+        elif rs.errors == 1:
             log.error(
-                "%s/%s raised at step %d (logged once; the rule is switched off after %d errors):\n%s",
+                "hookpolicy: %s/%s raised at step %d (logged once; the rule is switched off after %d errors):\n%s",
                 *rs.key, step, MAX_ERRORS, "".join(traceback.format_exception(exc)).rstrip(),
             )
         if rs.errors == MAX_ERRORS:
-            log.error("%s/%s switched off after %d errors", *rs.key, MAX_ERRORS)
+            log.error("hookpolicy: %s/%s switched off after %d errors", *rs.key, MAX_ERRORS)
 
 
 def _input_tensors(inputs: tuple[Any, Any], keep: Any) -> Named:

@@ -64,7 +64,7 @@ class StepReport:
     #: the first alert with `then: halt` in enforce mode
     halt: Optional[Halt] = None
     #: sinks that could not write, in order: each is a fault of its rule, handled by `onError`
-    errors: list[tuple[RuleState, OSError]] = field(default_factory=list)
+    errors: list[tuple[RuleState, Exception]] = field(default_factory=list)
     #: time spent per rule, for `hookpolicy_hook_seconds_total`
     seconds: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
 
@@ -96,9 +96,12 @@ class Readback:
         return MappingProxyType({family: MappingProxyType(dict(series)) for family, series in self._last.items()})
 
     def close(self) -> None:
-        """Close the log sinks (at `remove()`)."""
-        for sink in self._logs.values():
-            sink.close()
+        """Close the log sinks (at `remove()`); never raises, so `remove()` never does."""
+        for (key, _), sink in self._logs.items():
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 - JsonLines.close does not raise; a sink that does is one line
+                log.error("hookpolicy: %s/%s: closing its log failed: %s: %s", *key, type(exc).__name__, exc)
 
     def run(self, entries: list[Entry], step: int, final: bool) -> StepReport:
         """Report one step's entries and decide the step.
@@ -118,7 +121,13 @@ class Readback:
         self._step = step
         passes: dict[tuple[tuple[str, str], int], _Pass] = {}
         entries = _drop_shards(entries) if final else entries
-        for entry, rows in zip(entries, _fetch(_full_matrices(entries))):
+        try:
+            fetched = _fetch(_full_matrices(entries))
+        except Exception as exc:  # noqa: BLE001 - the step's statistics are lost, the training is not
+            for rs in {id(e.rule): e.rule for e in entries}.values():
+                self._fault(report, rs, exc)
+            return
+        for entry, rows in zip(entries, fetched):
             if entry.deferred is not None:
                 resolve_counts(rows, entry.deferred, entry.op.kinds)
                 entry.deferred = None
@@ -132,48 +141,60 @@ class Readback:
         now = time.time()
         for p in passes.values():
             pass_start = time.perf_counter()
-            rs = p.rule
-            firing: dict[str, bool] = {}
-            logged: dict[tuple[int, Optional[LogSink]], list[dict[str, Any]]] = defaultdict(list)  # one write per sink
-            for index, action in p.op.actions:
-                for (module, tensor), stats in p.statistics(action.per):
-                    base = {"time": now, "step": self._step, "rank": self.rank, "policy": rs.policy.name,
-                            "rule": rs.rule.name, "module": module, "target": p.target, "tensor": tensor}
-                    if isinstance(action, Capture):
-                        for stat in action.stats:
-                            published[(stat_family(p.target, stat), (*rs.key, module, tensor))] = stats[stat]
-                        if action.log is not None:
-                            shown = {s: _json_number(stats[s]) for s in action.stats}
-                            logged[(index, action.log)].append({**base, "stats": shown})
-                        continue
-                    fired = self._evaluate_alert(rs, index, action, module, tensor, stats)
-                    firing[action.severity] = firing.get(action.severity, False) or fired
-                    if not fired:
-                        continue
-                    message = _render(action, base, stats)
-                    self.store.inc(ALERTS, (*rs.key, action.severity))
-                    logged[(-1, None)].append({
-                        **base, "stats": {k: _json_number(v) for k, v in stats.items()}, "event": "alert",
-                        "severity": action.severity, "then": action.then, "mode": rs.mode, "message": message,
-                    })
-                    if rs.enforce and not final:
-                        if action.then == "skip_step":
-                            report.skip = True
-                            report.skip_rule = report.skip_rule or rs.key
-                            self.store.inc(SKIPPED_STEPS, rs.key)
-                        elif action.then == "halt" and report.halt is None:
-                            report.halt = Halt(rs.policy.name, rs.rule.name, self._step, message)
-            for (index, sink), records in logged.items():
-                self._write_log(rs, index, sink, records, report)
-            for severity, on in firing.items():
-                self.store.set(ALERT_FIRING, (*rs.key, severity), 1.0 if on else 0.0)
-            report.seconds[rs.key] += fetch_share + time.perf_counter() - pass_start
+            try:
+                self._report_pass(p, now, final, published, report)
+            except _SinkHalts:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a fault of this rule (a bug, a message), never of the training
+                self._fault(report, p.rule, exc)
+            report.seconds[p.rule.key] += fetch_share + time.perf_counter() - pass_start
         for entry in entries:
             if entry.copies:
                 self._write_copies(entry, report)
         self.store.set_stats(published, self._max_series)
         for (family, labels), value in published.items():
             self._last[family][labels] = value
+
+    def _report_pass(
+        self, p: "_Pass", now: float, final: bool, published: dict[tuple[str, tuple[str, ...]], float],
+        report: StepReport,
+    ) -> None:
+        """Publish, log and decide one rule's statistics pass into `report`."""
+        rs = p.rule
+        firing: dict[str, bool] = {}
+        logged: dict[tuple[int, Optional[LogSink]], list[dict[str, Any]]] = defaultdict(list)  # one write per sink
+        for index, action in p.op.actions:
+            for (module, tensor), stats in p.statistics(action.per):
+                base = {"time": now, "step": self._step, "rank": self.rank, "policy": rs.policy.name,
+                        "rule": rs.rule.name, "module": module, "target": p.target, "tensor": tensor}
+                if isinstance(action, Capture):
+                    for stat in action.stats:
+                        published[(stat_family(p.target, stat), (*rs.key, module, tensor))] = stats[stat]
+                    if action.log is not None:
+                        shown = {s: _json_number(stats[s]) for s in action.stats}
+                        logged[(index, action.log)].append({**base, "stats": shown})
+                    continue
+                fired = self._evaluate_alert(rs, index, action, module, tensor, stats)
+                firing[action.severity] = firing.get(action.severity, False) or fired
+                if not fired:
+                    continue
+                message = _render(action, base, stats)
+                self.store.inc(ALERTS, (*rs.key, action.severity))
+                logged[(-1, None)].append({
+                    **base, "stats": {k: _json_number(v) for k, v in stats.items()}, "event": "alert",
+                    "severity": action.severity, "then": action.then, "mode": rs.mode, "message": message,
+                })
+                if rs.enforce and not final:
+                    if action.then == "skip_step":
+                        report.skip = True
+                        report.skip_rule = report.skip_rule or rs.key
+                        self.store.inc(SKIPPED_STEPS, rs.key)
+                    elif action.then == "halt" and report.halt is None:
+                        report.halt = Halt(rs.policy.name, rs.rule.name, self._step, message)
+        for (index, sink), records in logged.items():
+            self._write_log(rs, index, sink, records, report)
+        for severity, on in firing.items():
+            self.store.set(ALERT_FIRING, (*rs.key, severity), 1.0 if on else 0.0)
 
     def _evaluate_alert(
         self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
@@ -183,7 +204,7 @@ class Readback:
         self._streaks[key] = streak
         return streak >= action.for_
 
-    def _fault(self, report: StepReport, rs: RuleState, exc: OSError) -> None:
+    def _fault(self, report: StepReport, rs: RuleState, exc: Exception) -> None:
         report.errors.append((rs, exc))
         if rs.policy.on_error == "halt":
             raise _SinkHalts()
@@ -205,7 +226,7 @@ class Readback:
                 writer.write(stem.replace("/", "_") + ".pt", tensor.cpu())
             except BudgetSpent as exc:
                 log.warning("%s/%s: %s; no more tensor files are written", *rs.key, str(exc))
-            except OSError as exc:  # a full disk, a read-only folder, an unsafe path
+            except Exception as exc:  # noqa: BLE001 - a full disk, a read-only folder, an unsafe path
                 self._fault(report, rs, exc)
                 return
 
@@ -224,7 +245,7 @@ class Readback:
             if writer is None:
                 writer = self._logs[(rs.key, index)] = JsonLines(self._root, sink)
             writer.write(records)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001
             self._fault(report, rs, exc)
 
 

@@ -122,7 +122,12 @@ class Attached:
         self.remove()
 
     def remove(self) -> None:
-        """Take every hook off the model, flush what was captured; safe to call twice."""
+        """Take every hook off the model, flush what was captured; safe to call twice; never raises.
+
+        It runs in `finally` blocks, at a hot reload and at interpreter exit, where an
+        exception would end the training script (or print a traceback at exit): what fails
+        while flushing (a full disk) is a fault of its rule, reported and counted like one.
+        """
         if self._removed:
             return
         self._removed = True

@@ -4,7 +4,8 @@ Both write only at step boundaries (never inside a hook), only under their outpu
 folder (`HOOKPOLICY_OUTPUT_DIR`, else the working directory): a path that resolves
 outside it, through `..` or a symbolic link, is refused. Tensor files are written to a
 temporary name and renamed, so a run killed mid-write leaves no partial file. A log file
-is rotated before it would grow past its `max_bytes`.
+is rotated before it would grow past its `max_bytes`, and ends on a whole line even when a
+write fails half-way (a full disk): the torn tail is cut back off.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import stat
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Optional, TextIO
+from typing import Any, BinaryIO, Mapping, Optional
 
 import torch
 
@@ -66,10 +67,14 @@ class JsonLines:
     file now at the path, so a writer follows a rotation another process made (as
     logging's `WatchedFileHandler` does). Two processes rotating at the same moment may
     drop one rotated file between them; the bound holds.
+
+    The file is unbuffered: a write that fails (a full disk) fails in `write`, where the
+    part of it that did land is truncated back off, so the log ends on a whole line and
+    `close()` has nothing left to flush, hence nothing to raise.
     """
 
     def __init__(self, root: Path, sink: Optional[LogSink]) -> None:
-        self._file: Optional[TextIO] = None
+        self._file: Optional[BinaryIO] = None
         self._root = root
         self._sink = sink or LogSink()
         self._target = None if self._sink.path is None else safe_path(root, self._sink.path)
@@ -78,11 +83,14 @@ class JsonLines:
         if not records:
             return
         data = "".join(json.dumps(r, allow_nan=True) + "\n" for r in records)
-        stream = sys.stderr if self._target is None else self._stream(self._target, len(data.encode("utf-8")))
-        stream.write(data)
-        stream.flush()
+        if self._target is None:
+            sys.stderr.write(data)
+            sys.stderr.flush()
+            return
+        encoded = data.encode("utf-8")
+        _append_whole(self._stream(self._target, len(encoded)), encoded)
 
-    def _stream(self, target: Path, incoming: int) -> TextIO:
+    def _stream(self, target: Path, incoming: int) -> BinaryIO:
         try:
             here: Optional[os.stat_result] = os.lstat(target)
         except FileNotFoundError:
@@ -102,7 +110,7 @@ class JsonLines:
         if full:
             self._rotate(target)
         target.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(target, "a", encoding="utf-8")
+        self._file = open(target, "ab", buffering=0)
         return self._file
 
     def _rotate(self, target: Path) -> None:
@@ -119,9 +127,33 @@ class JsonLines:
                 pass  # not there yet, or another rank moved it first
 
     def close(self) -> None:
+        """Close the file; never raises (nothing is buffered, so nothing can be lost here)."""
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError:
+                pass
+
+
+def _append_whole(file: BinaryIO, data: bytes) -> None:
+    """Append `data` in full, or, if a write fails part-way, cut what landed back off and raise.
+
+    The cut is made only while the file still ends where this write left it: a rank
+    sharing the file that appended meanwhile keeps its lines (and the torn part stays).
+    """
+    start = os.fstat(file.fileno()).st_size
+    written = 0
+    try:
+        while written < len(data):
+            written += file.write(data[written:]) or 0
+    except BaseException:
+        try:
+            if written and os.fstat(file.fileno()).st_size == start + written:
+                os.ftruncate(file.fileno(), start)
+        except OSError:
+            pass
+        raise
 
 
 #: Temporary files start with this and end in `.partial`, never `.pt`: a `*.pt` glob
