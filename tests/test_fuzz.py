@@ -34,6 +34,8 @@ from prometheus_client import CollectorRegistry
 
 import hookpolicy
 from hookpolicy import Halt, PolicyError, PolicySet, Problem
+from hookpolicy.policy import patterns
+from hookpolicy.policy.linear import compile_linear
 from hookpolicy.policy.loader import MAX_BYTES, MAX_DEPTH
 
 from conftest import SPEC_EXAMPLE as SPEC, global_hook_counts, module_hook_count
@@ -621,3 +623,37 @@ def test_a_worst_case_file_below_the_limit_loads_in_bounded_time(folder: Path) -
         i += 1
     loaded = load_outcome(folder, "".join(parts))
     assert loaded is not None and len(loaded.policies[0].rules) == i
+
+
+# =========================================================================== the linear pattern engine
+
+GLOB_PARTS = ["a", "b", ".", "*", "**", "?", "[ab]", "[!a]", "[a-b]", "[.]"]
+REGEX_PARTS = ["a", "b", "\\.", ".", "*", "+", "?", "*?", "|", "(", ")", "(?:", "[ab]", "[^a]", "{1,2}",
+               "\\d", "(?!a)", "(?=b)", "[.]", "\\w"]
+NAMES = st.text(alphabet="ab.1", max_size=10)
+
+
+@settings(max_examples=EXAMPLES * 3, deadline=None)
+@given(st.lists(st.sampled_from(GLOB_PARTS), min_size=1, max_size=8).map("".join), st.lists(NAMES, max_size=8))
+def test_the_linear_automaton_of_a_glob_agrees_with_re(glob: str, names: list[str]) -> None:
+    """Every glob, on the automaton, selects exactly what re selects with its translation."""
+    regex = patterns._glob_to_regex(glob)
+    automaton = compile_linear(regex, glob)
+    assert automaton is not None
+    for name in names:
+        assert (automaton.fullmatch(name) is not None) == (re.fullmatch(regex, name) is not None), (glob, name)
+
+
+@settings(max_examples=EXAMPLES * 3, deadline=None)
+@given(st.lists(st.sampled_from(REGEX_PARTS), min_size=1, max_size=8).map("".join), st.lists(NAMES, max_size=8))
+def test_the_linear_automaton_of_a_regex_agrees_with_re(regex: str, names: list[str]) -> None:
+    try:
+        re.compile(regex)
+    except re.error:
+        return
+    automaton = compile_linear(regex, "re:" + regex)
+    event("linear" if automaton is not None else "left to re")
+    if automaton is None:
+        return
+    for name in names:
+        assert (automaton.fullmatch(name) is not None) == (re.fullmatch(regex, name) is not None), (regex, name)

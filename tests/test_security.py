@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+import torch.nn as nn
 import yaml
 from click.testing import CliRunner
 from hypothesis import given, settings
@@ -31,7 +32,9 @@ from hookpolicy import PolicyError
 from hookpolicy.policy import loader
 from hookpolicy.policy.expr import STAT_NAMES, Compare, ExprError, Junction, parse
 from hookpolicy.export.sinks import SinkError, TensorWriter, file_name, safe_path
+from hookpolicy.policy.linear import LinearPattern
 from hookpolicy.policy.model import TensorFiles
+from hookpolicy.policy.patterns import compile_glob
 
 from conftest import REPO, served, tiny
 
@@ -222,6 +225,59 @@ def test_alert_messages_cannot_walk_python_objects(tmp_path: Path, message: str)
     text = POLICY.replace('{if: "nonfinite > 0"}', "{if: \"nonfinite > 0\", message: '" + message + "'}")
     (problem,) = problems(tmp_path, text)
     assert problem.path == "$.spec.rules[0].actions[0].alert.message"
+
+
+# =========================================================================== patterns
+
+NESTED = nn.Sequential()
+_inner = NESTED
+for _ in range(60):
+    _next = nn.Sequential()
+    _inner.add_module("0", _next)
+    _inner = _next
+_inner.add_module("0", nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize("pattern, name, matching", [
+    ("*a*a*a*a*a*a*a*a*a*a*a*ab", "a" * 40, "xa" * 12 + "b"),  # 100 s with re's backtracking
+    ("re:(a+)+x", "a" * 40 + "b", "aaax"),  # x4 per two characters with re
+    ("re:(?:a|aa)*c", "a" * 60, "aaac"),
+    ("**.*.**.*.**.*.**.*.**.*.**.*.**.zzz", ".".join(["0"] * 60), "1.2.3.4.5.6.7.zzz"),  # 62 s, 60-deep
+])
+def test_patterns_that_backtrack_catastrophically_run_on_the_linear_automaton(
+    pattern: str, name: str, matching: str,
+) -> None:
+    compiled = compile_glob(pattern)
+    assert isinstance(compiled, LinearPattern)
+    assert compiled.fullmatch(name) is None  # re needs minutes (or years) to say so
+    assert compiled.fullmatch(matching) == matching
+
+
+def test_a_glob_against_a_sixty_deep_model_selects_without_backtracking(tmp_path: Path) -> None:
+    text = POLICY.replace('["**"]', '["**.*.**.*.**.*.**.*.**.*.**.*.**.zzz", "**.*.**.*.**.*.**.*.**.*.**.*.**.0"]')
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    plan = hookpolicy.load(path).plan(NESTED)
+    assert len({b.module for b in plan.bindings}) == 1  # only the Linear has parameters
+
+
+@pytest.mark.parametrize("regex, at", [
+    ("(a+)+$", 0), ("^(\\w+\\s?)*$", 1), ("(a|a)*$", 0), ("(?<=x)(b*)*", 6), ("(.)\\1.*.*.*.*", 12),
+    ("(?<=a)" + "b" * 400, 300),
+])
+def test_regexes_that_re_must_run_are_refused_when_they_could_backtrack(tmp_path: Path, regex: str, at: int) -> None:
+    """With an anchor, a backreference or a lookaround, `re` runs it: the guard points at the problem."""
+    text = POLICY.replace('["**"]', f"['re:{regex}']")
+    (problem,) = problems(tmp_path, text)
+    assert problem.path == "$.spec.rules[0].match.modules[0]"
+    value_line = text.splitlines()[problem.line - 1]
+    assert problem.column == value_line.index("'re:") + 2 + len("re:") + at, problem
+
+
+def test_a_simple_regex_with_an_anchor_still_works() -> None:
+    compiled = compile_glob("re:^layers\\.\\d+$")
+    assert not isinstance(compiled, LinearPattern)
+    assert compiled.fullmatch("layers.12") and not compiled.fullmatch("layers.x")
 
 
 # =========================================================================== paths

@@ -17,14 +17,13 @@ pattern that does not compile before a plan is ever built.
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
 from ..policy.model import Match
-from ..policy.patterns import compile_glob
+from ..policy.patterns import NamePattern, compile_glob
 from .adapters import ADAPTER_ROLES, TunerLayer, tuner_layer
 
 __all__ = [
@@ -257,7 +256,7 @@ class Target(NamedTuple):
     params: tuple[tuple[str, str], ...]
 
 
-def _any_fullmatch(patterns: tuple[re.Pattern[str], ...], name: str) -> bool:
+def _any_fullmatch(patterns: tuple[NamePattern, ...], name: str) -> bool:
     return any(p.fullmatch(name) is not None for p in patterns)
 
 

@@ -212,8 +212,8 @@ class _Checker:
     def pattern(self, pattern: str, path: JsonPath) -> None:
         try:
             compile_glob(pattern)
-        except ValueError as exc:  # patterns.PatternError, a ValueError with the reason
-            self.add(path, str(exc))
+        except ValueError as exc:  # patterns.PatternError, a ValueError with the reason (and where)
+            self.add(path, str(exc), offset=getattr(exc, "offset", None))
         except (RecursionError, OverflowError) as exc:  # from re.compile on absurd regexes
             self.add(path, f"invalid pattern {pattern!r}: {exc}")
 

@@ -19,56 +19,97 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Iterator, NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional, Protocol
 
-__all__ = ["PatternError", "compile_glob"]
+from .linear import LinearPattern, TooComplex, compile_linear, regex_guard
+
+__all__ = ["NamePattern", "PatternError", "compile_glob"]
 
 _REGEX_PREFIX = "re:"
+#: A glob with at most this many `*`/`**` runs on `re` (its backtracking is at most
+#: O(len(name)^2), and `re` is ~50x faster per name); one with more, on `linear`'s automaton.
+MAX_BACKTRACKING_WILDCARDS = 2
 _ANY_SEGMENTS_LEADING = r"(?:.+\.)?"
 _ANY_SEGMENTS_MIDDLE = r"\.(?:.+\.)?"
 _ANY_SEGMENTS_TRAILING = r"(?:\..+)?"
 
 
 class PatternError(ValueError):
-    """A glob or `re:` pattern that does not compile; `pattern` is the offending text."""
+    """A glob or `re:` pattern that does not compile; `pattern` is the offending text.
 
-    def __init__(self, message: str, pattern: str = "") -> None:
+    `offset` is where in the pattern the problem is, when it is known.
+    """
+
+    def __init__(self, message: str, pattern: str = "", offset: Optional[int] = None) -> None:
         self.pattern = pattern
+        self.offset = offset
         super().__init__(message)
+
+
+class NamePattern(Protocol):
+    """What `compile_glob` returns: `re.Pattern` or a `LinearPattern`, both with `fullmatch`."""
+
+    def fullmatch(self, name: str) -> Optional[object]: ...
 
 
 # --------------------------------------------------------------------------- globs
 
 
 @functools.lru_cache(maxsize=4096)
-def compile_glob(pattern: str) -> re.Pattern[str]:
+def compile_glob(pattern: str) -> NamePattern:
     """Compile a glob or `re:` pattern; match the result with `fullmatch`, never `match`.
 
-    Cached because the same few patterns recur in every rule of every policy reload.
+    Globs with more than two wildcards, and regexes within what `linear` runs, match in
+    time linear in the name's length (no backtracking); any other regex must pass
+    `linear.regex_guard`. Cached because the same few patterns recur in every rule of
+    every policy reload.
     """
     if not pattern:
         raise PatternError("empty pattern", pattern)
     if pattern.startswith(_REGEX_PREFIX):
         return _compile_regex(pattern)
-    return _compile(_glob_to_regex(pattern), pattern)
+    regex = _glob_to_regex(pattern)
+    glob = _compile(regex, pattern)
+    if glob is None:  # the translation only uses what the automaton runs
+        raise PatternError(f"invalid pattern {pattern!r}: cannot be matched in linear time", pattern)
+    if sum(t.kind in ("star", "globstar") for t in _tokens(pattern)) <= MAX_BACKTRACKING_WILDCARDS:
+        return re.compile(regex)  # backtracking bounded by O(len(name)^2): re's C speed is worth it
+    return glob
 
 
-def _compile_regex(pattern: str) -> re.Pattern[str]:
+def _compile_regex(pattern: str) -> NamePattern:
     """Compile the regex after `re:`; an empty one would silently match only the root."""
     body = pattern[len(_REGEX_PREFIX):]
     if not body:
         raise PatternError("empty regular expression after 're:'", pattern)
-    return _compile(body, pattern)
+    linear = _compile(body, pattern, shift=len(_REGEX_PREFIX))
+    if linear is not None:
+        return linear
+    refused = regex_guard(body)
+    if refused is not None:
+        offset, reason = refused
+        raise PatternError(
+            f"invalid pattern {pattern!r}: {reason} at {offset + len(_REGEX_PREFIX)}; a regex with anchors, "
+            "backreferences or lookbehinds runs on Python's re and must stay simple (a pattern matches the "
+            "whole name: ^ and $ are not needed)",
+            pattern, offset + len(_REGEX_PREFIX),
+        )
+    return re.compile(body)
 
 
-def _compile(regex: str, pattern: str) -> re.Pattern[str]:
-    """`re.compile`, with its error turned into a PatternError that keeps re's message."""
+def _compile(regex: str, pattern: str, shift: Optional[int] = None) -> Optional[LinearPattern]:
+    """The linear-time automaton of `regex` (None: `re` must run it), errors as PatternError.
+
+    `shift` is where `regex` starts in `pattern` (None: it is a translation, not the text).
+    """
     try:
-        return re.compile(regex)
+        re.compile(regex)  # re's own messages for a regex that does not compile
+        return compile_linear(regex, pattern)
     except re.error as exc:
-        raise PatternError(f"invalid pattern {pattern!r}: {exc}", pattern) from None
-    except (RecursionError, OverflowError) as exc:  # nested too deep, or a repeat count too large
-        raise PatternError(f"invalid pattern {pattern!r}: too complex ({type(exc).__name__})", pattern) from None
+        at = None if shift is None or exc.pos is None else exc.pos + shift
+        raise PatternError(f"invalid pattern {pattern!r}: {exc}", pattern, at) from None
+    except (RecursionError, OverflowError, TooComplex) as exc:  # nested too deep, a repeat count too large
+        raise PatternError(f"invalid pattern {pattern!r}: too complex ({exc or type(exc).__name__})", pattern) from None
 
 
 def _glob_to_regex(pattern: str) -> str:
@@ -175,7 +216,7 @@ def _class_end(pattern: str, start: int) -> int:
         j += 1
     end = pattern.find("]", j)
     if end < 0:
-        raise PatternError(f"unterminated character class '[' at {start}", pattern)
+        raise PatternError(f"unterminated character class '[' at {start}", pattern, start)
     return end
 
 
@@ -201,5 +242,5 @@ def _class_range(pattern: str, i: int) -> str:
     """The range `pattern[i:i + 3]` (`a-z`), refused when it runs backwards."""
     low, high = pattern[i], pattern[i + 2]
     if low > high:
-        raise PatternError(f"bad character range {low}-{high} at {i}", pattern)
+        raise PatternError(f"bad character range {low}-{high} at {i}", pattern, i)
     return f"{re.escape(low)}-{re.escape(high)}"
