@@ -33,7 +33,9 @@ from hookpolicy.policy import loader
 from hookpolicy.policy.expr import STAT_NAMES, Compare, ExprError, Junction, parse
 from hookpolicy.export.sinks import SinkError, TensorWriter, file_name, safe_path
 from hookpolicy.policy.linear import LinearPattern
-from hookpolicy.policy.model import TensorFiles
+from hookpolicy.engine import readback
+from hookpolicy.policy.build import MAX_FIELD_WIDTH
+from hookpolicy.policy.model import Alert, TensorFiles
 from hookpolicy.policy.patterns import compile_glob
 
 from conftest import REPO, served, tiny
@@ -278,6 +280,29 @@ def test_a_simple_regex_with_an_anchor_still_works() -> None:
     compiled = compile_glob("re:^layers\\.\\d+$")
     assert not isinstance(compiled, LinearPattern)
     assert compiled.fullmatch("layers.12") and not compiled.fullmatch("layers.x")
+
+
+@pytest.mark.parametrize("message, field", [
+    ("at {step:>99999999}", "{step"),  # wrote 1.5 GB to stderr in a 5-step run
+    ("{policy} at {step:999999999999}", "{step"),  # ended check, apply and load in a MemoryError
+    ("{l2_norm:.100000f}", "{l2_norm"),
+    ("{module:x^999}", "{module"),
+])
+def test_alert_message_widths_are_bounded_at_check_time(tmp_path: Path, message: str, field: str) -> None:
+    text = POLICY.replace('{if: "nonfinite > 0"}', "{if: \"nonfinite > 0\", message: '" + message + "'}")
+    (problem,) = problems(tmp_path, text)
+    assert problem.path == "$.spec.rules[0].actions[0].alert.message"
+    assert f"at most {MAX_FIELD_WIDTH}" in problem.message
+    value_line = text.splitlines()[problem.line - 1]
+    assert problem.column == value_line.index("'") + 2 + message.index(field)
+
+
+def test_a_rendered_alert_message_is_cut_to_a_bounded_length() -> None:
+    """The template is bounded at check time; a module name is not, so the rendering is cut."""
+    alert = Alert(condition=parse("nonfinite > 0"), source="nonfinite > 0", message="{module} at {step}")
+    base = {"module": "m" * 100_000, "step": 3, "policy": "p", "rule": "r", "rank": 0, "target": "grad", "tensor": ""}
+    rendered = readback._render(alert, base, {"nonfinite": 1.0})
+    assert len(rendered) == readback.MAX_RENDERED_CHARS and rendered.startswith("mmm")
 
 
 # =========================================================================== paths

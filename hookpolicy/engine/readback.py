@@ -289,10 +289,16 @@ class _StatFormat(dict[str, Any]):
         return math.nan
 
 
+#: A rendered alert message is cut to this many characters: the template and its widths are
+#: bounded at check time, a module name (the one field of unbounded length) is not.
+MAX_RENDERED_CHARS = 4096
+
+
 def _render(action: Alert, base: dict[str, Any], stats: dict[str, float]) -> str:
     fields = _StatFormat(base, severity=action.severity, condition=action.source, **stats)
     fields["module"] = base["module"] or "<root>"
-    return string.Formatter().vformat(action.message, (), fields)
+    message = string.Formatter().vformat(action.message, (), fields)
+    return message if len(message) <= MAX_RENDERED_CHARS else message[: MAX_RENDERED_CHARS - 1] + "…"
 
 
 def _json_number(value: float) -> Union[float, int]:

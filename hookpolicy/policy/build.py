@@ -319,33 +319,55 @@ class _Checker:
         if isinstance(message, str):
             wrong = _message_problem(message)
             if wrong:
-                self.add(path + ("message",), wrong)
+                self.add(path + ("message",), wrong[0], offset=wrong[1])
 
 
-def _message_problem(message: str) -> Optional[str]:
-    """What is wrong with an alert message template, or None when it is fine.
+#: The longest alert message template, and the widest field or precision in it: a message
+#: is one line of a log and of stderr (`{step:>99999999}` once wrote 1.5 GB in 5 steps).
+MAX_MESSAGE_CHARS = 1000
+MAX_FIELD_WIDTH = 100
+_FORMAT_SPEC = re.compile(r"(?:.?[<>=^])?[-+ ]?z?#?0?(?P<width>\d*)[_,]?(?:\.(?P<precision>\d*))?[a-zA-Z%]?")
+
+
+def _message_problem(message: str) -> Optional[tuple[str, Optional[int]]]:
+    """What is wrong with an alert message template (and where in it), or None when it is fine.
 
     Only bare field names are allowed: `{module.__class__}` would let a policy file
-    walk Python objects at render time.
+    walk Python objects at render time. Widths and precisions are bounded, so a rendered
+    message is at most about MAX_MESSAGE_CHARS plus its fields' values.
     """
+    if len(message) > MAX_MESSAGE_CHARS:
+        return f"the message is {len(message)} characters long; at most {MAX_MESSAGE_CHARS}", MAX_MESSAGE_CHARS
     allowed = MESSAGE_FIELDS + STATS
     try:
         fields = list(string.Formatter().parse(message))
     except ValueError as exc:
-        return f"invalid message template: {exc} (write a literal brace as '{{{{' or '}}}}')"
+        return f"invalid message template: {exc} (write a literal brace as '{{{{' or '}}}}')", None
     for _, name, spec, _ in fields:
         if name is None:
             continue
         if name not in allowed:
             shown = "{" + name + "}"
-            return f"unknown message field {shown}; the fields are: {', '.join(allowed)}"
+            return f"unknown message field {shown}; the fields are: {', '.join(allowed)}", _field_at(message, name)
         if spec and "{" in spec:
-            return f"the format spec of {{{name}}} may not contain fields"
+            return f"the format spec of {{{name}}} may not contain fields", _field_at(message, name)
+        sized = _FORMAT_SPEC.fullmatch(spec or "")
+        for part in ("width", "precision"):
+            digits = sized.group(part) if sized else None
+            if digits and int(digits) > MAX_FIELD_WIDTH:
+                return (f"the {part} of {{{name}:{spec}}} is {int(digits)}; at most {MAX_FIELD_WIDTH}",
+                        _field_at(message, name))
     try:
         message.format(**_SAMPLE_FIELDS)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
-        return f"the message cannot be formatted: {exc} (statistics are numbers, the rest text)"
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
+        return f"the message cannot be formatted: {exc} (statistics are numbers, the rest text)", None
     return None
+
+
+def _field_at(message: str, name: str) -> Optional[int]:
+    """Where the field `{name...}` starts in the template (its first occurrence)."""
+    found = re.search(r"(?<!\{)\{" + re.escape(name) + r"[:!}]", message)
+    return None if found is None else found.start()
 
 
 # --------------------------------------------------------------------------- building
