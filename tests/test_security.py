@@ -305,6 +305,29 @@ def test_a_rendered_alert_message_is_cut_to_a_bounded_length() -> None:
     assert len(rendered) == readback.MAX_RENDERED_CHARS and rendered.startswith("mmm")
 
 
+@pytest.mark.parametrize("kind, make, said", [
+    ("dangling", lambda p: p.symlink_to(p.parent / "gone.yaml"), "a dangling symbolic link"),
+    ("fifo", lambda p: os.mkfifo(p), "a FIFO (named pipe)"),  # reading it would block forever
+    ("folder", lambda p: p.mkdir(), "a folder"),
+])
+def test_a_policy_folder_entry_that_is_not_a_file_is_reported_not_skipped(
+    tmp_path: Path, kind: str, make: Any, said: str,
+) -> None:
+    folder = tmp_path / "policies"
+    folder.mkdir()
+    (folder / "good.yaml").write_text(POLICY)
+    make(folder / f"x-{kind}.yaml")
+    with pytest.raises(PolicyError) as caught:
+        hookpolicy.load(folder)
+    (problem,) = caught.value.problems
+    assert (problem.file, problem.line, problem.path) == (str(folder / f"x-{kind}.yaml"), 0, "$")
+    assert problem.message.startswith(said) and "not a policy file" in problem.message
+    from hookpolicy import cli
+
+    result = CliRunner().invoke(cli.cli, ["check", str(folder)])
+    assert result.exit_code == 1 and said in result.output
+
+
 # =========================================================================== paths
 
 CAPTURE = """\

@@ -9,7 +9,8 @@ the caller reads with `environment.policy_dirs`), all or nothing. Neither half i
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence, Union
+import stat
+from typing import Iterable, Optional, Sequence, Union
 
 from ..errors import PolicyError, Problem
 from .build import build_policy
@@ -35,24 +36,54 @@ def expand_sources(sources: Union[Source, Sequence[Source]]) -> tuple[list[str],
             files.append(name)
             continue
         try:
-            found = _folder_files(name)
+            found, unreadable = _folder_files(name)
         except OSError as exc:
             reason = exc.strerror or str(exc)
             problems.append(Problem(name, 0, 0, "$", f"cannot read the folder: {reason}"))
             continue
-        if not found:
+        problems.extend(unreadable)
+        if not found and not unreadable:
             problems.append(Problem(name, 0, 0, "$", "the folder holds no *.yaml or *.yml files"))
         files.extend(found)
     return files, problems
 
 
-def _folder_files(folder: str) -> list[str]:
-    names = sorted(os.listdir(folder))
-    return [
-        os.path.join(folder, n) for n in names
-        if n.endswith((".yaml", ".yml")) and not n.startswith(".")
-        and os.path.isfile(os.path.join(folder, n))
-    ]
+def _folder_files(folder: str) -> tuple[list[str], list[Problem]]:
+    """The folder's policy files, and a problem for each `*.yaml` entry that is not a file.
+
+    A dangling symbolic link, a FIFO (which would block the reader forever) or a folder
+    named like a policy is reported, never skipped: a policy someone meant to apply would
+    otherwise be missing without a word.
+    """
+    files: list[str] = []
+    problems: list[Problem] = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith((".yaml", ".yml")) or name.startswith("."):
+            continue
+        path = os.path.join(folder, name)
+        kind = _not_a_file(path)
+        if kind is None:
+            files.append(path)
+        else:
+            problems.append(Problem(path, 0, 0, "$", f"{kind}, not a policy file; remove or rename it"))
+    return files, problems
+
+
+def _not_a_file(path: str) -> Optional[str]:
+    """What `path` is when it is not a regular file (following links), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return f"a dangling symbolic link (to {os.readlink(path)!r})" if os.path.islink(path) else "gone"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    return "a special file (socket or device)"
 
 
 def load_sources(sources: Union[Source, Sequence[Source]]) -> tuple[Policy, ...]:
