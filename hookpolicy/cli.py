@@ -29,15 +29,22 @@ _COMMAND_KEY = "hookpolicy.command"
 
 
 class PolicyProblems(click.ClickException):
-    """An invalid policy: prints each problem on its own line (no "Error:" prefix); exit 1."""
+    """An invalid policy: prints each problem on its own line (no "Error:" prefix); exit 1.
 
-    def __init__(self, error: PolicyError) -> None:
+    `notes` follow the problems: where files came from (HOOKPOLICY_POLICY_DIRS, which the
+    user may not know is set) and what was not done because of them.
+    """
+
+    def __init__(self, error: PolicyError, notes: Sequence[str] = ()) -> None:
         super().__init__(str(error))
         self.problems = error.problems
+        self.notes = list(notes)
 
     def show(self, file: Any = None) -> None:
         for problem in self.problems:
             click.echo(str(problem), err=True)
+        for note in self.notes:
+            click.echo(f"hookpolicy: {note}", err=True)
 
 
 def _sources(policies: Sequence[str]) -> list[str]:
@@ -48,13 +55,25 @@ def _sources(policies: Sequence[str]) -> list[str]:
     return sources
 
 
-def _load(sources: Sequence[str]) -> tuple[Policy, ...]:
+def _load(sources: Sequence[str], not_done: Optional[str] = None) -> tuple[Policy, ...]:
+    """Load `sources`; a PolicyProblems naming the HOOKPOLICY_POLICY_DIRS folders that hold
+    broken files, and saying `not_done` (what was not started), if any is invalid."""
     from .policy.sources import load_sources
 
     try:
         return load_sources(list(sources))
     except PolicyError as exc:
-        raise PolicyProblems(exc) from None
+        notes = [note for folder in policy_dirs(os.environ) if (note := _from_env_dir(exc, folder))]
+        raise PolicyProblems(exc, notes + ([not_done] if not_done else [])) from None
+
+
+def _from_env_dir(error: PolicyError, folder: str) -> Optional[str]:
+    inside = sorted({p.file for p in error.problems
+                     if os.path.abspath(p.file).startswith(os.path.join(os.path.abspath(folder), ""))})
+    if not inside:
+        return None
+    return (f"{', '.join(inside)} {'comes' if len(inside) == 1 else 'come'} from HOOKPOLICY_POLICY_DIRS "
+            f"(folder {folder}), which adds every policy of its folders to every run")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -245,7 +264,7 @@ def apply(
     if not command:
         raise click.UsageError("missing '-- COMMAND', e.g. hookpolicy apply policy.yaml -- python train.py")
     sources = _sources(policies)
-    _load(sources)
+    _load(sources, not_done=f"nothing was started: {' '.join(command)} did not run")
     launch = Launch(
         sources=tuple(os.path.abspath(s) for s in sources), metrics_port=metrics_port,
         metrics_addr=metrics_addr, audit=audit, watch=watch,

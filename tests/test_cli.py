@@ -61,7 +61,10 @@ def invoke(*args: str) -> Result:
 
 
 def assert_problem_lines(text: str) -> list[re.Match[str]]:
+    """The problems of `text`, one per line; `hookpolicy:` notes may follow them, nothing else."""
     lines = text.splitlines()
+    while lines and lines[-1].startswith("hookpolicy: "):
+        lines.pop()
     assert lines, "no problem printed"
     matches = [PROBLEM.match(line) for line in lines]
     assert all(matches), f"not FILE:LINE:COL: $.path: message lines:\n{text}"
@@ -109,6 +112,7 @@ def test_check_reads_the_ops_folders(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert result.exit_code == 1
     [problem] = assert_problem_lines(result.stderr)
     assert problem["path"] == "$.metadata.name" and "duplicate policy name" in problem["message"]
+    assert result.stderr.splitlines()[-1].startswith(f"hookpolicy: {ops / 'copy.yaml'} comes from HOOKPOLICY_POLICY_DIRS")
     assert invoke("check").exit_code == 0  # the folder alone is a valid source
 
 
@@ -214,6 +218,7 @@ def test_apply_invalid_policy_starts_nothing(tmp_path: Path) -> None:
     result = invoke("apply", str(bad), "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
     assert result.exit_code == 1
     assert_problem_lines(result.stderr)
+    assert result.stderr.splitlines()[-1].startswith("hookpolicy: nothing was started: ")
     assert not marker.exists()
 
 

@@ -328,6 +328,30 @@ def test_a_policy_folder_entry_that_is_not_a_file_is_reported_not_skipped(
     assert result.exit_code == 1 and said in result.output
 
 
+def test_a_broken_file_from_policy_dirs_says_where_it_came_from_and_that_nothing_started(tmp_path: Path) -> None:
+    folder = tmp_path / "site-policies"
+    folder.mkdir()
+    (folder / "broken.yaml").write_text(POLICY.replace("rules:", "rules: 3\n  x:"))
+    (tmp_path / "mine.yaml").write_text(POLICY.replace("name: p", "name: mine"))
+    env = {**os.environ, "HOOKPOLICY_POLICY_DIRS": str(folder), "PYTHONPATH": str(REPO)}
+    ran = tmp_path / "ran"
+    result = subprocess.run(
+        [sys.executable, "-m", "hookpolicy", "apply", str(tmp_path / "mine.yaml"), "--", sys.executable, "-c",
+         f"open({str(ran)!r}, 'w')"], env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1 and not ran.exists()
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith(f"{folder / 'broken.yaml'}:")
+    assert lines[-2] == (f"hookpolicy: {folder / 'broken.yaml'} comes from HOOKPOLICY_POLICY_DIRS (folder {folder}), "
+                         "which adds every policy of its folders to every run")
+    assert lines[-1].startswith("hookpolicy: nothing was started: ")
+    from hookpolicy import cli
+
+    checked = CliRunner().invoke(cli.cli, ["check", str(tmp_path / "mine.yaml")], env={"HOOKPOLICY_POLICY_DIRS": str(folder)})
+    assert checked.exit_code == 1 and "comes from HOOKPOLICY_POLICY_DIRS" in checked.output
+    assert "nothing was started" not in checked.output
+
+
 # =========================================================================== paths
 
 CAPTURE = """\
