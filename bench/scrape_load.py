@@ -2,6 +2,7 @@
 
     python bench/scrape_load.py                 # 3 rounds, ~2 minutes on 2 CPU cores
     python bench/scrape_load.py --rounds 5 --layers 200
+    python bench/scrape_load.py --scrapers 1 --period 0 --raw    # one client in a tight loop (issue 15)
 
 A training process (an MLP of `--layers` hidden Linear layers, one torch thread,
 `policies/scraped.yaml`: a NaN guard, per-tensor gradient statistics, output statistics) records
@@ -42,7 +43,6 @@ from pathlib import Path
 from typing import Optional
 
 SERVERS = ("hookpolicy", "stock", "elsewhere")
-SCRAPERS = 50
 QUIET_S, LOAD_S, WARM_S = 2.0, 4.0, 3.0
 
 POLICY = Path(__file__).resolve().parent / "policies" / "scraped.yaml"
@@ -115,11 +115,13 @@ def static_server(folder: Path, port: int) -> None:
     Server(("127.0.0.1", port), Handler).serve_forever()
 
 
-def scrape_loop(port: int, period: float, deadline: float, latencies: list[float], errors: list[str]) -> None:
+def scrape_loop(
+    port: int, period: float, deadline: float, latencies: list[float], errors: list[str], parse: bool = True,
+) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     due = time.monotonic() + random.uniform(0, period)
-    while due < deadline:
+    while due < deadline and time.monotonic() < deadline:  # (with period 0, `due` stays put)
         time.sleep(max(0.0, due - time.monotonic()))
         due += period
         start = time.perf_counter()
@@ -127,12 +129,13 @@ def scrape_loop(port: int, period: float, deadline: float, latencies: list[float
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
                 text = answer.read().decode()
             latencies.append(time.perf_counter() - start)
-            list(text_string_to_metric_families(text))
+            if parse:
+                list(text_string_to_metric_families(text))
         except Exception as exc:  # noqa: BLE001 - counted and reported
             errors.append(f"{type(exc).__name__}: {exc}")
 
 
-def one_run(server: str, layers: int, period: float) -> dict[str, float]:
+def one_run(server: str, layers: int, period: float, scrapers: int, parse: bool = True) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         folder, port = Path(tmp), free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
@@ -155,8 +158,8 @@ def one_run(server: str, layers: int, period: float) -> dict[str, float]:
             latencies: list[float] = []
             errors: list[str] = []
             load_start, until = time.time(), time.monotonic() + LOAD_S
-            threads = [threading.Thread(target=scrape_loop, args=(port, period, until, latencies, errors))
-                       for _ in range(SCRAPERS)]
+            threads = [threading.Thread(target=scrape_loop, args=(port, period, until, latencies, errors, parse))
+                       for _ in range(scrapers)]
             for thread in threads:
                 thread.start()
             for thread in threads:
@@ -188,6 +191,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1, help="hidden Linear layers (series grow with them)")
     parser.add_argument("--period", type=float, default=0.25, help="seconds between two scrapes of one scraper")
     parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--scrapers", type=int, default=50,
+                        help="scraping threads (1 with --period 0: one client in a tight loop, issue 15's flood)")
+    parser.add_argument("--raw", action="store_true",
+                        help="scrapers do not parse what they get (a flood: as many requests as the server answers)")
     parser.add_argument("--train", choices=SERVERS, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -199,10 +206,10 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {s: [] for s in servers}
     for index in range(args.rounds):
         for server in servers[index % len(servers):] + servers[:index % len(servers)]:
-            result = one_run(server, args.layers, args.period)
+            result = one_run(server, args.layers, args.period, args.scrapers, not args.raw)
             results[server].append(result)
             print(f"round {index + 1} {server:10s} " + " ".join(f"{k}={v:.3g}" for k, v in result.items()), flush=True)
-    print(f"\n{SCRAPERS} scrapers, one scrape each every {args.period} s, {args.layers} hidden layer(s), "
+    print(f"\n{args.scrapers} scraper(s), one scrape each every {args.period} s, {args.layers} hidden layer(s), "
           f"{args.rounds} rounds:")
     print("| server | step (quiet) | median slowdown under load | range | scrapes/s | scrape p95 | errors |")
     print("|---|---|---|---|---|---|---|")

@@ -380,8 +380,8 @@ def test_nothing_a_sink_raises_escapes_remove(
     monkeypatch.setattr(sinks.JsonLines, "close", fault)
     attached.remove()
     assert module_hook_count(model) == 0
-    said = messages(hookpolicy_log, logging.ERROR, "p/norms raised")
-    assert len(said) == (1 if on_error == "continue" else 0)  # under halt, the Halt is the report
+    said = messages(hookpolicy_log, logging.ERROR, "p/norms")
+    assert len(said) == 1 and said[0].startswith("hookpolicy: ") and "\n" not in said[0], said
 
 
 # =========================================================================== no hooks left behind
@@ -1093,27 +1093,80 @@ def test_a_request_that_fails_in_the_server_is_one_line_on_stderr(
 ) -> None:
     from hookpolicy.export import exporter
 
-    def broken(self: Any) -> None:
+    def broken(head: bytes) -> None:
         raise ValueError("bad request handling")
 
-    monkeypatch.setattr(exporter._QuietHandler, "handle", broken)
+    monkeypatch.setattr(exporter, "_environ", broken)
     with served(CollectorRegistry(), free_port):
         with pytest.raises(OSError):  # the connection is closed without an answer
             scrape(free_port)
     assert capfd.readouterr().err == "hookpolicy: a metrics request from 127.0.0.1 failed: ValueError: bad request handling\n"
 
 
-def test_a_stalled_client_holds_the_other_scrapes_back_no_longer_than_the_request_timeout(
+def test_idle_connections_do_not_keep_a_scrape_out(free_port: int, capfd: pytest.CaptureFixture[str]) -> None:
+    """The reported blinding: 150 idle TCP connections kept a real scrape unanswered for 30 s."""
+    with served(CollectorRegistry(), free_port):
+        idle = [socket.create_connection(("127.0.0.1", free_port)) for _ in range(150)]
+        try:
+            assert scrape(free_port, timeout=4) is not None
+        finally:
+            for sock in idle:
+                sock.close()
+    assert capfd.readouterr().err == ""
+
+
+def test_clients_dripping_a_request_are_cut_off_at_the_deadline_and_hold_no_one_back(
     free_port: int, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
 ) -> None:
+    """The reported stall: 3 clients sending a byte every 4 s blocked scrapes for 24 s (the timeout was per read)."""
     from hookpolicy.export import exporter
 
-    monkeypatch.setattr(exporter._QuietHandler, "timeout", 0.5)
+    monkeypatch.setattr(exporter, "REQUEST_DEADLINE", 1.0)
     with served(CollectorRegistry(), free_port):
-        with socket.create_connection(("127.0.0.1", free_port)) as stalled:
-            stalled.sendall(b"GET /metr")  # and never the rest
-            assert scrape(free_port, timeout=10) is not None  # answered once the stalled one timed out
-    assert capfd.readouterr().err == ""  # dropped quietly: no traceback on the training script's stderr
+        drips = [socket.create_connection(("127.0.0.1", free_port)) for _ in range(3)]
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+        cut = [False] * 3
+        for index in range(len(request) - 1):  # a byte every 0.1 s: each read is quick, the request never ends
+            for n, drip in enumerate(drips):
+                try:
+                    drip.sendall(request[index:index + 1])
+                except OSError:
+                    cut[n] = True
+            if index == 2:
+                assert scrape(free_port, timeout=4) is not None  # answered while they drip
+            if all(cut):
+                break
+            time.sleep(0.1)
+        assert all(cut), "a client dripping its request outlived the per-request deadline"
+        for drip in drips:
+            drip.close()
+    assert capfd.readouterr().err == ""
+
+
+def test_connections_beyond_the_bound_close_the_oldest(free_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hookpolicy.export import exporter
+
+    monkeypatch.setattr(exporter, "MAX_CONNECTIONS", 4)
+    with served(CollectorRegistry(), free_port):
+        idle = [socket.create_connection(("127.0.0.1", free_port)) for _ in range(4)]
+        time.sleep(0.2)  # accepted
+        assert scrape(free_port, timeout=4) is not None  # the fifth: the oldest idle one made room
+        idle[0].settimeout(4)
+        assert idle[0].recv(1) == b""  # closed by the exporter
+        for sock in idle:
+            sock.close()
+
+
+def test_answers_are_spaced_by_the_rate_cap(free_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tight scrape loop gets at most MAX_ANSWERS_PER_SECOND answers (here 10): 21 take at least 2 s."""
+    from hookpolicy.export import exporter
+
+    monkeypatch.setattr(exporter, "MAX_ANSWERS_PER_SECOND", 10.0)
+    with served(CollectorRegistry(), free_port):
+        start = time.monotonic()
+        for _ in range(21):
+            scrape(free_port, timeout=5)
+        assert time.monotonic() - start >= 2.0  # a lower bound: sleeps guarantee it on any machine
 
 
 def step_times(path: Path) -> list[tuple[float, float]]:

@@ -9,21 +9,32 @@ The exporter shares the training process and its GIL, so what a scrape costs is 
 from training. The values change once per step at most, so a rendering of the registry
 is reused for `RENDER_INTERVAL` seconds: however many clients scrape however often, the
 registry is rendered at most once per interval (per kind of request), and the scrapes in
-between cost only their HTTP exchange.
+between cost only their HTTP exchange. Those exchanges are capped too: at most
+`MAX_ANSWERS_PER_SECOND` answers a second (more wait their turn), so a scrape flood costs
+training a bounded share.
+
+No client can hold the others back: one asyncio loop on one daemon thread serves every
+connection at once; a connection has `REQUEST_DEADLINE` seconds in all (not per read) to
+send its request and take the answer; at most `MAX_CONNECTIONS` are open, and a new one
+beyond that closes the oldest (so a flood of idle connections cannot keep Prometheus out).
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 import threading
 import time
 from typing import Any, Callable, Iterable, Optional
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from urllib.parse import unquote
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-__all__ = ["serve", "BACKLOG", "RENDER_INTERVAL", "REQUEST_TIMEOUT", "RenderCache"]
+__all__ = [
+    "BACKLOG", "Exporter", "MAX_ANSWERS_PER_SECOND", "MAX_CONNECTIONS", "RENDER_INTERVAL", "REQUEST_DEADLINE",
+    "RenderCache", "serve",
+]
 
 #: Pending connections the listening socket holds. prometheus_client's server keeps
 #: socketserver's default of 5, so 50 scrapers connecting at once have most attempts
@@ -86,56 +97,134 @@ class RenderCache:
         return answer
 
 
-#: Seconds a connection may take to send its request or read the answer. Requests are
-#: answered one after the other on the exporter's one thread, so this bounds how long a
-#: stalled client can hold the others back (Prometheus's scrape timeout is 10 s).
-REQUEST_TIMEOUT = 5.0
+#: Seconds a connection has, in all, to send its request and take the answer: a client
+#: dripping a byte at a time is cut off after this, however regular its drips.
+#: (Prometheus's scrape timeout is 10 s; an answer takes milliseconds.)
+REQUEST_DEADLINE = 5.0
 
+#: Connections open at once. One more closes the oldest: idle or slow clients cannot
+#: fill the exporter and keep a real scrape out.
+MAX_CONNECTIONS = 64
 
-class _Server(WSGIServer):
-    """Answers requests one at a time on the serving thread.
+#: Answers a second at most; a request beyond waits for its turn (within its deadline).
+#: Prometheus asks once every 15-60 s; a client in a tight loop gets 50 a second, which
+#: costs the training thread a few percent at most (docs/reliability.md, bench/scrape_load.py).
+MAX_ANSWERS_PER_SECOND = 50.0
 
-    prometheus_client's server starts a thread per request; under 50 clients scraping in
-    a loop those threads' fight for the GIL slowed a 1 ms training step by ~30 %, one
-    thread (with the rendering cached) by ~5 % (docs/reliability.md).
+#: The longest request head read (request line and headers).
+MAX_REQUEST_BYTES = 8192
+
+class Exporter:
+    """The metrics endpoint: an asyncio server on a daemon thread (see the module docstring).
+
+    `shutdown()` stops it and waits for the thread; `server_close()` closes the socket.
     """
 
     request_queue_size = BACKLOG
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that timed out or hung up is dropped quietly; anything else is one line.
+    def __init__(
+        self, app: WSGIApp, sock: socket.socket, *, deadline: Optional[float] = None,
+        max_connections: Optional[int] = None, rate: Optional[float] = None,
+    ) -> None:
+        self._app, self._sock = app, sock
+        self.server_address = sock.getsockname()
+        self.deadline = REQUEST_DEADLINE if deadline is None else deadline
+        self.max_connections = MAX_CONNECTIONS if max_connections is None else max_connections
+        self.rate = MAX_ANSWERS_PER_SECOND if rate is None else rate
+        self._loop = asyncio.new_event_loop()
+        self._open: dict[asyncio.StreamWriter, None] = {}  # oldest first
+        self._next_answer = 0.0
+        self._stopped: Optional[asyncio.Event] = None
+        self._thread = threading.Thread(target=self._run, name="hookpolicy-exporter", daemon=True)
 
-        (socketserver's default prints a traceback on the training script's stderr.)
-        """
-        kind, exc = sys.exc_info()[:2]
-        if isinstance(exc, OSError):
-            return
-        sys.stderr.write(f"hookpolicy: a metrics request from {client_address[0]} failed: "
-                         f"{getattr(kind, '__name__', kind)}: {exc}\n")
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        if self._stopped is not None:
+            self._loop.call_soon_threadsafe(self._stopped.set)
+        self._thread.join(timeout=5)
+
+    def server_close(self) -> None:
+        self._sock.close()
+
+    def _run(self) -> None:
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        self._stopped = asyncio.Event()
+        server = await asyncio.start_server(self._client, sock=self._sock, limit=MAX_REQUEST_BYTES)
+        async with server:
+            await self._stopped.wait()
+        for writer in list(self._open):
+            writer.transport.abort()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._open[writer] = None
+        if len(self._open) > self.max_connections:
+            next(iter(self._open)).transport.abort()  # the oldest makes room
+        try:
+            await asyncio.wait_for(self._exchange(reader, writer), self.deadline)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+            pass  # too slow, hung up, or a head too long: dropped quietly
+        except Exception as exc:  # noqa: BLE001 - one line, never a traceback on the script's stderr
+            peer = writer.get_extra_info("peername") or ("?",)
+            sys.stderr.write(f"hookpolicy: a metrics request from {peer[0]} failed: {type(exc).__name__}: {exc}\n")
+        finally:
+            self._open.pop(writer, None)
+            writer.transport.abort()
+
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        environ = _environ(head)
+        await self._turn()
+        if environ is None:
+            status, headers, body = "400 Bad Request", [("Content-Type", "text/plain")], b"bad request\n"
+        else:
+            started: list[Any] = []
+            body = b"".join(self._app(environ, lambda status, headers, exc_info=None: started.extend((status, headers))))
+            status, headers = str(started[0]), list(started[1])
+        lines = [f"HTTP/1.1 {status}", *(f"{k}: {v}" for k, v in headers),
+                 f"Content-Length: {len(body)}", "Connection: close", "", ""]
+        writer.write("\r\n".join(lines).encode("latin-1") + body)
+        await writer.drain()
+
+    async def _turn(self) -> None:
+        """Wait until the answer rate allows one more (answers are spaced 1/rate apart)."""
+        now = self._loop.time()
+        slot = max(now, self._next_answer)
+        self._next_answer = slot + 1.0 / self.rate
+        if slot > now:
+            await asyncio.sleep(slot - now)
 
 
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """No access log on the training process's stderr; a stalled client times out."""
-
-    timeout = REQUEST_TIMEOUT
-
-    def log_message(self, format: str, *args: Any) -> None:
+def _environ(head: bytes) -> Optional[dict[str, Any]]:
+    """The WSGI fields prometheus_client's app reads, from a request head; None if malformed."""
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/"):
         return None
+    path, _, query = parts[1].partition("?")
+    environ: dict[str, Any] = {"REQUEST_METHOD": parts[0], "PATH_INFO": unquote(path), "QUERY_STRING": query}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            environ["HTTP_" + name.strip().upper().replace("-", "_")] = value.strip()
+    return environ
 
 
 def serve(
     registry: CollectorRegistry, port: int, addr: str = "127.0.0.1", *, rank: int = 0,
     render_interval: float = RENDER_INTERVAL,
-) -> Optional[WSGIServer]:
+) -> Optional[Exporter]:
     """Start serving `registry` on http://addr:port/metrics in a daemon thread; None if it cannot."""
-    server_class = _Server6 if ":" in addr else _Server
-    app = RenderCache(make_wsgi_app(registry), render_interval)
     try:
-        server = make_server(addr, port, app, server_class, handler_class=_QuietHandler)
+        sock = socket.create_server(
+            (addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET, backlog=BACKLOG,
+        )
     except (OSError, OverflowError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         sys.stderr.write(
@@ -144,5 +233,6 @@ def serve(
         )
         sys.stderr.flush()
         return None
-    threading.Thread(target=server.serve_forever, name="hookpolicy-exporter", daemon=True).start()
-    return server
+    exporter = Exporter(RenderCache(make_wsgi_app(registry), render_interval), sock)
+    exporter.start()
+    return exporter
