@@ -21,8 +21,11 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +39,9 @@ from ..engine.runtime import Attached
 from ..environment import ChildConfig
 from ..errors import PolicyError
 from ..export.metrics import store_for
-from ..policy.sources import expand_sources, load_sources
+from ..policy.loader import MAX_BYTES
+from ..policy.sources import expand_sources
+from .validate import load_elsewhere
 from . import say
 
 __all__ = ["Governed", "Swaps", "Reloader", "fingerprint"]
@@ -116,13 +121,14 @@ class Swaps:
             generation, policies = self.next
         old = governed.attached
         step = old.step
-        old.remove()
-        try:
-            governed.attached = attach(policies, governed.model, step)
-        except Exception as exc:
-            say(f"error: cannot attach the reloaded policies: {type(exc).__name__}: {exc}; "
-                "keeping the previous ones")
-            governed.attached = attach(PolicySet(old.policies), governed.model, step)
+        with old.store.swapping():  # a scrape sees the old policies or the new, never neither
+            old.remove()
+            try:
+                governed.attached = attach(policies, governed.model, step)
+            except Exception as exc:
+                say(f"error: cannot attach the reloaded policies: {type(exc).__name__}: {exc}; "
+                    "keeping the previous ones")
+                governed.attached = attach(PolicySet(old.policies), governed.model, step)
         governed.generation = generation
         governed.swap_after = None
         names = ", ".join(f"{p.name}@{p.revision[:12]}" for p in policies.policies)
@@ -200,8 +206,8 @@ class Reloader:
     def reload(self, explicit: bool = False) -> None:
         """Load and validate every source; a valid, different set waits in `swaps`."""
         store = store_for(self.registry, self.config.rank)
-        try:
-            policies = PolicySet(load_sources(list(self.config.sources)))
+        try:  # in a child process: parsing 1 MB here would hold the training thread's GIL for seconds
+            policies = PolicySet(load_elsewhere(list(self.config.sources)))
         except PolicyError as exc:
             store.config_loaded(False)
             lines = "\n".join(str(p) for p in exc.problems)
@@ -217,18 +223,49 @@ class Reloader:
         self.swaps.request(policies)
 
 
+#: A file read at least this many seconds after it was last modified, and whose status is
+#: the same since, is not read again: modification times can be too coarse to tell two
+#: quick saves apart, never two saves this far apart.
+SETTLED_SECONDS = 2.0
+
+#: path -> (its status, the checksum of its bytes, when they were read); one per policy file.
+_checksums: dict[str, tuple[tuple[int, ...], Optional[int], float]] = {}
+
+
 def fingerprint(sources: Sequence[str]) -> tuple[Any, ...]:
     """What the policy files look like now: names, and a checksum of each file's bytes.
 
-    Content, not modification times: those can be too coarse to tell two quick saves apart.
+    Content, not modification times: those can be too coarse to tell two quick saves
+    apart. But bounded, since this runs every watch interval inside the training
+    process: a file is looked at (`stat`) before it is read; one larger than the loader's
+    limit (MAX_BYTES), or not a regular file, is never read (its size and times stand for
+    it, and loading it will refuse it); one unchanged for SETTLED_SECONDS is not read
+    again. At most MAX_BYTES + 1 bytes of each file that changed are read per interval.
     """
     files, _ = expand_sources(list(sources))
     seen: list[Any] = []
     for file in files:
         try:
-            seen.append((file, zlib.crc32(Path(file).read_bytes())))
+            status = os.stat(file)
         except OSError:
             seen.append((file, None))
+            continue
+        key = (status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns, status.st_mode)
+        if not stat.S_ISREG(status.st_mode) or status.st_size > MAX_BYTES:
+            seen.append((file, key))
+            continue
+        known = _checksums.get(file)
+        if known is not None and known[0] == key and status.st_mtime < known[2] - SETTLED_SECONDS:
+            seen.append((file, known[1]))
+            continue
+        read_at = time.time()
+        try:
+            with open(file, "rb") as f:
+                checksum: Optional[int] = zlib.crc32(f.read(MAX_BYTES + 1))
+        except OSError:
+            checksum = None
+        _checksums[file] = (key, checksum, read_at)
+        seen.append((file, checksum))
     return tuple(seen)
 
 

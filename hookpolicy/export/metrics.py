@@ -126,6 +126,9 @@ class MetricsStore:
     def __init__(self, rank: int) -> None:
         self.rank = str(rank)
         self._lock = threading.Lock()
+        #: held while a reload swaps one attachment for another: a scrape waits for the swap
+        #: to end rather than see neither policy (`hookpolicy_policy_info` missing)
+        self._swapping = threading.RLock()
         self._engine: dict[str, dict[Labels, float]] = defaultdict(dict)
         # family -> labels -> value; family -> owner policy, for maxSeries accounting
         self._stats: dict[str, dict[Labels, float]] = defaultdict(dict)
@@ -218,8 +221,12 @@ class MetricsStore:
                     self._series[policy] -= 1
 
     # -- scrape ------------------------------------------------------------------------
+    def swapping(self) -> "threading.RLock":
+        """Hold this (`with store.swapping():`) while one attachment replaces another."""
+        return self._swapping
+
     def snapshot(self) -> tuple[dict[str, dict[Labels, float]], dict[str, dict[Labels, float]]]:
-        with self._lock:
+        with self._swapping, self._lock:
             return (
                 {f: dict(s) for f, s in self._engine.items()},
                 {f: dict(s) for f, s in self._stats.items() if s},
