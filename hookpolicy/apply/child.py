@@ -13,6 +13,7 @@ Reload (`--watch`, SIGHUP, or the run folder's `reload` file): see `reload`.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import sys
@@ -53,6 +54,7 @@ class _Session:
         self._previous_excepthook = sys.excepthook
 
     def start(self) -> None:
+        _warnings_as_hookpolicy_lines()
         self.discovery.install()
         sys.excepthook = self._excepthook
         atexit.register(self.close)
@@ -118,6 +120,19 @@ def _exit_on_signal(signum: int, frame: Optional[FrameType]) -> None:
 
 
 _SESSION: Optional[_Session] = None
+
+
+def _warnings_as_hookpolicy_lines() -> None:
+    """The engine's warnings (logger `hookpolicy`: a plan's warnings, an in-place input) as
+    `hookpolicy:` lines on stderr, like every other line of ours. Without a handler Python
+    printed them bare; not propagated, so a script that configures logging does not print
+    them twice."""
+    logger = logging.getLogger("hookpolicy")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("hookpolicy: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
 
 
 def bootstrap() -> None:
