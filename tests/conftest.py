@@ -418,3 +418,15 @@ def torchrun() -> list[str]:
         return [str(beside)]
     found = shutil.which("torchrun")
     return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def metric(registry: CollectorRegistry, name: str, labels: dict[str, str]) -> Optional[float]:
+    """The one sample of `name` whose labels include `labels` (None if there is none).
+
+    Like `registry.get_sample_value`, but a label the test does not care about (`model`,
+    say) need not be spelled out.
+    """
+    found = [s.value for family in registry.collect() for s in family.samples
+             if s.name == name and labels.items() <= s.labels.items()]
+    assert len(found) <= 1, f"{name}{labels} is ambiguous: {found}"
+    return found[0] if found else None

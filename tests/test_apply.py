@@ -502,25 +502,26 @@ def test_discovery_leaves_a_target_network_alone(discovery: Discovery) -> None:
 
 def test_discovery_replaces_a_part_by_the_model_that_contains_it(discovery: Discovery) -> None:
     model = tiny(out=1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _train_step(model, opt, call=model[0])  # a part trained alone first
+    _train_step(model, torch.optim.SGD(model[0].parameters(), lr=0.1), call=model[0])  # a part trained alone first
     [part] = discovery.governed
     assert part.model is model[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, opt)  # its first step finds the rest of the model, governed at the next call
     _train_step(model, opt)
     [governed] = discovery.governed
     assert governed.model is model
     assert part.attached.removed  # the part's own attachment is gone
-    assert governed.attached.step == 2  # the count goes on
+    assert governed.attached.step == 3  # the count goes on
 
 
-def test_discovery_joins_parts_of_a_model_whose_forward_is_called_directly(discovery: Discovery) -> None:
+@pytest.mark.parametrize("call", ["part", "forward"])
+def test_discovery_governs_the_model_its_optimizer_trains_whatever_is_called(discovery: Discovery, call: str) -> None:
+    """Lightning calls a LightningModule's `training_step`, never the module: its parts are called."""
     model = tiny(out=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _train_step(model, opt, call=model.forward)  # no hook sees `model` itself: its Linears look like models
-    assert {type(g.model) for g in discovery.governed} == {nn.Linear}
-    _train_step(model, opt, call=model.forward)  # the optimizer step found the one model owning them all
+    _train_step(model, opt, call=model[0] if call == "part" else model.forward)
     [governed] = discovery.governed
-    assert governed.model is model
+    assert governed.model is model and governed.attached.step == 1
 
 
 def test_discovery_under_manual_sgd_keeps_watching(discovery: Discovery) -> None:

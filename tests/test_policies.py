@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from prometheus_client import CollectorRegistry
 
 import hookpolicy
+from conftest import metric
 
 from conftest import batch, lora, make_model, train_step, train_then_evaluate
 
@@ -58,13 +59,13 @@ def load_text(tmp_path: Path, text: str, name: str = "policy.yaml") -> hookpolic
 
 
 def stat(reg: CollectorRegistry, family: str, policy: str, rule: str, module: str = "", tensor: str = "") -> float:
-    value = reg.get_sample_value(family, {"policy": policy, "rule": rule, "module": module, "tensor": tensor, "rank": "0"})
+    value = metric(reg, family, {"policy": policy, "rule": rule, "module": module, "tensor": tensor, "rank": "0"})
     assert value is not None, f"{family}{{policy={policy}, rule={rule}, module={module}}} not exported"
     return value
 
 
 def counter(reg: CollectorRegistry, family: str, **labels: str) -> float:
-    return reg.get_sample_value(family, {**labels, "rank": "0"}) or 0.0
+    return metric(reg, family, {**labels, "rank": "0"}) or 0.0
 
 
 def modules_named(model: nn.Module, pattern: str, kind: type) -> list[tuple[str, nn.Module]]:
@@ -138,7 +139,7 @@ def test_policy_loads_compiles_and_runs(path: Path, workdir: Path) -> None:
         train_then_evaluate(model, steps=3)
         assert counter(reg, "hookpolicy_steps_total") == 3
         for policy in policies.policies:
-            assert reg.get_sample_value("hookpolicy_policy_info", {
+            assert metric(reg, "hookpolicy_policy_info", {
                 "policy": policy.name, "revision": policy.revision, "mode": policy.mode, "rank": "0"}) == 1
     errors = [s for m in reg.collect() for s in m.samples if s.name == "hookpolicy_hook_errors_total" and s.value]
     assert not errors

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 import hookpolicy
+from conftest import metric
 from hookpolicy.export.rules import prometheus_rules
 from conftest import make_model, train_then_evaluate
 
@@ -120,8 +121,8 @@ def test_scrape_has_every_family_with_samples(tmp_path: Path) -> None:
                    "hookpolicy_hook_seconds_total", "hookpolicy_policy_info", "hookpolicy_config_last_reload_successful",
                    "hookpolicy_series_dropped_total"):
         assert family in names, family
-    assert reg.get_sample_value("hookpolicy_series_dropped_total", {"policy": "tiny", "rank": "0"}) >= 1
-    assert reg.get_sample_value("hookpolicy_skipped_steps_total", {"policy": "everything", "rule": "skip-one", "rank": "0"}) == 1
+    assert metric(reg, "hookpolicy_series_dropped_total", {"policy": "tiny", "rank": "0"}) >= 1
+    assert metric(reg, "hookpolicy_skipped_steps_total", {"policy": "everything", "rule": "skip-one", "rank": "0"}) == 1
     assert b"# HELP hookpolicy_grad_l2_norm " in text
 
 

@@ -43,6 +43,7 @@ from hookpolicy.policy.model import LogSink
 from hookpolicy.engine.runtime import MAX_ERRORS
 
 from conftest import (
+    metric,
     REPO, global_hook_counts, json_lines, load_policy, module_hook_count, policy_text, served, tiny, write_policy,
 )
 from child_scripts import HOOK_REPORT
@@ -56,7 +57,7 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: int = 6) -> 
 
 
 def sample(reg: CollectorRegistry, name: str, **labels: str) -> Optional[float]:
-    return reg.get_sample_value(name, {**labels, "rank": "0"})
+    return metric(reg, name, {**labels, "rank": "0"})
 
 
 def errors_of(reg: CollectorRegistry, rule: str, policy: str = "p") -> float:

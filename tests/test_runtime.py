@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from torch.utils.checkpoint import checkpoint
 
 import hookpolicy
+from conftest import metric
 from hookpolicy.export import sinks
 from hookpolicy import Halt
 from hookpolicy.engine.runtime import Attached
@@ -81,7 +82,7 @@ def fresh(seed: int = 0, **kw: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def sample(reg: CollectorRegistry, name: str, **labels: str) -> float | None:
-    return reg.get_sample_value(name, {"rank": "0", "policy": "p", **labels})
+    return metric(reg, name, {"rank": "0", "policy": "p", **labels})
 
 
 # -- statistics against references ---------------------------------------------------------
@@ -242,7 +243,8 @@ def test_audit_mode_changes_nothing(tmp_path: Path) -> None:
     reg = CollectorRegistry()
     with pol.attach(model2, registry=reg):
         got = train(model2, opt2, data)
-        assert sample(reg, "hookpolicy_actions_total", rule="clip", action="clip", mode="audit") == 4
+        # once per step and binding: 4 modules with parameters, 4 steps
+        assert sample(reg, "hookpolicy_actions_total", rule="clip", action="clip", mode="audit") == 16
         # the alert is evaluated per module: 4 modules with parameters, 4 steps
         assert sample(reg, "hookpolicy_alerts_total", rule="clip", severity="warning") == 16
         assert sample(reg, "hookpolicy_skipped_steps_total", rule="clip") == 0
@@ -409,7 +411,7 @@ def test_grad_accumulation_is_one_step(tmp_path: Path) -> None:
     with pol.attach(model, registry=reg) as attached:
         train(model, opt, batches(8), accum=4, before_step=record)
         assert attached.step == 2
-        assert reg.get_sample_value("hookpolicy_steps_total", {"rank": "0"}) == 2
+        assert metric(reg, "hookpolicy_steps_total", {"rank": "0"}) == 2
         assert sample(reg, "hookpolicy_output_numel", rule="fwd", module="head", tensor="") == 4 * 12
     # root is named "" in labels; the step norm is the accumulated gradient's norm
     last = last_values(attached)
@@ -608,7 +610,8 @@ def test_log_records_are_json_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert writes == [2, 2]  # a step's records of the rule go out in one write
     lines = [json.loads(line) for line in (tmp_path / "logs/g.jsonl").read_text().splitlines()]
     assert len(lines) == 4
-    assert set(lines[0]) == {"time", "step", "rank", "policy", "rule", "module", "target", "tensor", "stats"}
+    assert set(lines[0]) == {"time", "step", "rank", "model", "policy", "rule", "module", "target", "tensor", "stats"}
+    assert lines[0]["model"].partition("#")[0] == "Net"  # the default registry: other tests' Nets came first
     assert [(r["step"], r["tensor"]) for r in lines] == [(0, "weight"), (0, "bias"), (1, "weight"), (1, "bias")]
     assert lines[0]["stats"]["nonfinite"] == 0 and isinstance(lines[0]["stats"]["l2_norm"], float)
 

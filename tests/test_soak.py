@@ -20,7 +20,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from torch import nn
 
-from conftest import global_hook_counts, json_lines, load_policy, module_hook_count
+from conftest import global_hook_counts, json_lines, load_policy, module_hook_count, metric
 
 LONG_RUN_POLICY = """\
 - name: grads
@@ -106,9 +106,9 @@ def long_run(folder: Path, out: Path, steps: int, warmup: int = 100) -> dict[str
                 seen = [r for r in seen if r() is not None]
             elapsed = time.perf_counter() - started
             rss_after, tensors_after = resident_bytes(), live_tensors()
-            assert reg.get_sample_value("hookpolicy_steps_total", {"rank": "0"}) == total
+            assert metric(reg, "hookpolicy_steps_total", {"rank": "0"}) == total
             labels = {"policy": "long", "rule": "grads", "module": "4", "tensor": "", "rank": "0"}
-            assert reg.get_sample_value("hookpolicy_grad_l2_norm", labels) is not None
+            assert metric(reg, "hookpolicy_grad_l2_norm", labels) is not None
     finally:
         spy.remove()
     assert module_hook_count(model) == 0 and global_hook_counts() == baseline

@@ -72,7 +72,7 @@ class _Session:
     def _governed(self, module: torch.nn.Module, attached: Attached) -> None:
         bindings = len(attached.plan.bindings)
         names = ", ".join(p.name for p in attached.policies)
-        say(f"governing {model_class(module)} (rank {self.config.rank}, pid {os.getpid()}): "
+        say(f"governing {attached.store.model} (rank {self.config.rank}, pid {os.getpid()}): "
              f"{bindings} binding(s) of {names}")
         if self._started:
             return

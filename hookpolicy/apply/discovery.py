@@ -35,6 +35,7 @@ them, so nothing in this module attaches or detaches from inside an optimizer st
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable, Optional
 
@@ -96,6 +97,7 @@ class Discovery:
         return self._forward is not None
 
     def install(self) -> None:
+        _quiet_compile_warning()
         self._install_forward()
         self._steps = optimizer_hooks.subscribe(self, optimizer_hooks.DISCOVERY)
 
@@ -176,18 +178,13 @@ class Discovery:
             return None
         if not trainable:
             return None
-        if not self._stepped_or_no_optimizer(module):
+        optimizers = heap.live_optimizers()
+        held = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+        if optimizers and not any(id(p) in held for p in module.parameters()):
             self._rejected[id(module)] = weakref.ref(module)
             return None
-        self.govern(module)
+        self.govern(_trained_root(module, held) if optimizers else module)
         return None
-
-    def _stepped_or_no_optimizer(self, module: torch.nn.Module) -> bool:
-        optimizers = heap.live_optimizers()
-        if not optimizers:
-            return True
-        params = {id(p) for p in module.parameters()}
-        return any(id(p) in params for o in optimizers for g in o.param_groups for p in g["params"])
 
     def _govern_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -277,9 +274,52 @@ class Discovery:
         self._covered = {p: r for p, r in self._covered.items() if r != root}
 
 
+def _quiet_compile_warning() -> None:
+    """Keep torch.compile from blaming the user's `model(x)` line for discovery's global hook.
+
+    `OptimizedModule.__call__` warns whenever any global module hook exists, because such
+    a hook fires once more for the wrapper. Discovery's forward pre-hook is one, and it
+    handles the wrapper on purpose (the wrapper is the model it governs), so the warning
+    would be hookpolicy's noise at the user's line. It is silenced only when the process
+    has no global module hooks of its own when discovery starts.
+    """
+    from torch.nn.modules import module as hooks
+
+    if not any((hooks._global_forward_pre_hooks, hooks._global_forward_hooks, hooks._global_backward_pre_hooks,
+                hooks._global_backward_hooks)):
+        warnings.filterwarnings(
+            "ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks", category=UserWarning,
+        )
+
+
 def _known(cache: dict[int, "weakref.ref[torch.nn.Module]"], module: torch.nn.Module) -> bool:
     ref = cache.get(id(module))
     return ref is not None and ref() is module
+
+
+def _trained_root(module: torch.nn.Module, held: set[int]) -> torch.nn.Module:
+    """The outermost module containing `module` all of whose trainable parameters optimizers hold.
+
+    A training framework often calls only a part of the model through `__call__`:
+    Lightning calls `training_step` of the LightningModule, whose forward calls `self.net`.
+    Governing the part that happens to be called first would make the governed root, and
+    with it every label, depend on the framework's flags (Lightning's
+    `accumulate_grad_batches` changes whether the first call is inside `optimizer.step`).
+    The module whose trainable parameters are exactly what the optimizers train is the
+    model the script trains, whatever calls it. One scan of the heap, once per model.
+    """
+    parents: dict[int, list[torch.nn.Module]] = {}
+    for m in heap.live_modules():
+        for child in m.children():
+            parents.setdefault(id(child), []).append(m)
+    root, seen = module, {id(module)}
+    while True:
+        up = next((p for p in parents.get(id(root), ()) if id(p) not in seen and all(
+            id(q) in held for q in p.parameters() if q.requires_grad)), None)
+        if up is None:
+            return root
+        root = up
+        seen.add(id(root))
 
 
 def _outermost_owners(params: set[int]) -> list[torch.nn.Module]:

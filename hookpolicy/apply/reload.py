@@ -132,7 +132,7 @@ class Swaps:
         governed.generation = generation
         governed.swap_after = None
         names = ", ".join(f"{p.name}@{p.revision[:12]}" for p in policies.policies)
-        say(f"reloaded policies at step {step} of {type(governed.model).__name__} (rank {self.rank}): {names}")
+        say(f"reloaded policies at step {step} of {governed.attached.store.model} (rank {self.rank}): {names}")
         if all(g.generation == generation for g in everyone):
             with self._lock:
                 if self.next is not None and self.next[0] == generation:

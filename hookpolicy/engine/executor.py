@@ -4,9 +4,10 @@
 tensor hooks on gradients) and what step tracking calls for `step` rules
 (`run_step_rules`). A statistics pass leaves an `Entry` (device-side partials) in
 `buffer` for the read-back; a clip or scale returns replacement tensors (or changes
-parameter gradients in place at `step`). `counts` and `seconds` accumulate
-`hookpolicy_actions_total` and `hookpolicy_hook_seconds_total` until the coordinator
-flushes them once per step.
+parameter gradients in place at `step`). `ran` (which action ran on which module) and
+`seconds` accumulate `hookpolicy_actions_total` and `hookpolicy_hook_seconds_total` until
+the coordinator flushes them once per step: an action counts once per step and binding,
+however many calls or micro-batches the step had.
 
 Error containment (`fail`): an exception in a rule's hook body is counted, logged once,
 and switches the rule off after `MAX_ERRORS`; with `onError: halt` it becomes a `Halt`.
@@ -24,7 +25,7 @@ import torch
 
 from .actions import StatsOp, mutate
 from ..errors import Halt
-from ..export.metrics import HOOK_ERRORS, MetricsStore
+from ..export.metrics import HOOK_ERRORS, ModelMetrics
 from ..plan.planner import Binding, param as find_param
 from ..policy.model import Rule
 from .distributed import Shards, local_shards, shard_name, shard_partials
@@ -49,12 +50,13 @@ class Executor:
     """
 
     def __init__(
-        self, rules: dict[tuple[str, str], RuleState], phase: Phase, store: MetricsStore,
+        self, rules: dict[tuple[str, str], RuleState], phase: Phase, store: ModelMetrics,
         step: Callable[[], int], halting: Callable[[Halt], Halt],
     ) -> None:
         self.rules = rules
         self.buffer: list[Entry] = []
-        self.counts: dict[tuple[str, ...], float] = defaultdict(float)
+        #: (hookpolicy_actions_total labels, module) of every action that ran this step
+        self.ran: set[tuple[tuple[str, ...], str]] = set()
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
         self._phase = phase
         self._store = store
@@ -183,6 +185,7 @@ class Executor:
     ) -> Optional[list[torch.Tensor]]:
         """Run a rule's program on tensors; returns replacements when a mutation applied."""
         changed = False
+        modules = {module for module, _ in rows}
         for op, count_keys in zip(rs.program, rs.count_keys):
             if isinstance(op, StatsOp):
                 sharded = local_shards(tensors)
@@ -197,10 +200,9 @@ class Executor:
                 self.buffer.append(Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies,
                                          list(tensors) if deferred else None,
                                          None if sharded is None else sharded[1]))
-                for key in count_keys:
-                    self.counts[key] += 1
+                self.ran.update((key, module) for key in count_keys for module in modules)
             else:
-                self.counts[count_keys[0]] += 1
+                self.ran.update((count_keys[0], module) for module in modules)
                 if rs.enforce:
                     tensors = mutate(op.action, list(tensors), _groups(rows, getattr(op.action, "per", "tensor")), inplace)
                     changed = True

@@ -26,7 +26,7 @@ import torch
 
 from .actions import StatsOp
 from ..errors import Halt
-from ..export.metrics import ALERT_FIRING, ALERTS, SKIPPED_STEPS, MetricsStore, Labels, stat_family
+from ..export.metrics import ALERT_FIRING, ALERTS, SKIPPED_STEPS, ModelMetrics, Labels, stat_family
 from ..policy.model import Alert, Capture, LogSink, Policy
 from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
 from .rulestate import MAX_ERRORS, RuleState
@@ -61,6 +61,8 @@ class StepReport:
     skip: bool = False
     #: the first rule whose alert skips the step (named to the other ranks, see distributed.agree)
     skip_rule: Optional[tuple[str, str]] = None
+    #: the rules whose alerts skip the step (each counts the step once, however many modules fired)
+    skip_by: list[tuple[str, str]] = field(default_factory=list)
     #: the first alert with `then: halt` in enforce mode
     halt: Optional[Halt] = None
     #: sinks that could not write, in order: each is a fault of its rule, handled by `onError`
@@ -80,7 +82,7 @@ class _SinkHalts(Exception):
 class Readback:
     """Turns a step's buffered entries into metrics, log records, tensor files and a `StepReport`."""
 
-    def __init__(self, store: MetricsStore, policies: Sequence[Policy], root: Path, rank: int) -> None:
+    def __init__(self, store: ModelMetrics, policies: Sequence[Policy], root: Path, rank: int) -> None:
         self.store = store
         self.rank = rank
         self._root = root
@@ -165,7 +167,8 @@ class Readback:
         logged: dict[tuple[int, Optional[LogSink]], list[dict[str, Any]]] = defaultdict(list)  # one write per sink
         for index, action in p.op.actions:
             for (module, tensor), stats in p.statistics(action.per):
-                base = {"time": now, "step": self._step, "rank": self.rank, "policy": rs.policy.name,
+                base = {"time": now, "step": self._step, "rank": self.rank, "model": self.store.model,
+                        "policy": rs.policy.name,
                         "rule": rs.rule.name, "module": module, "target": p.target, "tensor": tensor}
                 if isinstance(action, Capture):
                     for stat in action.stats:
@@ -185,10 +188,11 @@ class Readback:
                     "severity": action.severity, "then": action.then, "mode": rs.mode, "message": message,
                 })
                 if rs.enforce and not final:
-                    if action.then == "skip_step":
+                    if action.then == "skip_step" and rs.key not in report.skip_by:
                         report.skip = True
                         report.skip_rule = report.skip_rule or rs.key
-                        self.store.inc(SKIPPED_STEPS, rs.key)
+                        report.skip_by.append(rs.key)
+                        self.store.inc(SKIPPED_STEPS, rs.key)  # once per step and rule
                     elif action.then == "halt" and report.halt is None:
                         report.halt = Halt(rs.policy.name, rs.rule.name, self._step, message)
         for (index, sink), records in logged.items():

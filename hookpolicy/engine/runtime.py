@@ -23,6 +23,7 @@ import logging
 import os
 import time
 import weakref
+from collections import defaultdict
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
@@ -32,9 +33,10 @@ from .. import environment
 from ..errors import Halt, HookPolicyError
 from ..export.metrics import (
     ACTIONS, ALERT_FIRING, ALERTS, HOOK_ERRORS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, POLICY_INFO,
-    SERIES_DROPPED, SKIPPED_STEPS, STEPS, Labels, MetricsStore, store_for,
+    SERIES_DROPPED, SKIPPED_STEPS, STEPS, Labels, ModelMetrics, store_for,
 )
 from ..export.sinks import output_root
+from ..plan.matcher import model_class
 from ..plan.planner import Plan, build_plan
 from ..policy.model import Alert, Policy
 from . import module_hooks
@@ -71,7 +73,7 @@ class Attached:
         self.plan: Plan = build_plan(self.policies, model)
         self.rank = environment.rank(os.environ) if rank is None else rank
         self.step = start_step
-        self.store: MetricsStore = store_for(registry, self.rank)
+        self.store: ModelMetrics = store_for(registry, self.rank).for_model(model, model_class(model))
         self._audit = audit
         self._rules = rule_states(self.plan, audit)
         phase = Phase()
@@ -282,11 +284,14 @@ class Attached:
 
     def _flush_counters(self) -> None:
         run = self._executor
-        for labels, count in run.counts.items():
+        counts: dict[tuple[str, ...], int] = defaultdict(int)
+        for labels, _ in run.ran:
+            counts[labels] += 1
+        for labels, count in counts.items():
             self.store.inc(ACTIONS, labels, count)
         for key, seconds in run.seconds.items():
             self.store.inc(HOOK_SECONDS, key, seconds)
-        run.counts.clear()
+        run.ran.clear()
         run.seconds.clear()
 
 

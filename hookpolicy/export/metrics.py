@@ -34,7 +34,8 @@ from ..policy.model import STATS, TARGETS
 __all__ = [
     "ACTIONS", "ALERTS", "ALERT_FIRING", "ENGINE_FAMILIES", "FAMILIES", "Family", "HOOK_ERRORS", "HOOK_SECONDS",
     "LAST_STEP_TIMESTAMP", "POLICY_INFO", "RELOAD_GAUGE", "RELOAD_SUCCESSFUL", "SERIES_DROPPED", "SKIPPED_STEPS", "STAT_LABELS",
-    "STEPS", "Labels", "MetricsStore", "StoreCollector", "split_family", "stat_family", "store_for",
+    "STEPS", "Labels", "MODEL_FAMILIES", "MetricsStore", "ModelMetrics", "StoreCollector", "split_family", "stat_family",
+    "store_for",
 ]
 
 log = logging.getLogger("hookpolicy")
@@ -52,20 +53,38 @@ class Family:
     labels: Labels = ()
 
 
-STEPS = Family("hookpolicy_steps", "counter", "Optimizer steps evaluated by hookpolicy (of the furthest model in the process).")
-LAST_STEP_TIMESTAMP = Family("hookpolicy_last_step_timestamp_seconds", "gauge", "Unix time of the last step hookpolicy evaluated.")
-ACTIONS = Family(
-    "hookpolicy_actions", "counter", "Actions run, by action and mode (audit actions change nothing).",
-    ("policy", "rule", "action", "mode"),
+# Each help text says what one unit of the family is; tests/test_stacks.py pins them.
+STEPS = Family(
+    "hookpolicy_steps", "counter", "Optimizer steps of the model evaluated by hookpolicy: one per optimizer step() "
+    "(several optimizers after one backward pass, or the micro-batches of one step, make one).", ("model",),
 )
-ALERTS = Family("hookpolicy_alerts", "counter", "Evaluations on which an alert fired.", ("policy", "rule", "severity"))
+LAST_STEP_TIMESTAMP = Family(
+    "hookpolicy_last_step_timestamp_seconds", "gauge",
+    "Unix time in seconds of the last step of the model hookpolicy evaluated.", ("model",),
+)
+ACTIONS = Family(
+    "hookpolicy_actions", "counter", "Actions run: one per step and binding (a rule on one module) on which the action "
+    "ran, however many calls or micro-batches the step had; audit actions change nothing.",
+    ("policy", "rule", "action", "mode", "model"),
+)
+ALERTS = Family(
+    "hookpolicy_alerts", "counter", "Alert firings: one per evaluation (once a step) and group of the alert's per "
+    "(rule, module or tensor) on which it fired.", ("policy", "rule", "severity", "model"),
+)
 ALERT_FIRING = Family(
     "hookpolicy_alert_firing", "gauge", "1 while an alert's condition holds (after its for: count), else 0.",
-    ("policy", "rule", "severity"),
+    ("policy", "rule", "severity", "model"),
 )
-SKIPPED_STEPS = Family("hookpolicy_skipped_steps", "counter", "Optimizer steps skipped by an alert.", ("policy", "rule"))
-HOOK_ERRORS = Family("hookpolicy_hook_errors", "counter", "Errors raised inside hookpolicy's hooks.", ("policy", "rule"))
-HOOK_SECONDS = Family("hookpolicy_hook_seconds", "counter", "Time spent inside hookpolicy's hooks.", ("policy", "rule"))
+SKIPPED_STEPS = Family(
+    "hookpolicy_skipped_steps", "counter", "Optimizer steps skipped by a rule's alert: one per skipped step, however "
+    "many modules fired.", ("policy", "rule", "model"),
+)
+HOOK_ERRORS = Family(
+    "hookpolicy_hook_errors", "counter", "Errors raised inside hookpolicy's hooks: one per error.", ("policy", "rule", "model"),
+)
+HOOK_SECONDS = Family(
+    "hookpolicy_hook_seconds", "counter", "Seconds spent inside hookpolicy's hooks and read-back.", ("policy", "rule", "model"),
+)
 POLICY_INFO = Family(
     "hookpolicy_policy_info", "gauge", "The applied policies: revision is the file's content hash.",
     ("policy", "revision", "mode"),
@@ -75,7 +94,7 @@ RELOAD_SUCCESSFUL = Family(
 )
 SERIES_DROPPED = Family(
     "hookpolicy_series_dropped", "counter",
-    "Statistic series not exported because spec.limits.maxSeries was reached.", ("policy",),
+    "Statistic series not exported because spec.limits.maxSeries was reached: one per series.", ("policy",),
 )
 
 #: Every engine family, in exposition order.
@@ -88,7 +107,10 @@ _BY_NAME = {f.name: f for f in FAMILIES}
 #: name (without `_total` for counters) -> (type, help, label names besides `rank`)
 ENGINE_FAMILIES: dict[str, tuple[str, str, Labels]] = {f.name: (f.kind, f.help, f.labels) for f in FAMILIES}
 
-STAT_LABELS: Labels = ("policy", "rule", "module", "tensor")
+STAT_LABELS: Labels = ("policy", "rule", "module", "tensor", "model")
+
+#: The engine families whose series belong to one governed model (their last label is `model`).
+MODEL_FAMILIES = frozenset(f for f in FAMILIES if f.labels[-1:] == ("model",))
 
 #: The name of `RELOAD_SUCCESSFUL`, written only by `MetricsStore.config_loaded`.
 RELOAD_GAUGE = RELOAD_SUCCESSFUL.name
@@ -134,6 +156,8 @@ class MetricsStore:
         self._stats: dict[str, dict[Labels, float]] = defaultdict(dict)
         self._series: dict[str, int] = defaultdict(int)
         self._warned: set[str] = set()
+        self._models: "weakref.WeakKeyDictionary[object, str]" = weakref.WeakKeyDictionary()
+        self._classes: dict[str, int] = {}
 
     # -- engine families ---------------------------------------------------------------
     def inc(self, family: Family, labels: Labels = (), by: float = 1.0) -> None:
@@ -203,14 +227,31 @@ class MetricsStore:
                     "and counted in hookpolicy_series_dropped_total", policy, max_series.get(policy, 10000),
                 )
 
-    def forget_policy(self, policy: str) -> None:
-        """Remove a detached policy's statistic gauges (a stale gauge would mislead)."""
+    def forget_policy(self, policy: str, model: Optional[str] = None) -> None:
+        """Remove a detached policy's statistic gauges (of one model, or all), since a stale gauge would mislead."""
         with self._lock:
             for series in self._stats.values():
-                for labels in [lab for lab in series if lab[0] == policy]:
+                for labels in [lab for lab in series if lab[0] == policy and model in (None, lab[-1])]:
                     del series[labels]
-            self._series.pop(policy, None)
-            self._warned.discard(policy)
+                    self._series[policy] -= 1
+            if self._series.get(policy, 0) <= 0:
+                self._series.pop(policy, None)
+                self._warned.discard(policy)
+
+    # -- models ------------------------------------------------------------------------
+    def for_model(self, model: object, class_name: str) -> "ModelMetrics":
+        """The view of this store that labels every per-model series with `model`'s label.
+
+        The label is the class name of the model's root, `#2`, `#3`, ... for the second and
+        later models of the same class, in the order they were first seen; the same model
+        object (a reloaded policy, say) keeps its label.
+        """
+        with self._lock:
+            label = self._models.get(model)
+            if label is None:
+                count = self._classes[class_name] = self._classes.get(class_name, 0) + 1
+                label = self._models[model] = class_name if count == 1 else f"{class_name}#{count}"
+        return ModelMetrics(self, label)
 
     def forget_modules(self, policy: str, modules: Collection[str]) -> None:
         """Remove a policy's statistic gauges of modules it no longer binds (replaced or removed)."""
@@ -231,6 +272,54 @@ class MetricsStore:
                 {f: dict(s) for f, s in self._engine.items()},
                 {f: dict(s) for f, s in self._stats.items() if s},
             )
+
+
+class ModelMetrics:
+    """One governed model's view of a `MetricsStore`: the same calls, with its `model` label added.
+
+    Labels given to it never include `model`; it appends the label to the series of the
+    families in `MODEL_FAMILIES` and of every statistic family, and passes the process-wide
+    families (policy info, reload status, dropped series) through unchanged.
+    """
+
+    def __init__(self, store: MetricsStore, model: str) -> None:
+        self.store = store
+        self.model = model
+        self.rank = store.rank
+
+    def _labels(self, family: Family, labels: Labels) -> Labels:
+        return (*labels, self.model) if family in MODEL_FAMILIES else labels
+
+    def inc(self, family: Family, labels: Labels = (), by: float = 1.0) -> None:
+        self.store.inc(family, self._labels(family, labels), by)
+
+    def raise_to(self, family: Family, labels: Labels, value: float) -> None:
+        self.store.raise_to(family, self._labels(family, labels), value)
+
+    def set(self, family: Family, labels: Labels, value: float) -> None:
+        self.store.set(family, self._labels(family, labels), value)
+
+    def config_loaded(self, ok: Optional[bool] = None) -> None:
+        self.store.config_loaded(ok)
+
+    def drop(self, family: Family, keep: Callable[[Labels], bool]) -> None:
+        """Drop the series `keep` rejects (given the labels without `model`); only this model's."""
+        if family not in MODEL_FAMILIES:
+            self.store.drop(family, keep)
+            return
+        self.store.drop(family, lambda labels: labels[-1] != self.model or keep(labels[:-1]))
+
+    def set_stats(self, values: dict[tuple[str, Labels], float], max_series: dict[str, int]) -> None:
+        self.store.set_stats({(family, (*labels, self.model)): v for (family, labels), v in values.items()}, max_series)
+
+    def forget_policy(self, policy: str) -> None:
+        self.store.forget_policy(policy, self.model)
+
+    def forget_modules(self, policy: str, modules: Collection[str]) -> None:
+        self.store.forget_modules(policy, modules)
+
+    def swapping(self) -> "threading.RLock":
+        return self.store.swapping()
 
 
 class StoreCollector(Collector):
