@@ -196,3 +196,188 @@ def test_two_models_of_one_class_get_their_own_label(tmp_path: Path) -> None:
         assert _metric(registry, "hookpolicy_steps_total", model="Sequential#2") == 3
         rms = {m: _metric(registry, "hookpolicy_output_rms", model=m, module="0") for m in ("Sequential", "Sequential#2")}
         assert rms["Sequential#2"] > 10 * rms["Sequential"]  # neither overwrote the other
+
+
+CLIP_AND_GUARD = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {name: p}
+spec:
+  rules:
+    - name: nan
+      priority: 0
+      match: {modules: ["**"]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - alert: {if: "nonfinite > 0", per: rule, then: skip_step}
+    - name: clip
+      match: {modules: ["**"]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - clip: {max_norm: 0.5, per: rule}
+"""
+
+
+def _closure_run(tmp_path: Path, make_opt: Any, nan_at: int = -1, hookpolicy_on: bool = True,
+                 clip_in_closure: bool = False) -> tuple[nn.Module, torch.optim.Optimizer, list[Any]]:
+    """Five `opt.step(closure)` steps of a small MLP; returns the model, optimizer and a copy of both per step."""
+    (tmp_path / "p.yaml").write_text(CLIP_AND_GUARD)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = make_opt(model.parameters())
+    x = torch.randn(16, 4)
+    copies = []
+
+    def train() -> None:
+        for step in range(5):
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = model(x).pow(2).mean() * (float("nan") if step == nan_at else 10.0)
+                loss.backward()
+                if clip_in_closure:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                return loss
+            copies.append(_state(model, opt))
+            opt.step(closure)
+        copies.append(_state(model, opt))
+
+    if hookpolicy_on:
+        with hookpolicy.load(tmp_path / "p.yaml").attach(model, registry=CollectorRegistry()):
+            train()
+    else:
+        train()
+    return model, opt, copies
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    def copy(v: Any) -> Any:
+        return v.clone() if isinstance(v, torch.Tensor) else (v.copy() if isinstance(v, list) else v)
+    return ([p.detach().clone() for p in model.parameters()],
+            [{k: copy(v) for k, v in opt.state[p].items()} for p in model.parameters() if p in opt.state])
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and bool(torch.equal(a, b))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("make_opt", [
+    pytest.param(lambda ps: torch.optim.SGD(ps, lr=0.1), id="sgd"),
+    pytest.param(lambda ps: torch.optim.Adam(ps, lr=0.01), id="adam"),
+    pytest.param(lambda ps: torch.optim.LBFGS(ps, lr=0.1, max_iter=1), id="lbfgs"),
+])
+def test_a_closure_step_is_clipped_as_clip_grad_norm_inside_the_closure(tmp_path: Path, make_opt: Any) -> None:
+    """The rule acts after the closure's backward: the same parameters as clip_grad_norm_ called inside it."""
+    _, _, ours = _closure_run(tmp_path, make_opt)
+    _, _, reference = _closure_run(tmp_path, make_opt, hookpolicy_on=False, clip_in_closure=True)
+    for got, want in zip(ours, reference):
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(got[0], want[0]))
+
+
+@pytest.mark.parametrize("make_opt", [
+    pytest.param(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), id="sgd-momentum"),
+    pytest.param(lambda ps: torch.optim.Adam(ps, lr=0.01), id="adam"),
+    pytest.param(lambda ps: torch.optim.LBFGS(ps, lr=0.1, max_iter=1), id="lbfgs"),
+    pytest.param(lambda ps: torch.optim.LBFGS(ps, lr=0.1, max_iter=3), id="lbfgs-iterations"),
+])
+def test_a_skipped_closure_step_leaves_parameters_and_optimizer_state_bit_identical(
+    tmp_path: Path, make_opt: Any,
+) -> None:
+    model, _, copies = _closure_run(tmp_path, make_opt, nan_at=2)
+    same = [_equal(before, after) for before, after in zip(copies, copies[1:])]
+    assert same == [False, False, True, False, False]
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_halt_inside_a_closure_step_stops_before_the_update(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text(CLIP_AND_GUARD.replace("then: skip_step", "then: halt"))
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(torch.randn(3, 4)).sum() * float("nan")
+        loss.backward()
+        return loss
+
+    with hookpolicy.load(tmp_path / "p.yaml").attach(model, registry=CollectorRegistry()):
+        with pytest.raises(hookpolicy.Halt):
+            opt.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# -- PyTorch Lightning ---------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [
+    pytest.param([], id="automatic"),
+    pytest.param(["--accum", "2", "--clip-val", "1.0", "--optimizer", "adam"], id="accumulate-clip-adam"),
+    pytest.param(["--manual"], id="manual"),
+])
+def test_lightning(tmp_path: Path, free_port: int, flags: list[str]) -> None:
+    stack = run_stack(tmp_path, free_port, "lightning_reg.py", "--steps", "8", "--nan-at", "3", *flags)
+    check_guarded(stack, nan_at=3, model="Regressor")
+    assert stack.out["finite"]
+    assert stack.labels("hookpolicy_grad_l2_norm", "module", rule="layers") == {"net.0", "net.2"}
+    assert stack.labels("hookpolicy_grad_l2_norm", "model") == {"Regressor"}
+    assert "hookpolicy: governing Regressor " in stack.stderr
+
+
+# -- transformers Trainer (accelerate underneath) ------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, accum, model, layers", [
+    pytest.param("gpt2", "2", "GPT2LMHeadModel", {"lm_head"}, id="gpt2-accumulate"),
+    pytest.param("llama", "1", "LlamaForCausalLM", {"lm_head", "model.layers.0.self_attn.q_proj"}, id="llama"),
+])
+def test_transformers_trainer(tmp_path: Path, free_port: int, arch: str, accum: str, model: str,
+                              layers: set[str]) -> None:
+    stack = run_stack(tmp_path, free_port, "hf_trainer.py", "--arch", arch, "--steps", "6", "--accum", accum,
+                      "--nan-at", "3")
+    check_guarded(stack, nan_at=3, model=model)
+    assert stack.out["finite"]
+    assert layers <= stack.labels("hookpolicy_grad_l2_norm", "module", rule="layers")
+    assert stack.labels("hookpolicy_grad_l2_norm", "model") == {model}
+
+
+# -- plain PyTorch loops -------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["closure-sgd", "closure-adam", "lbfgs", "compile", "checkpoint"])
+def test_plain_loops(tmp_path: Path, free_port: int, case: str) -> None:
+    stack = run_stack(tmp_path, free_port, "loops.py", "--case", case, "--nan-at", "3")
+    check_guarded(stack, nan_at=3, model="Sequential")  # a compiled model is labelled as the model it wraps
+    assert stack.out["finite"]
+    assert stack.labels("hookpolicy_grad_l2_norm", "module", rule="layers") == {"0", "2"}
+    assert "warn" not in stack.stderr.lower(), stack.stderr  # e.g. torch.compile's about global module hooks
+
+
+@pytest.mark.slow
+def test_grad_scaler_skips_the_overflow_step_itself(tmp_path: Path, free_port: int) -> None:
+    """GradScaler skips the NaN step before any optimizer step: hookpolicy neither counts nor evaluates it."""
+    stack = run_stack(tmp_path, free_port, "loops.py", "--case", "grad-scaler", "--nan-at", "3")
+    stack.out["framework_steps"] = stack.out["scaler_steps"]  # the optimizer steps GradScaler took: 5 of 6
+    check_guarded(stack, nan_at=None, model="Sequential")
+    assert stack.out["scaler_steps"] == 5
+
+
+@pytest.mark.slow
+def test_two_models_are_told_apart(tmp_path: Path, free_port: int) -> None:
+    """A GAN's generator and discriminator, both `Sequential`: `Sequential` and `Sequential#2` everywhere."""
+    stack = run_stack(tmp_path, free_port, "loops.py", "--case", "gan", "--nan-at", "3")
+    check_guarded(stack, nan_at=3, model="Sequential", probe="generator")
+    seen = stack.probe("discriminator")
+    assert stack.value("hookpolicy_steps_total", model="Sequential#2") == len(seen["norms"]) == 6
+    assert not any(seen["unchanged"])  # the discriminator's loss was finite at every step
+    assert stack.value("hookpolicy_skipped_steps_total", model="Sequential#2", rule="nan") == 0
+    assert stack.labels("hookpolicy_grad_l2_norm", "model") == {"Sequential", "Sequential#2"}
+    governed = [line for line in stack.stderr.splitlines() if line.startswith("hookpolicy: governing")]
+    assert [line.split()[2] for line in governed] == ["Sequential", "Sequential#2"]

@@ -15,10 +15,24 @@ The subscriber contract, as a literal signature:
     subscriber.before_update(optimizer) -> None   # the step's gradients are final
     subscriber.after_update(optimizer) -> None    # the update happened (or was skipped)
 
-`before_update` is called from the global pre-hook today (a step without a closure has
-its gradients before `step()` is called). It is named for *when* a subscriber acts,
-not for which PyTorch hook calls it, so the owner can later call it after the closure
-of `optimizer.step(closure)` has run its backward, without a subscriber changing.
+`before_update` is called when the gradients the optimizer will apply exist:
+
+- `optimizer.step()` without a closure: from the global pre-hook (the script's backward
+  passes are done before it calls `step()`);
+- `optimizer.step(closure)` (Lightning's automatic optimization, LBFGS, any script that
+  passes one): the closure zeroes the gradients and runs forward and backward *inside*
+  `step()`, after every pre-hook. So the pre-hook hands `step()` a wrapped closure
+  (PyTorch lets a pre-hook return new `(args, kwargs)`): it calls the script's closure,
+  then `before_update`, and returns the closure's loss. What the subscribers do there
+  (clip, scale, hide the gradients of a skipped step, raise a `Halt`) happens after the
+  closure's backward and before the update.
+- An optimizer that calls its closure several times in one `step()` (LBFGS with
+  `max_iter > 1` or a line search) gets `before_update` after the **first** call only:
+  the gradients at the point the step starts from, which decide its first direction and
+  its convergence test. Hiding them (a skipped step) makes LBFGS see a zero gradient and
+  return before it moves. Later evaluations inside the same step are not seen; this is
+  reported once per optimizer class as a `hookpolicy:` warning.
+
 An exception from a subscriber propagates out of `optimizer.step()` (a `Halt` does so
 on purpose); the subscribers after it are not called for that event.
 
@@ -34,16 +48,19 @@ next `subscribe` or `remove` outside one.
 from __future__ import annotations
 
 import itertools
+import logging
 import sys
 import threading
 from types import FrameType
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["DISCOVERY", "STEP_TRACKING", "StepSubscriber", "Subscription", "subscribe"]
+
+log = logging.getLogger("hookpolicy")
 
 #: `hookpolicy apply`'s discovery: called first.
 DISCOVERY = 0
@@ -106,15 +123,61 @@ class _Owner:
                     handle.remove()
                 self._handles = []
 
-    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Optional[tuple[Any, Any]]:
+        """hook(optimizer, args, kwargs) -> None or (args, kwargs): `args[0]` is the optimizer itself."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if not callable(closure):
+            self.before_update(optimizer)
+            return None
+        wrapped = _ClosureThenUpdate(self, optimizer, closure)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
+
+    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
         for subscription in self._subscriptions:
             if not subscription.removed:
                 subscription.subscriber.before_update(optimizer)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        wrapped = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if isinstance(wrapped, _ClosureThenUpdate):
+            wrapped.report()
         for subscription in self._subscriptions:
             if not subscription.removed:
                 subscription.subscriber.after_update(optimizer)
+
+
+class _ClosureThenUpdate:
+    """The closure `step()` gets in place of the script's: the script's closure, then `before_update`."""
+
+    _reported: set[tuple[str, int]] = set()  # (optimizer class, what): each said once per process
+
+    def __init__(self, owner: _Owner, optimizer: torch.optim.Optimizer, closure: Callable[..., Any]) -> None:
+        self.owner, self.optimizer, self.closure = owner, optimizer, closure
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        loss = self.closure(*args, **kwargs)
+        self.calls += 1
+        if self.calls == 1:
+            self.owner.before_update(self.optimizer)
+        return loss
+
+    def report(self) -> None:
+        """After the step: say once if the closure ran several times, or never (the step was not seen)."""
+        name = type(self.optimizer).__name__
+        what = min(self.calls, 2)
+        if what == 1 or (name, what) in self._reported:
+            return
+        self._reported.add((name, what))
+        if what == 0:
+            log.warning("%s.step() did not call the closure it was given: its steps are not evaluated "
+                        "(no statistics, clip, skip or halt)", name)
+        else:
+            log.warning("%s called its closure %d times in one step(): step rules act on the gradients of "
+                        "the first call only (the point the step starts from); later evaluations are not "
+                        "guarded (LBFGS: max_iter=1 and no line search evaluates once)", name, self.calls)
 
 
 #: The code of the wrapper PyTorch puts around every `Optimizer.step`, which calls the hooks.

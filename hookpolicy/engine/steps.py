@@ -94,7 +94,7 @@ class StepTracker:
         self._evaluated_seq = -1
         self._in_backward = False
         self._skip = False
-        self._stash: dict[int, list[Optional[torch.Tensor]]] = {}
+        self._stash: dict[int, tuple[list[Optional[torch.Tensor]], dict[Any, dict[str, Any]]]] = {}
         self._ending = False
         self._probe: Optional[torch.nn.Parameter] = None
         self._subscription = optimizer_hooks.subscribe(self, optimizer_hooks.STEP_TRACKING)
@@ -209,20 +209,32 @@ class StepTracker:
             self._hide_grads(optimizer)
 
     def after_update(self, optimizer: torch.optim.Optimizer) -> None:
-        """`optimizer_hooks` subscriber: put hidden gradients back, end the step."""
+        """`optimizer_hooks` subscriber: put hidden gradients and the optimizer's state back, end the step."""
         if not self._owns(optimizer):
             return
         stash = self._stash.pop(id(optimizer), None)
         if stash is not None:
+            grads, state = stash
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            for p, grad in zip(params, stash):
+            for p, grad in zip(params, grads):
                 p.grad = grad
+            for p in [p for p in optimizer.state if p not in state]:
+                del optimizer.state[p]
+            optimizer.state.update(state)
         if self._ending:
             self._ending = False
             self._events.end_step()
 
     def _hide_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """Skip the step: no gradient for the optimizer, and its state as it is now restored afterwards.
+
+        Every torch optimizer leaves a parameter without `.grad` alone, but not all of its
+        bookkeeping: LBFGS counts the closure evaluation (`func_evals`) after the closure
+        that hid them. A shallow copy of each parameter's state dict, taken only on a
+        skipped step, puts such counters back; the state tensors are not touched.
+        """
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._stash[id(optimizer)] = [p.grad for p in params]
+        state = {p: dict(s) for p, s in optimizer.state.items()}
+        self._stash[id(optimizer)] = ([p.grad for p in params], state)
         for p in params:
             p.grad = None
