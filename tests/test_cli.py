@@ -284,6 +284,8 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     _, tests = readme_commands()
     ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
     assert tests in ci
+    installs = [part for part in tests.split(" && ") if part.startswith("pip install")]
+    assert installs and all("torch==2.13.0" in part.split() for part in installs)  # never a CUDA torch
 
 
 @pytest.mark.slow

@@ -101,12 +101,15 @@ def check_guarded(stack: Stack, nan_at: Optional[int], model: str, probe: str = 
 
 # -- in process: counters and model labels, with the Python API ----------------------------
 
-COUNTING = """\
+HEADER = """\
 apiVersion: hookpolicy/v1
 kind: HookPolicy
 metadata: {name: p}
 spec:
   rules:
+"""
+
+COUNTING = HEADER + """\
     - name: nan
       match: {modules: ["**"]}
       trigger: {at: step}
@@ -198,12 +201,7 @@ def test_two_models_of_one_class_get_their_own_label(tmp_path: Path) -> None:
         assert rms["Sequential#2"] > 10 * rms["Sequential"]  # neither overwrote the other
 
 
-CLIP_AND_GUARD = """\
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata: {name: p}
-spec:
-  rules:
+CLIP_AND_GUARD = HEADER + """\
     - name: nan
       priority: 0
       match: {modules: ["**"]}
@@ -312,6 +310,79 @@ def test_a_halt_inside_a_closure_step_stops_before_the_update(tmp_path: Path) ->
         with pytest.raises(hookpolicy.Halt):
             opt.step(closure)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _guard_run(tmp_path: Path, step: Any, caplog: pytest.LogCaptureFixture, nan_at: int = -1,
+               setup: Any = None) -> tuple[nn.Module, CollectorRegistry]:
+    """Five steps of a small MLP under CLIP_AND_GUARD, the update done by `step(model, optimizer)`."""
+    (tmp_path / "p.yaml").write_text(CLIP_AND_GUARD)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if setup is not None:
+        setup(model)
+    registry = CollectorRegistry()
+    with caplog.at_level("WARNING", logger="hookpolicy"), \
+            hookpolicy.load(tmp_path / "p.yaml").attach(model, registry=registry):
+        for i in range(5):
+            loss = model(torch.randn(8, 4)).pow(2).mean() * (float("nan") if i == nan_at else 10.0)
+            loss.backward()
+            step(model, opt)
+            opt.zero_grad()
+    return model, registry
+
+
+def test_an_update_without_step_hooks_is_detected_and_guarded_per_backward_pass(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`SGD.step.__wrapped__` updates without the hooks `Optimizer.step` fires."""
+    model, registry = _guard_run(tmp_path, lambda m, opt: type(opt).step.__wrapped__(opt), caplog, nan_at=3)
+    said = [r.getMessage() for r in caplog.records if "without an optimizer step hook" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("Sequential: ")
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())  # the NaN step was still skipped
+    assert _metric(registry, "hookpolicy_skipped_steps_total", rule="nan") == 1
+
+
+def test_an_optimizer_stepping_inside_backward_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Per-parameter optimizers stepped from post-accumulate-grad hooks: no step has final gradients."""
+    def in_backward(model: nn.Module) -> None:
+        for p in model.parameters():
+            inner = torch.optim.SGD([p], lr=0.1)
+
+            def update(p: torch.Tensor, inner: torch.optim.Optimizer = inner) -> None:
+                inner.step()
+                inner.zero_grad()
+            p.register_post_accumulate_grad_hook(update)
+
+    _, registry = _guard_run(tmp_path, lambda m, opt: None, caplog, setup=in_backward)
+    said = [r.getMessage() for r in caplog.records if "inside the backward pass" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("refused: p/nan, p/clip")
+    assert metric(registry, "hookpolicy_actions_total", {"rule": "clip", "action": "clip"}) in (None, 0)  # never ran
+
+
+def test_gradients_hidden_from_the_step_hooks_are_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A wrapper that keeps gradients in its own buffers and hands them to the optimizer inside step()."""
+    buffers: dict[torch.Tensor, torch.Tensor] = {}
+
+    def keep(p: torch.Tensor) -> None:
+        buffers[p], p.grad = p.grad, None
+
+    def give_back(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:  # runs after hookpolicy's
+        for p in list(buffers):
+            p.grad = buffers.pop(p)
+
+    def offload(model: nn.Module) -> None:
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(keep)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        if not opt._optimizer_step_pre_hooks:
+            opt.register_step_pre_hook(give_back)
+        opt.step()
+
+    _guard_run(tmp_path, step, caplog, setup=offload)
+    said = [r.getMessage() for r in caplog.records if "has a .grad" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("refused: p/nan, p/clip")
 
 
 # -- PyTorch Lightning ---------------------------------------------------------------------

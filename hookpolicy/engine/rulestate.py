@@ -9,6 +9,7 @@ containment (`Executor.fail`), so "is this rule switched off?" has one answer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .actions import Program, StatsOp, compile_rule
 from ..plan.planner import Binding, Plan
@@ -44,10 +45,13 @@ class RuleState:
             for op in self.program
         ]
 
+    #: why the rule cannot take effect on this model (`steps.StepEvents.unguardable`): it is off
+    refused: Optional[str] = None
+
     @property
     def off(self) -> bool:
-        """Switched off by `onError: continue` after `MAX_ERRORS` errors."""
-        return self.errors >= MAX_ERRORS
+        """Switched off by `onError: continue` after `MAX_ERRORS` errors, or refused."""
+        return self.errors >= MAX_ERRORS or self.refused is not None
 
 
 def rule_states(plan: Plan, audit: bool) -> dict[tuple[str, str], RuleState]:

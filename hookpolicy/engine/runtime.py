@@ -38,7 +38,7 @@ from ..export.metrics import (
 from ..export.sinks import output_root
 from ..plan.matcher import model_class
 from ..plan.planner import Plan, build_plan
-from ..policy.model import Alert, Policy
+from ..policy.model import Alert, Clip, Policy, Rule, Scale
 from . import module_hooks
 from .executor import Executor
 from .installer import HookInstaller
@@ -239,6 +239,22 @@ class Attached:
         if self._executor.buffer:
             self._readback()  # an evaluation loop steps no optimizer: read back per batch
 
+    def unguardable(self, reason: str, refuse: bool) -> None:
+        """Say once that step rules cannot act as written here; with `refuse`, switch off those that would change anything.
+
+        A rule that would clip, scale, skip or halt in enforce mode is refused rather than
+        run as a no-op or on partial gradients; audit and capture-only rules keep running
+        and their numbers come with this warning.
+        """
+        step_rules = [rs for rs in self._rules.values() if rs.rule.trigger.at == "step"]
+        if not step_rules:
+            return
+        refused = [rs for rs in step_rules if refuse and rs.enforce and not rs.off and _acts(rs.rule)]
+        for rs in refused:
+            rs.refused = reason
+        tail = f"; refused: {', '.join('/'.join(rs.key) for rs in refused)}" if refused else ""
+        log.warning("%s: %s%s", self.store.model, reason, tail)
+
     # -- readback ----------------------------------------------------------------------
     def _readback(self, final: bool = False, decide: bool = False) -> bool:
         """Report the buffered statistics (one transfer) and decide the step; True to skip it.
@@ -315,6 +331,11 @@ def _claim_model(model: torch.nn.Module, policies: Sequence[Policy]) -> None:
 
 def _release_model(model: torch.nn.Module, policies: Sequence[Policy]) -> None:
     _ATTACHED.get(model, set()).difference_update(p.name for p in policies)
+
+
+def _acts(rule: Rule) -> bool:
+    """Whether a rule changes training: a clip or scale, or an alert that skips the step or halts."""
+    return any(isinstance(a, (Clip, Scale)) or (isinstance(a, Alert) and a.then != "log") for a in rule.actions)
 
 
 def _not_of(policy: str) -> Callable[[tuple[str, ...]], bool]:

@@ -55,6 +55,9 @@ class StepEvents(Protocol):
     def training_forward(self) -> None:
         """A training forward of the root is about to run (its modules' hooks have not run yet)."""
 
+    def unguardable(self, reason: str, refuse: bool) -> None:
+        """Step rules cannot act as written on this model (`reason`); `refuse`: switch them off."""
+
 
 class Phase:
     """Whether the forward in progress trains, decided once at the root's forward."""
@@ -97,6 +100,10 @@ class StepTracker:
         self._stash: dict[int, tuple[list[Optional[torch.Tensor]], dict[Any, dict[str, Any]]]] = {}
         self._ending = False
         self._probe: Optional[torch.nn.Parameter] = None
+        self._hooked_steps = 0  # step hook calls (before and after the update) for this model
+        self._stepping = False  # between before_update and after_update: updates are the optimizer's
+        self._last_backward: Optional[tuple[torch.nn.Parameter, int, int]] = None  # probe, its version, _hooked_steps
+        self._reported: set[str] = set()
         self._subscription = optimizer_hooks.subscribe(self, optimizer_hooks.STEP_TRACKING)
         self._root_handles = [
             module_hooks.forward_pre_hook(model, self._root_pre),
@@ -154,6 +161,7 @@ class StepTracker:
         model = self._model_params()
         if model is not None:
             self._probe = next((p for p in model.parameters() if p.grad is not None), None)
+        self._check_hookless_update()
         if self.mode == "unknown":
             self.mode = "optimizer" if self._optimizer_exists() else "manual"
             log.debug("step mode: %s", self.mode)
@@ -162,6 +170,30 @@ class StepTracker:
             if self._events.begin_step():
                 self._zero_grads()
             self._events.end_step()
+
+    def _check_hookless_update(self) -> None:
+        """Parameters changed since the last backward pass, yet no optimizer step hook fired?
+
+        Then something updates the model without `Optimizer.step`'s hooks (a custom update,
+        or the unhooked step function): rules evaluated at an optimizer step would never
+        run. Counting switches to one step per backward pass, evaluated when it ends, which
+        is before such an update; the switch is said once. The in-place update shows in the
+        parameter's version counter; reading it costs nothing.
+        """
+        probe, last = self._probe, self._last_backward
+        self._last_backward = None if probe is None else (probe, probe._version, self._hooked_steps)
+        if (self.mode != "optimizer" or self._stepping or probe is None or last is None or last[0] is not probe
+                or last[2] != self._hooked_steps or last[1] == probe._version):
+            return
+        self.mode = "manual"
+        self._report("its parameters changed between two backward passes without an optimizer step hook "
+                     "firing, so optimizer steps cannot be seen; steps are counted per backward pass from here "
+                     "on, evaluated when it ends (before such an update)", refuse=False)
+
+    def _report(self, reason: str, refuse: bool) -> None:
+        if reason not in self._reported:
+            self._reported.add(reason)
+            self._events.unguardable(reason, refuse)
 
     def _optimizer_exists(self) -> bool:
         """Whether some optimizer holds this model's parameters (a one-time scan of the heap)."""
@@ -200,7 +232,16 @@ class StepTracker:
             if self.mode == "manual":
                 log.info("an optimizer now steps this model: counting optimizer steps from here on")
             self.mode = "optimizer"
+        self._hooked_steps += 1
+        self._stepping = True
+        if torch._C._current_graph_task_id() != -1:
+            self._report(f"{type(optimizer).__name__} steps inside the backward pass (an optimizer in backward), "
+                         "before the step's gradients are final", refuse=True)
         if self.backward_seq == 0 or self.backward_seq != self._evaluated_seq:
+            if self.backward_seq > 0 and not any(
+                    p.grad is not None for g in optimizer.param_groups for p in g["params"] if id(p) in self._param_ids):
+                self._report(f"{type(optimizer).__name__} steps its parameters after a backward pass, but none of "
+                             "them has a .grad (a wrapper keeps the gradients elsewhere)", refuse=True)
             self._evaluated_seq = self.backward_seq
             self._ending = True
             self._skip = False
@@ -212,6 +253,8 @@ class StepTracker:
         """`optimizer_hooks` subscriber: put hidden gradients and the optimizer's state back, end the step."""
         if not self._owns(optimizer):
             return
+        self._stepping = False
+        self._hooked_steps += 1  # an update that ended after the last backward pass is an optimizer's too
         stash = self._stash.pop(id(optimizer), None)
         if stash is not None:
             grads, state = stash
