@@ -118,10 +118,11 @@ def test_disk_full_on_tensor_files_is_contained_under_continue(
     assert sample(reg, "hookpolicy_steps_total") == steps
     # counted, and the rule switched off after MAX_ERRORS: it ran on 3 steps only
     assert errors_of(reg, "dump") == MAX_ERRORS
-    assert sample(reg, "hookpolicy_actions_total", policy="p", rule="dump", action="capture", mode="enforce") == MAX_ERRORS
+    # (actions count once per step and module: 2 Linears)
+    assert sample(reg, "hookpolicy_actions_total", policy="p", rule="dump", action="capture", mode="enforce") == 2 * MAX_ERRORS
     # the other rules never noticed
     assert errors_of(reg, "norms") == 0 and errors_of(reg, "outputs") == 0
-    assert sample(reg, "hookpolicy_actions_total", policy="p", rule="norms", action="capture", mode="enforce") == steps
+    assert sample(reg, "hookpolicy_actions_total", policy="p", rule="norms", action="capture", mode="enforce") == 2 * steps
     assert len(json_lines(out / "logs" / "norms.jsonl")) == 2 * steps
     # logged once, as one line (a sink fault's message says it all); the switch-off once
     raised = messages(hookpolicy_log, logging.ERROR, "p/dump raised")
