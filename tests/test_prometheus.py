@@ -254,7 +254,7 @@ def test_real_prometheus_scrapes_a_run_under_apply(tmp_path: Path) -> None:
 
         (series,) = _wait("hookpolicy_steps_total in Prometheus", steps, 45, prometheus, train)
         assert series["metric"] == {"__name__": "hookpolicy_steps_total", "job": "hookpolicy-train",
-                                    "instance": f"127.0.0.1:{metrics_port}", "rank": "0"}
+                                    "instance": f"127.0.0.1:{metrics_port}", "rank": "0", "model": "GPT"}
         assert float(series["value"][1]).is_integer()
 
         norms = _query(base, 'hookpolicy_grad_l2_norm{policy="watched", rule="attn-norms"}')
