@@ -28,7 +28,7 @@ from torch import nn
 import hookpolicy
 from conftest import (  # noqa: F401 - apply is a fixture; the others were defined here before
     REPO, Run, Samples, apply, child_env, global_hook_counts, labels_of, losses, scrape, steps_are, tiny, torchrun,
-    value, wait_metrics,
+    metric, value, wait_metrics,
 )
 from hookpolicy.apply.discovery import Discovery
 from hookpolicy.apply.reload import Reloader
@@ -574,7 +574,7 @@ def test_a_failed_reload_reads_0_until_a_valid_one_even_across_attaches(
     reloader = Reloader(ChildConfig(sources=(str(policy),)), discovery.swaps, registry=discovery.registry)
 
     def gauge() -> Optional[float]:
-        return discovery.registry.get_sample_value(RELOAD_GAUGE, {"rank": "0"})
+        return metric(discovery.registry, RELOAD_GAUGE, {"rank": "0"})
 
     model = tiny(out=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -14,6 +14,7 @@ import torch.nn as nn
 from prometheus_client import CollectorRegistry, Counter
 
 import hookpolicy
+from conftest import metric
 from hookpolicy.export.metrics import FAMILIES, HOOK_ERRORS, STEPS, Family, MetricsStore, stat_family, store_for
 
 POLICY = """\
@@ -35,19 +36,19 @@ def test_the_store_refuses_families_it_does_not_export() -> None:
         store.inc(Family("hookpolicy_stepz", "counter", "a typo"))
     with pytest.raises(ValueError, match="unknown metric family"):
         store.set("hookpolicy_steps", (), 1.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"takes labels \('policy', 'rule'\)"):
+    with pytest.raises(ValueError, match=r"takes labels \('policy', 'rule', 'model'\)"):
         store.inc(HOOK_ERRORS, ("p",))
     with pytest.raises(ValueError, match="unknown statistic families"):
         store.set_stats({("hookpolicy_grad_l2norm", ("p", "r", "", "")): 1.0}, {})
     store.set_stats({(stat_family("grad", "l2_norm"), ("p", "r", "", "")): 1.0}, {})
-    store.inc(STEPS)
+    store.inc(STEPS, ("Net",))
     engine, stats = store.snapshot()
-    assert engine == {"hookpolicy_steps": {(): 1.0}} and stats == {"hookpolicy_grad_l2_norm": {("p", "r", "", ""): 1.0}}
+    assert engine == {"hookpolicy_steps": {("Net",): 1.0}} and stats == {"hookpolicy_grad_l2_norm": {("p", "r", "", ""): 1.0}}
 
 
 def test_describe_names_the_engine_families() -> None:
     registry = CollectorRegistry()
-    store_for(registry, 0).inc(STEPS)
+    store_for(registry, 0).inc(STEPS, ("Net",))
     restricted = registry.restricted_registry(["hookpolicy_steps_total", "hookpolicy_hook_errors_total"])
     samples = {(s.name, s.value) for m in restricted.collect() for s in m.samples}
     assert samples == {("hookpolicy_steps_total", 1.0)}  # hook_errors has no series yet
@@ -78,8 +79,9 @@ def test_last_values_are_a_read_only_view_kept_after_remove(tmp_path: Path) -> N
             model(torch.randn(5, 3)).sum().backward()
             opt.step()
         values = attached.last_values()
-        exported = registry.get_sample_value(
-            "hookpolicy_grad_l2_norm", {"policy": "p", "rule": "g", "module": "1", "tensor": "", "rank": "0"})
+        exported = metric(registry, 
+            "hookpolicy_grad_l2_norm", {"policy": "p", "rule": "g", "module": "1", "tensor": "", "rank": "0",
+                                        "model": "Sequential"})
     series = values["hookpolicy_grad_l2_norm"]
     assert series[("p", "g", "1", "")] == exported
     assert series[("p", "g", "1", "")] == pytest.approx(torch.linalg.vector_norm(grads[-1]).item(), rel=1e-6)
@@ -87,6 +89,6 @@ def test_last_values_are_a_read_only_view_kept_after_remove(tmp_path: Path) -> N
         values["hookpolicy_grad_l2_norm"] = {}  # type: ignore[index]
     with pytest.raises(TypeError):
         series[("p", "g", "1", "")] = 0.0  # type: ignore[index]
-    assert registry.get_sample_value("hookpolicy_grad_l2_norm", {"policy": "p", "rule": "g", "module": "1",
+    assert metric(registry, "hookpolicy_grad_l2_norm", {"policy": "p", "rule": "g", "module": "1",
                                                                  "tensor": "", "rank": "0"}) is None
     assert attached.last_values()["hookpolicy_grad_l2_norm"] == series  # still there after remove()

@@ -21,7 +21,7 @@ import torch.nn as nn
 from prometheus_client import CollectorRegistry, generate_latest
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from conftest import load_policy
+from conftest import load_policy, metric
 
 RULES = """
 - name: act
@@ -65,7 +65,7 @@ def hooks(model: nn.Module) -> int:
 
 
 def sample(reg: CollectorRegistry, name: str, **labels: str) -> float | None:
-    return reg.get_sample_value(name, {"rank": "0", "policy": "p", **labels})
+    return metric(reg, name, {"rank": "0", "policy": "p", **labels})
 
 
 def output_norm(reg: CollectorRegistry, module: str) -> float | None:
@@ -101,7 +101,7 @@ def governed(tmp_path: Path) -> Iterator[Governed]:
 
 
 def _sample_steps(reg: CollectorRegistry) -> float | None:
-    return reg.get_sample_value("hookpolicy_steps_total", {"rank": "0"})
+    return metric(reg, "hookpolicy_steps_total", {"rank": "0"})
 
 
 def assert_still_governed(g: Governed) -> None:
@@ -326,7 +326,7 @@ def test_a_replaced_submodule_is_governed_from_the_next_step(tmp_path: Path, aft
         for name, norm in expected.items():
             assert grad_norm(registry, name, "weight") == pytest.approx(norm, rel=1e-6), name
         assert output_norm(registry, "0") is None  # the old name is gone with the module
-        assert registry.get_sample_value("hookpolicy_steps_total", {"rank": "0"}) == after_steps + 1
+        assert metric(registry, "hookpolicy_steps_total", {"rank": "0"}) == after_steps + 1
         model[2] = nn.Sequential(nn.Linear(8, 2))  # "2" is no longer bound: its series go, "2.0" comes
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         train(model, opt, range(after_steps + 1, after_steps + 2))

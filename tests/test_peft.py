@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry
 
 import hookpolicy
+from conftest import metric
 from hookpolicy.cli import cli
 
 peft = pytest.importorskip("peft")
@@ -79,7 +80,7 @@ def policy(tmp_path: Path, rules: str, name: str = "p") -> hookpolicy.PolicySet:
 
 def stat(registry: CollectorRegistry, family: str, rule: str, module: str, tensor: str = "",
          policy_name: str = "p") -> float:
-    value = registry.get_sample_value(
+    value = metric(registry, 
         family, {"policy": policy_name, "rule": rule, "module": module, "tensor": tensor, "rank": "0"})
     assert value is not None, f"{family}{{rule={rule}, module={module}, tensor={tensor}}} not exported"
     return value
@@ -280,7 +281,7 @@ def test_lora_gradient_health_norms_and_clip_against_torch(tmp_path: Path, monke
         opt.step()
 
         def value(rule: str, family: str, module: str = "") -> float | None:
-            return registry.get_sample_value(family, {
+            return metric(registry, family, {
                 "policy": "lora-gradient-health", "rule": rule, "module": module, "tensor": "", "rank": "0"})
 
         norms = {n: value("adapter-grad-norms", "hookpolicy_grad_l2_norm", n.removeprefix("base_model.model.")
@@ -323,7 +324,7 @@ def test_lora_gradient_health_skips_a_non_finite_step_bit_identically(tmp_path: 
                 assert all(torch.equal(v, state[n][k]) for n, p in params.items() for k, v in opt.state[p].items())
             else:
                 assert all(torch.isfinite(p).all() for p in params.values())
-        skipped = registry.get_sample_value("hookpolicy_skipped_steps_total", {
+        skipped = metric(registry, "hookpolicy_skipped_steps_total", {
             "policy": "lora-gradient-health", "rule": "adapter-nonfinite", "rank": "0"})
     assert skipped == 1
 
