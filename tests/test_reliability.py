@@ -1196,7 +1196,7 @@ def test_fifty_concurrent_scrapers_get_whole_samples(
         except OSError:
             return False
         assert "cannot serve metrics" not in proc.stderr, proc.stderr  # the port was taken meanwhile
-        return (samples.get(("hookpolicy_steps_total", (("rank", "0"),))) or ("", 0))[1] > 50
+        return (samples.get(("hookpolicy_steps_total", (("model", "Sequential"), ("rank", "0")))) or ("", 0))[1] > 50
 
     proc.wait_for(ready, timeout=90, what="metrics")
     quiet_before = (time.time(), time.time() + QUIET_SECONDS)
@@ -1335,7 +1335,7 @@ def test_sighup_with_a_broken_policy_keeps_the_old_one(tmp_path: Path, procs: li
         return {dict(labels)["revision"] for (name, labels) in samples if name == "hookpolicy_policy_info"}
 
     def steps(samples: dict[Any, tuple[str, float]]) -> float:
-        return samples.get(("hookpolicy_steps_total", (("rank", "0"),)), ("", 0.0))[1]
+        return samples.get(("hookpolicy_steps_total", (("model", "Sequential"), ("rank", "0"))), ("", 0.0))[1]
 
     def reload_ok(samples: dict[Any, tuple[str, float]]) -> Optional[float]:
         found = samples.get(("hookpolicy_config_last_reload_successful", (("rank", "0"),)))
