@@ -302,6 +302,34 @@ def export_grafana(policies: tuple[str, ...]) -> None:
     click.echo(text, nl=not text.endswith("\n"))
 
 
+@cli.command()
+@click.argument("logs", nargs=-1, required=True, metavar="LOG...")
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default="report.html", show_default=True,
+              help="The HTML file to write (one self-contained page, no network needed to view it).")
+@click.option("--png", "png_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Also write every figure as a PNG file into DIR.")
+def report(logs: tuple[str, ...], output: str, png_dir: Optional[str]) -> None:
+    """Plot capture logs (JSON lines): per rule and statistic, one line per module over steps.
+
+    A LOG brings its rotated files (LOG.1, LOG.2, ...) along; logs of several ranks are
+    merged; alert records (the alert stream on stderr, e.g. saved with 2> run.err) add
+    alert and skipped-step markers. Needs matplotlib: pip install 'hookpolicy[report]'.
+    """
+    from pathlib import Path
+
+    from .export.report import ReportError, write_report
+
+    try:
+        records, figures = write_report(list(logs), Path(output), None if png_dir is None else Path(png_dir))
+    except ReportError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the report: {exc}") from None
+    skipped = f", {records.ignored} other line(s) skipped" if records.ignored else ""
+    click.echo(f"{output}: {len(figures)} figure(s), {len(records.rules)} rule(s) from "
+               f"{len(records.files)} file(s){skipped}")
+
+
 def _export_module(name: str) -> Any:
     try:
         return importlib.import_module(f"hookpolicy.export.{name}")
