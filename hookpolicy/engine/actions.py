@@ -18,7 +18,7 @@ from typing import Sequence, Union
 
 import torch
 
-from ..policy.model import Alert, Capture, Clip, Rule, Scale, TensorFiles
+from ..policy.model import Alert, Capture, Clip, Rule, Scale
 from .stats import partials_for
 
 __all__ = ["StatsOp", "MutateOp", "Program", "compile_rule", "mutate", "clip_norm"]
@@ -31,7 +31,8 @@ class StatsOp:
     segment: int
     kinds: tuple[str, ...]
     actions: tuple[tuple[int, Union[Capture, Alert]], ...]
-    tensors: tuple[tuple[int, TensorFiles], ...]
+    #: the captures whose hooks keep a device copy of each tensor (tensor files, histograms)
+    tensors: tuple[tuple[int, Capture], ...]
 
     @property
     def stats(self) -> tuple[str, ...]:
@@ -62,7 +63,7 @@ def compile_rule(rule: Rule) -> Program:
     def flush() -> None:
         if pending:
             stats = {s for _, a in pending for s in a.stats}
-            files = tuple((i, a.tensors) for i, a in pending if isinstance(a, Capture) and a.tensors)
+            files = tuple((i, a) for i, a in pending if isinstance(a, Capture) and a.copies)
             ops.append(StatsOp(len(ops), partials_for(stats), tuple(pending), files))
             pending.clear()
 

@@ -20,15 +20,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .actions import StatsOp
 from ..errors import Halt
 from ..export.metrics import ALERT_FIRING, ALERTS, SKIPPED_STEPS, ModelMetrics, Labels, stat_family
-from ..policy.model import Alert, Capture, LogSink, Policy
+from ..policy.model import Alert, Board, Capture, LogSink, Policy
 from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
+from ..export.tensorboard import Boards, histogram_tag, scalar_tag
 from .rulestate import MAX_ERRORS, RuleState
 from .distributed import Shards, reduce_shards
 from .stats import combine, finish, resolve_counts
@@ -92,6 +93,7 @@ class Readback:
         self._logs: dict[tuple[tuple[str, str], int], JsonLines] = {}
         self._last: dict[str, dict[Labels, float]] = defaultdict(dict)
         self._step = 0
+        self.boards = Boards(root, rank)
 
     def last_values(self) -> Mapping[str, Mapping[Labels, float]]:
         """A read-only copy of the latest value of every statistic series published so far."""
@@ -104,6 +106,10 @@ class Readback:
                 sink.close()
             except Exception as exc:  # noqa: BLE001 - JsonLines.close does not raise; a sink that does is one line
                 log.error("hookpolicy: %s/%s: closing its log failed: %s: %s", *key, type(exc).__name__, exc)
+        try:
+            self.boards.close()
+        except Exception as exc:  # noqa: BLE001 - as for the logs: remove() never raises
+            log.error("hookpolicy: closing the TensorBoard writers failed: %s: %s", type(exc).__name__, exc)
 
     def run(self, entries: list[Entry], step: int, final: bool) -> StepReport:
         """Report one step's entries and decide the step.
@@ -156,6 +162,7 @@ class Readback:
         self.store.set_stats(published, self._max_series)
         for (family, labels), value in published.items():
             self._last[family][labels] = value
+        self.boards.flush()
 
     def _report_pass(
         self, p: "_Pass", now: float, final: bool, published: dict[tuple[str, tuple[str, ...]], float],
@@ -165,6 +172,7 @@ class Readback:
         rs = p.rule
         firing: dict[str, bool] = {}
         logged: dict[tuple[int, Optional[LogSink]], list[dict[str, Any]]] = defaultdict(list)  # one write per sink
+        boarded: dict[int, list[tuple[str, float]]] = defaultdict(list)
         for index, action in p.op.actions:
             for (module, tensor), stats in p.statistics(action.per):
                 base = {"time": now, "step": self._step, "rank": self.rank, "model": self.store.model,
@@ -176,6 +184,9 @@ class Readback:
                     if action.log is not None:
                         shown = {s: _json_number(stats[s]) for s in action.stats}
                         logged[(index, action.log)].append({**base, "stats": shown})
+                    if action.tensorboard is not None:
+                        boarded[index] += [(scalar_tag(*rs.key, p.target, s, module, tensor), stats[s])
+                                           for s in action.stats]
                     continue
                 fired = self._evaluate_alert(rs, index, action, module, tensor, stats)
                 firing[action.severity] = firing.get(action.severity, False) or fired
@@ -197,6 +208,8 @@ class Readback:
                         report.halt = Halt(rs.policy.name, rs.rule.name, self._step, message)
         for (index, sink), records in logged.items():
             self._write_log(rs, index, sink, records, report)
+        for index, scalars in boarded.items():
+            self._write_board(rs, index, lambda board: self.boards.scalars(board, self._step, scalars), report)
         for severity, on in firing.items():
             self.store.set(ALERT_FIRING, (*rs.key, severity), 1.0 if on else 0.0)
 
@@ -219,7 +232,16 @@ class Readback:
             return
         for index, module, name, tensor in entry.copies:
             action = rs.rule.actions[index]
-            assert isinstance(action, Capture) and action.tensors is not None
+            assert isinstance(action, Capture)
+            board = action.tensorboard
+            if board is not None and board.histograms:
+                tag = histogram_tag(*rs.key, entry.target, module, name)
+                if not self._write_board(
+                    rs, index, lambda b: self.boards.histogram(b, self._step, tag, tensor), report,
+                ):
+                    return
+            if action.tensors is None:
+                continue
             writer = self._writers.get((rs.key, index))
             try:
                 if writer is None:
@@ -233,6 +255,22 @@ class Readback:
             except Exception as exc:  # noqa: BLE001 - a full disk, a read-only folder, an unsafe path
                 self._fault(report, rs, exc)
                 return
+
+    def _write_board(
+        self, rs: RuleState, index: int, write: Callable[[Board], None], report: StepReport,
+    ) -> bool:
+        """Write to a capture's TensorBoard run; a sink that cannot (no tensorboard package, a
+        full disk) is a fault of the rule, as for the logs. False when it failed."""
+        action = rs.rule.actions[index]
+        assert isinstance(action, Capture) and action.tensorboard is not None
+        if report.off(rs):
+            return False
+        try:
+            write(action.tensorboard)
+        except OSError as exc:
+            self._fault(report, rs, exc)
+            return False
+        return True
 
     def _write_log(
         self, rs: RuleState, index: int, sink: Optional[LogSink], records: list[dict[str, Any]], report: StepReport,

@@ -21,7 +21,7 @@ from ..errors import PolicyError, Problem
 from .document import Document, JsonPath
 from .expr import ExprError, parse
 from .model import (
-    HOOK_POINTS, PARAM_TARGETS, STATS, TARGETS, Action, Alert, Capture, Clip, LogSink, Match,
+    HOOK_POINTS, PARAM_TARGETS, STATS, TARGETS, Action, Alert, Board, Capture, Clip, LogSink, Match,
     Policy, Rule, Scale, TensorFiles, Trigger,
 )
 from .patterns import compile_glob
@@ -228,11 +228,16 @@ class _Checker:
 
     def capture(self, body: dict[str, Any], site: _Site) -> None:
         path = site.path
-        if "stats" not in body and "tensors" not in body:
-            self.add(path, "a capture needs stats, tensors or both", key=True)
+        board = _dict(body.get("tensorboard"))
+        if "tensorboard" in body and "stats" not in body and board.get("histograms") is not True:
+            self.add(path + ("tensorboard",), "tensorboard writes statistics or histograms: add stats to this "
+                     "capture or histograms: true", key=True)
+        elif "stats" not in body and "tensors" not in body and board.get("histograms") is not True:
+            self.add(path, "a capture needs stats, tensors or tensorboard histograms", key=True)
         if "log" in body and "stats" not in body:
             self.add(path + ("log",), "log writes statistics: add stats to this capture", key=True)
         self.relative(_dict(body.get("tensors")).get("dir"), path + ("tensors", "dir"))
+        self.relative(board.get("dir"), path + ("tensorboard", "dir"))
         log = _dict(body.get("log"))
         self.relative(log.get("path"), path + ("log", "path"))
         for key in ("max_bytes", "keep"):
@@ -434,7 +439,7 @@ def _action(item: dict[str, Any], at: str) -> Action:
 
 
 def _capture(body: dict[str, Any], at: str) -> Capture:
-    tensors, log = body.get("tensors"), body.get("log")
+    tensors, log, board = body.get("tensors"), body.get("log"), body.get("tensorboard")
     return Capture(
         stats=tuple(body.get("stats", ())),
         per=body.get("per", "module"),
@@ -446,6 +451,7 @@ def _capture(body: dict[str, Any], at: str) -> Capture:
         log=None if log is None else LogSink(
             path=log.get("path"), max_bytes=int(log.get("max_bytes", 100 << 20)), keep=int(log.get("keep", 1)),
         ),
+        tensorboard=None if board is None else Board(dir=board["dir"], histograms=bool(board.get("histograms", False))),
     )
 
 

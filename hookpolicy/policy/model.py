@@ -16,7 +16,7 @@ from .expr import Condition
 __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "STATS", "Mode", "OnError", "HookPoint",
     "Phase", "Per", "Adapters", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
-    "LogSink", "Clip", "Scale", "Alert", "Action", "Rule", "Policy",
+    "LogSink", "Board", "Clip", "Scale", "Alert", "Action", "Rule", "Policy",
 ]
 
 API_VERSION = "hookpolicy/v1"
@@ -98,11 +98,29 @@ class LogSink:
 
 
 @dataclass(frozen=True)
+class Board:
+    """`capture.tensorboard`: the statistics as TensorBoard scalars under `dir/rank<r>`.
+
+    With `histograms`, also a histogram of the target's values per tensor, which costs a
+    device copy of the target on every evaluated step (like `tensors`).
+    """
+
+    dir: str
+    histograms: bool = False
+
+
+@dataclass(frozen=True)
 class Capture:
     stats: tuple[str, ...] = ()
     per: Per = "module"
     tensors: Optional[TensorFiles] = None
     log: Optional[LogSink] = None
+    tensorboard: Optional[Board] = None
+
+    @property
+    def copies(self) -> bool:
+        """Whether the hook keeps a device copy of each tensor for the readback (files, histograms)."""
+        return self.tensors is not None or (self.tensorboard is not None and self.tensorboard.histograms)
 
 
 @dataclass(frozen=True)
