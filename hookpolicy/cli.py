@@ -225,13 +225,41 @@ class _DashDashCommand(click.Command):
         if "--" in args:
             at = args.index("--")
             ctx.meta[_COMMAND_KEY] = args[at + 1:]
-            args = args[:at]
-        else:
-            ctx.meta[_COMMAND_KEY] = []
-        return super().parse_args(ctx, args)
+            return super().parse_args(ctx, args[:at])
+        ctx.meta[_COMMAND_KEY] = []
+        try:
+            return super().parse_args(ctx, list(args))  # a copy: click consumes the list it parses
+        except click.NoSuchOption as exc:  # the script's options, parsed as ours: a forgotten `--`?
+            hint = _dash_dash_hint(args)
+            if hint is None:
+                raise
+            raise click.UsageError(f"no such option {exc.option_name!r}: {hint}", ctx) from None
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
         return [*super().collect_usage_pieces(ctx), "-- COMMAND..."]
+
+
+def _dash_dash_hint(args: Sequence[str]) -> Optional[str]:
+    """For arguments without `--`, the command line that was probably meant, or None.
+
+    COMMAND is taken to start at the first argument that is neither an option of ours nor
+    a policy (an existing folder, or a name ending in .yaml/.yml).
+    """
+    ours = {"--metrics-port", "--metrics-addr"}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ours:
+            i += 2
+        elif arg.startswith("-") or arg.endswith((".yaml", ".yml")) or os.path.isdir(arg):
+            i += 1
+        else:
+            break
+    if i >= len(args):
+        return None
+    head, command = args[:i], args[i:]
+    return ("put the training command after `--`, which keeps its options its own: hookpolicy apply "
+            + " ".join([*head, "--", *command]))
 
 
 @cli.command(cls=_DashDashCommand)
@@ -262,7 +290,8 @@ def apply(
 
     command: list[str] = ctx.meta.get(_COMMAND_KEY, [])
     if not command:
-        raise click.UsageError("missing '-- COMMAND', e.g. hookpolicy apply policy.yaml -- python train.py")
+        hint = _dash_dash_hint(policies)
+        raise click.UsageError("missing '-- COMMAND': " + (hint or "e.g. hookpolicy apply policy.yaml -- python train.py"))
     sources = _sources(policies)
     _load(sources, not_done=f"nothing was started: {' '.join(command)} did not run")
     launch = Launch(

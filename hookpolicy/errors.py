@@ -31,6 +31,8 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
+        if self.line == 0 and self.path == "$":  # the file as a whole (missing, unreadable, too big)
+            return f"{self.file}: {self.message}"
         return f"{self.file}:{self.line}:{self.column}: {self.path}: {self.message}"
 
 

@@ -99,8 +99,7 @@ def test_check_invalid_prints_every_problem_in_position_form(tmp_path: Path) -> 
 def test_check_missing_file_is_one_line() -> None:
     result = invoke("check", "no/such/policy.yaml")
     assert result.exit_code == 1
-    [problem] = assert_problem_lines(result.stderr)
-    assert problem["file"] == "no/such/policy.yaml"
+    assert result.stderr == "no/such/policy.yaml: no such file\n"  # no made-up ":0:0: $:" position
 
 
 def test_check_reads_the_ops_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -276,8 +275,18 @@ def test_python_dash_m_is_the_same_cli() -> None:
 def readme_commands() -> tuple[str, str]:
     """(run the bundled example, run the tests): the indented command lines of "The two commands"."""
     section = (REPO / "README.md").read_text().split("## The two commands", 1)[1].split("\n## ", 1)[0]
-    example, tests = [line.strip() for line in section.splitlines() if line.startswith("    pip install")]
+    example, tests = [line.strip() for line in section.splitlines()
+                      if line.startswith("    pip install") and "--index-url" not in line]
     return example, tests
+
+
+def test_readme_names_the_cpu_wheel_index_next_to_the_pinned_torch() -> None:
+    section = (REPO / "README.md").read_text().split("## The two commands", 1)[1].split("\n## ", 1)[0]
+    (cpu,) = [line.strip() for line in section.splitlines() if "--index-url" in line]
+    example, _ = readme_commands()
+    pinned = example.split(" && ")[0]
+    assert cpu.split(" && ")[0] == f"{pinned} --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu.split(" && ")[1] == example.split(" && ")[1]
 
 
 def test_ci_runs_the_readme_test_command_verbatim() -> None:
@@ -302,3 +311,19 @@ def test_the_readme_example_command_runs_and_serves_metrics(free_port: int) -> N
     assert done.returncode == 0, done.stderr
     assert f"metrics on http://127.0.0.1:{free_port}/metrics" in done.stderr
     assert "governing" in done.stderr
+
+
+# -- a forgotten `--` --------------------------------------------------------------------
+
+
+def test_a_forgotten_dash_dash_is_named_with_the_command_line_meant() -> None:
+    result = invoke("apply", MONITOR, "python", "train.py", "--steps", "3")
+    assert result.exit_code == 2
+    assert "no such option '--steps'" in result.output
+    assert f"hookpolicy apply {MONITOR} -- python train.py --steps 3" in result.output
+    bare = invoke("apply", MONITOR, "--audit", "python", "train.py")
+    assert bare.exit_code == 2 and f"hookpolicy apply {MONITOR} -- python train.py" in bare.output
+    # An option of nobody's, with the `--` in place, stays click's plain error.
+    typo = invoke("apply", MONITOR, "--bogus", "--", "python", "train.py")
+    assert typo.exit_code == 2 and "--bogus" in typo.output
+    assert "put the training command" not in typo.output

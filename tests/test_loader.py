@@ -270,6 +270,8 @@ def test_missing_file_is_a_problem(tmp_path: Path) -> None:
     (problem,) = load_problems(tmp_path / "nope.yaml")
     assert problem.message == "no such file"
     assert (problem.line, problem.column, problem.path) == (0, 0, "$")
+    # Printed without a position it does not have (no ":0:0: $:").
+    assert str(problem) == f"{tmp_path / 'nope.yaml'}: no such file"
 
 
 def test_source_and_revision_are_kept(tmp_path: Path) -> None:

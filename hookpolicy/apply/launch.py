@@ -86,20 +86,12 @@ def child_environment(launch: Launch, run_dir: str, environ: Mapping[str, str]) 
     return env
 
 
-def metrics_url(addr: str, port: int) -> str:
-    host = f"[{addr}]" if ":" in addr else addr
-    return f"http://{host}:{port}/metrics"
-
-
 def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> int:
     """Run COMMAND under the policies; return the exit status `hookpolicy apply` exits with."""
     argv = resolve_command(command)
     if os.sep not in argv[0] and shutil.which(argv[0]) is None:
         say(f"error: command not found: {argv[0]}")
         return 127
-    if launch.metrics_port is not None:
-        url = metrics_url(launch.metrics_addr, launch.metrics_port)
-        say(f"metrics on {url} (rank r on port+r)")
     run_dir = tempfile.mkdtemp(prefix="hookpolicy-run-")
     try:
         env = child_environment(launch, run_dir, os.environ if environ is None else environ)

@@ -236,3 +236,8 @@ def serve(
     exporter = Exporter(RenderCache(make_wsgi_app(registry), render_interval), sock)
     exporter.start()
     return exporter
+
+
+def metrics_url(addr: str, port: int) -> str:
+    host = f"[{addr}]" if ":" in addr else addr
+    return f"http://{host}:{port}/metrics"
