@@ -327,3 +327,12 @@ def test_a_forgotten_dash_dash_is_named_with_the_command_line_meant() -> None:
     typo = invoke("apply", MONITOR, "--bogus", "--", "python", "train.py")
     assert typo.exit_code == 2 and "--bogus" in typo.output
     assert "put the training command" not in typo.output
+
+
+@pytest.mark.parametrize("marks, soak", [([], False), (["-m", "not slow"], False), (["-m", "soak"], True)])
+def test_the_soak_test_runs_only_when_asked(marks: list[str], soak: bool) -> None:
+    """The README's quick loop (`-m 'not slow'`) must not start the 10,000-step soak test."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *marks,
+                           "tests/test_soak.py"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    collected = [line for line in done.stdout.splitlines() if "::" in line and "[10000]" in line]
+    assert bool(collected) == soak, done.stdout

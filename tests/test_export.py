@@ -213,3 +213,20 @@ def test_grafana_legend_per_module_and_tensor() -> None:
     panel = next(p for p in dashboard["panels"] if p["title"] == "hookpolicy_grad_output_l2_norm")
     assert panel["targets"][0]["legendFormat"] == "{{module}} rank {{rank}}"
     assert 'policy=~"gradient-monitor"' in panel["targets"][0]["expr"]
+
+
+def test_grafana_rows_name_the_target_of_every_statistic() -> None:
+    """abs_max panels sit under their own target's row, not under "grad_abs" (a suffix match on max)."""
+    policies = list(hookpolicy.load(ROOT / "policies" / "example-monitor.yaml").policies)
+    dashboard = json.loads(grafana_dashboard(policies))
+    rows: dict[str, list[str]] = {}
+    current = None
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            current = rows.setdefault(panel["title"], [])
+        elif current is not None and panel["title"].startswith("hookpolicy_"):
+            current.append(panel["title"])
+    stat_rows = {title: panels for title, panels in rows.items() if title.startswith("Statistics: ")}
+    assert "hookpolicy_grad_abs_max" in stat_rows["Statistics: grad"]
+    assert "hookpolicy_output_abs_max" in stat_rows["Statistics: output"]
+    assert set(stat_rows) <= {f"Statistics: {t}" for t in ("input", "output", "grad_output", "grad_input", "grad", "weight")}

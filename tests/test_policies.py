@@ -460,3 +460,21 @@ def test_per_rule_clip_over_tied_weights_equals_clip_grad_norm(workdir: Path, tm
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert p.grad is not None and q.grad is not None
             assert torch.allclose(p.grad, q.grad, rtol=1e-5), name
+
+
+def bundled_models() -> dict[str, nn.Module]:
+    """The models of the bundled examples, as `hookpolicy explain --model` builds them."""
+    import examples.charlm
+    import examples.train_mlp
+
+    return {"examples.train_mlp": examples.train_mlp.build_model(), "examples.charlm": examples.charlm.build_model()}
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=lambda p: p.stem)
+def test_every_rule_of_the_library_binds_in_a_bundled_example(path: Path) -> None:
+    """A newcomer can try each shipped policy on an example: every rule binds to some module of one."""
+    policies = hookpolicy.load(path)
+    unbound = {rule.name for policy in policies.policies for rule in policy.rules}
+    for model in bundled_models().values():
+        unbound -= {row["rule"] for row in policies.plan(model).rows()}
+    assert unbound == set(), f"{path.name}: rules binding in no bundled example: {sorted(unbound)}"

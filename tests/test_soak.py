@@ -2,8 +2,8 @@
 
     python -m pytest -m soak tests/test_soak.py -s      # the 10,000-step soak (~30-60 s on one core)
 
-CI runs the same checks over 1,000 steps; the 10,000-step soak is deselected by default
-(`soak` in pyproject's `addopts`). The numbers of both are in docs/reliability.md.
+CI runs the same checks over 1,000 steps; the 10,000-step soak is deselected unless a `-m`
+expression names `soak` (tests/conftest.py). The numbers of both are in docs/reliability.md.
 """
 
 from __future__ import annotations

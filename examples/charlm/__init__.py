@@ -17,39 +17,65 @@ TEXT = (
 )
 
 
-class Block(nn.Module):
+class Attention(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
-        self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = self.c_attn(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
+        return self.c_proj(a.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(dim, 4 * dim)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
 
 
 class TinyGPT(nn.Module):
+    """nanoGPT's layout and module names (transformer.wte, transformer.h.N.attn.c_attn, ...,
+    transformer.ln_f, lm_head), so the library policies written for GPT-style models bind here."""
+
     def __init__(self, vocab: int, dim: int = 48, heads: int = 4, layers: int = 2, context: int = 32) -> None:
         super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Embedding(context, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab)
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, dim),
+            wpe=nn.Embedding(context, dim),
+            h=nn.ModuleList(Block(dim, heads) for _ in range(layers)),
+            ln_f=nn.LayerNorm(dim),
+        ))
+        self.lm_head = nn.Linear(dim, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        for block in self.blocks:
+        t = self.transformer
+        x = t.wte(idx) + t.wpe(torch.arange(idx.shape[1]))
+        for block in t.h:
             x = block(x)
-        return self.head(self.ln(x))
+        return self.lm_head(t.ln_f(x))
 
 
 def vocabulary() -> list[str]:

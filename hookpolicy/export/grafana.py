@@ -13,8 +13,9 @@ import hashlib
 import json
 from typing import Any, Iterable, Sequence
 
+from .metrics import stat_family
 from .rules import STALL_SECONDS, promql_string, stat_families
-from ..policy.model import STATS, Capture, Policy, Rule
+from ..policy.model import STATS, TARGETS, Capture, Policy, Rule
 
 __all__ = ["grafana_dashboard"]
 
@@ -120,9 +121,12 @@ def _increase_panel(title: str, description: str, metric: str, by: str, legend: 
     return _timeseries(title, description, [_target(expr, legend)], bars=True, min_zero=True)
 
 
+#: family name -> (target, statistic): split by exact name, never by suffix (`abs_max` ends in `max`).
+_SPLIT = {stat_family(t, s): (t, s) for t in TARGETS for s in STATS}
+
+
 def _stat_panel(family: str, feeds: list[tuple[Policy, Rule, Capture]]) -> dict[str, Any]:
-    stat = next(s for s in STATS if family.endswith("_" + s))
-    target = family[len("hookpolicy_"):-len(stat) - 1]
+    target, stat = _SPLIT[family]
     keys = list(dict.fromkeys((p.name, r.name) for p, r, _ in feeds))
     pers = {c.per for _, _, c in feeds}
     legend: list[str] = []
@@ -228,8 +232,7 @@ def grafana_dashboard(policies: Sequence[Policy]) -> str:
     families = stat_families(policies)
     by_target: dict[str, list[str]] = {}
     for family in families:
-        stat = next(s for s in STATS if family.endswith("_" + s))
-        by_target.setdefault(family[len("hookpolicy_"):-len(stat) - 1], []).append(family)
+        by_target.setdefault(_SPLIT[family][0], []).append(family)
     for target, members in by_target.items():
         layout.row(f"Statistics: {target}")
         for family in members:
