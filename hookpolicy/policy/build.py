@@ -24,7 +24,7 @@ from .model import (
     HOOK_POINTS, PARAM_TARGETS, STATS, TARGETS, Action, Alert, Board, Capture, Clip, LogSink, Match,
     Policy, Rule, Scale, TensorFiles, Trigger,
 )
-from .patterns import compile_glob
+from .patterns import compile_glob, shown
 from .schema import validate
 
 __all__ = ["MESSAGE_FIELDS", "build_policy", "check_semantics"]
@@ -215,7 +215,7 @@ class _Checker:
         except ValueError as exc:  # patterns.PatternError, a ValueError with the reason (and where)
             self.add(path, str(exc), offset=getattr(exc, "offset", None))
         except (RecursionError, OverflowError) as exc:  # from re.compile on absurd regexes
-            self.add(path, f"invalid pattern {pattern!r}: {exc}")
+            self.add(path, f"invalid pattern {shown(pattern)}: {exc}")
 
     def steps(self, steps: dict[str, Any], path: JsonPath) -> None:
         start, until = _number(steps.get("from", 0)), _number(steps.get("until"))

@@ -15,6 +15,7 @@ non-finite values with `nonfinite > 0`.
 
 from __future__ import annotations
 
+import difflib
 import math
 import operator
 import re
@@ -152,8 +153,10 @@ class _Parser:
         if kind != "word" or text in ("and", "or"):
             raise ExprError(f"expected a statistic or '(' but found {text or 'the end'!r}", at)
         if text not in STAT_NAMES:
+            close = difflib.get_close_matches(text, sorted(STAT_NAMES), n=1, cutoff=0.6)
+            hint = f" did you mean {close[0]!r}?" if close else ""
             raise ExprError(
-                f"unknown statistic {text!r}; one of: {', '.join(sorted(STAT_NAMES))}", at
+                f"unknown statistic {text!r};{hint} one of: {', '.join(sorted(STAT_NAMES))}", at
             )
         op_kind, op, op_at = self.take()
         if op_kind != "op":

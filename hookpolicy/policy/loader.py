@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from typing import Any, Optional, Union, cast
 
 import yaml
@@ -409,6 +410,9 @@ def _syntax_problem(exc: yaml.MarkedYAMLError, text: str, file: str, path: JsonP
         return Problem(
             file, line, column, json_path(path), "a tab character; YAML indentation must use spaces"
         )
+    misplaced = _out_of_line(exc, text)
+    if misplaced is not None:
+        return Problem(file, line, column, json_path(path), f"invalid YAML: {misplaced}")
     message = exc.problem or "invalid YAML"
     if exc.context:
         where = ""
@@ -416,3 +420,26 @@ def _syntax_problem(exc: yaml.MarkedYAMLError, text: str, file: str, path: JsonP
             where = f" (line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1})"
         message = f"{exc.context}{where}: {message}"
     return Problem(file, line, column, json_path(path), f"invalid YAML: {message}")
+
+
+_KEY_AT = re.compile(r"([^\s:#'\"\[\]{},][^:#]*?)\s*:(\s|$)")
+
+
+def _out_of_line(exc: yaml.MarkedYAMLError, text: str) -> Optional[str]:
+    """For PyYAML's "expected <block end>" at a key: which key is out of line, and where it belongs.
+
+    The parser reports the position right (the key) but not in words that say what to fix
+    (`expected <block end>, but found '<block mapping start>'`).
+    """
+    mark, context = exc.problem_mark, exc.context_mark
+    if mark is None or context is None or not (exc.problem or "").startswith("expected <block end>"):
+        return None
+    found = _KEY_AT.match(text, mark.index)
+    if found is None:
+        return None
+    key, column, where = found[1], mark.column + 1, f"line {context.line + 1}, column {context.column + 1}"
+    if "mapping" in (exc.context or ""):
+        return (f"key {key!r} is out of line: it starts at column {column}, but the keys of the mapping it "
+                f"follows (from {where}) start at column {context.column + 1}; indent it like them")
+    return (f"key {key!r} is out of line: it starts at column {column}, inside the list that starts at {where}; "
+            "a key of a list item is indented like the item's first key, past its '-'")

@@ -71,7 +71,7 @@ def compile_glob(pattern: str) -> NamePattern:
     regex = _glob_to_regex(pattern)
     glob = _compile(regex, pattern)
     if glob is None:  # the translation only uses what the automaton runs
-        raise PatternError(f"invalid pattern {pattern!r}: cannot be matched in linear time", pattern)
+        raise PatternError(f"invalid pattern {shown(pattern)}: cannot be matched in linear time", pattern)
     if sum(t.kind in ("star", "globstar") for t in _tokens(pattern)) <= MAX_BACKTRACKING_WILDCARDS:
         return re.compile(regex)  # backtracking bounded by O(len(name)^2): re's C speed is worth it
     return glob
@@ -89,7 +89,7 @@ def _compile_regex(pattern: str) -> NamePattern:
     if refused is not None:
         offset, reason = refused
         raise PatternError(
-            f"invalid pattern {pattern!r}: {reason} at {offset + len(_REGEX_PREFIX)}; a regex with anchors, "
+            f"invalid pattern {shown(pattern)}: {reason} at {offset + len(_REGEX_PREFIX)}; a regex with anchors, "
             "backreferences or lookbehinds runs on Python's re and must stay simple (a pattern matches the "
             "whole name: ^ and $ are not needed)",
             pattern, offset + len(_REGEX_PREFIX),
@@ -107,9 +107,9 @@ def _compile(regex: str, pattern: str, shift: Optional[int] = None) -> Optional[
         return compile_linear(regex, pattern)
     except re.error as exc:
         at = None if shift is None or exc.pos is None else exc.pos + shift
-        raise PatternError(f"invalid pattern {pattern!r}: {exc}", pattern, at) from None
+        raise PatternError(f"invalid pattern {shown(pattern)}: {exc}", pattern, at) from None
     except (RecursionError, OverflowError, TooComplex) as exc:  # nested too deep, a repeat count too large
-        raise PatternError(f"invalid pattern {pattern!r}: too complex ({exc or type(exc).__name__})", pattern) from None
+        raise PatternError(f"invalid pattern {shown(pattern)}: too complex ({exc or type(exc).__name__})", pattern) from None
 
 
 def _glob_to_regex(pattern: str) -> str:
@@ -244,3 +244,13 @@ def _class_range(pattern: str, i: int) -> str:
     if low > high:
         raise PatternError(f"bad character range {low}-{high} at {i}", pattern, i)
     return f"{re.escape(low)}-{re.escape(high)}"
+
+
+def shown(pattern: str) -> str:
+    """A pattern quoted as the user typed it: `'re:\\d+'`, not repr's doubled backslashes.
+
+    Only a pattern holding a quote or an unprintable character falls back to repr.
+    """
+    if pattern.isprintable() and "'" not in pattern:
+        return f"'{pattern}'"
+    return repr(pattern)
