@@ -118,7 +118,7 @@ def test_module_form(apply: Callable[..., Run], tmp_path: Path, free_port: int) 
                 _python_word(), "-m", "examples.charlm", "--steps", "3", "--hold-file", str(hold))
     samples = wait_metrics(run, free_port, steps_are(3))
     modules = {lab["module"] for lab in labels_of(samples, "hookpolicy_grad_l2_norm")}
-    assert {"head", "blocks.0.qkv", "blocks.1.mlp.2"} <= modules
+    assert {"lm_head", "transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_proj"} <= modules
     hold.touch()
     assert run.wait() == 0
     assert len(losses(run.stdout)) == 3

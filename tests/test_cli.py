@@ -143,9 +143,9 @@ def test_explain_json_and_warnings(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert set(doc) == {"bindings", "warnings"}
-    heads = [b for b in doc["bindings"] if b["module"] == "head" and b["rule"] == "grad-norms"]
+    heads = [b for b in doc["bindings"] if b["module"] == "lm_head" and b["rule"] == "grad-norms"]
     assert heads == [{
-        "policy": "example-monitor", "rule": "grad-norms", "priority": 50, "mode": "enforce", "module": "head",
+        "policy": "example-monitor", "rule": "grad-norms", "priority": 50, "mode": "enforce", "module": "lm_head",
         "type": "Linear", "hook": "step", "target": "grad", "params": ["weight", "bias"], "select": [],
         "actions": ["capture(l2_norm,abs_max per=module)"],
     }]
