@@ -12,6 +12,7 @@ so `hookpolicy check`, `hookpolicy --help` and the `apply` wrapper start without
 from typing import TYPE_CHECKING, Any
 
 from .errors import Halt, HookPolicyError, PolicyError, Problem
+from .say import say as _say  # noqa: F401 - installs the one channel for hookpolicy's own lines
 
 if TYPE_CHECKING:
     from .api import PolicySet, load

@@ -205,7 +205,10 @@ def check_problem(problem: Problem, file: str, lines: int) -> None:
     assert JSON_PATH.match(problem.path), f"not a JSON path: {problem.path!r}"
     assert isinstance(problem.message, str) and problem.message.strip(), problem
     assert "\n" not in problem.message and "\n" not in problem.path, f"not one line: {problem}"
-    assert str(problem).startswith(f"{file}:{problem.line}:{problem.column}: $")
+    if problem.line == 0:  # no position to print: FILE: message
+        assert str(problem) == f"{file}: {problem.message}"
+    else:
+        assert str(problem).startswith(f"{file}:{problem.line}:{problem.column}: $")
 
 
 def load_outcome(folder: Path, content: Union[str, bytes], name: str = "p.yaml") -> Optional[PolicySet]:

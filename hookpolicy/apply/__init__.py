@@ -7,12 +7,6 @@ policies to them; `reload` re-reads the policies and swaps them in between steps
 `apply` tells its children travels in the environment (`hookpolicy.environment`).
 """
 
-import sys
+from ..say import say
 
 __all__ = ["say"]
-
-
-def say(message: str) -> None:
-    """Tell the user one thing, as one `hookpolicy:` line on stderr (never a traceback)."""
-    sys.stderr.write(f"hookpolicy: {message}\n")
-    sys.stderr.flush()

@@ -30,7 +30,7 @@ from . import say
 from .discovery import Discovery
 from ..environment import ChildConfig
 from ..errors import Halt, PolicyError
-from ..export.exporter import serve
+from ..export.exporter import metrics_url, serve
 from ..policy.sources import load_sources
 from .reload import Reloader, fingerprint
 from ..engine.runtime import Attached
@@ -83,8 +83,11 @@ class _Session:
             except OSError:
                 pass
         if self.config.metrics_port is not None:
-            serve(self.registry, self.config.metrics_port + self.config.local_rank,
-                  self.config.metrics_addr, rank=self.config.rank)
+            port = self.config.metrics_port + self.config.local_rank
+            if serve(self.registry, port, self.config.metrics_addr, rank=self.config.rank) is not None:
+                # Said once bound, by the rank that serves: a line before the bind would
+                # promise a port that may then be taken.
+                say(f"rank {self.config.rank}: metrics on {metrics_url(self.config.metrics_addr, port)}")
         self.reloader.start()
 
     def _excepthook(
@@ -94,7 +97,7 @@ class _Session:
             self._previous_excepthook(kind, value, tb)
             return
         if not self._record_halt(value):
-            sys.stderr.write(value.line() + "\n")
+            say(value.line())
 
     def _record_halt(self, halt: Halt) -> bool:
         """Leave the halt line for the parent, which exits 3 with it; False if it could not."""
@@ -151,7 +154,8 @@ def bootstrap() -> None:
     try:
         policies = PolicySet(load_sources(list(config.sources)))
     except PolicyError as exc:
-        sys.stderr.write("".join(f"{p}\n" for p in exc.problems))
+        for problem in exc.problems:
+            say(str(problem))
         raise SystemExit(1) from None
     _SESSION = _Session(config, policies, files)
     _SESSION.start()

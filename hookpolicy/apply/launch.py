@@ -98,7 +98,7 @@ def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, s
         status = _supervise(argv, env, run_dir)
         halt = _read_halt(run_dir)
         if halt is not None:
-            _say_line(halt)
+            say(halt)  # already starts with 'hookpolicy: ', which say does not repeat
             return HALT_STATUS
         if status == 0 and not any(n.startswith("governed-") for n in os.listdir(run_dir)):
             say(
@@ -159,7 +159,3 @@ def _read_halt(run_dir: str) -> Optional[str]:
         return None
     return text.splitlines()[0] if text.strip() else None
 
-
-def _say_line(line: str) -> None:
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
