@@ -169,3 +169,32 @@ def test_report_in_a_real_browser(logs: list[str], tmp_path: Path) -> None:
     blue = sum(1 for p in pixels if abs(p[0] - 31) < 12 and abs(p[1] - 119) < 12 and abs(p[2] - 180) < 12)
     red = sum(1 for p in pixels if p[0] > 200 and p[1] < 40 and p[2] < 40)
     assert blue > 200 and red > 50, (blue, red)
+
+
+def test_an_audited_skip_is_not_reported_as_a_skip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """example-monitor's nan-guard under audit: the message and the record say the step was not skipped."""
+    from examples.train_mlp import build_model
+
+    monitor = hookpolicy.load(str(Path(__file__).resolve().parent.parent / "policies" / "example-monitor.yaml"))
+    messages = {}
+    for audit in (False, True):
+        torch.manual_seed(0)
+        model = build_model()
+        before: dict[str, torch.Tensor] = {}
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        capsys.readouterr()
+        with monitor.attach(model, audit=audit):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            (model(torch.randn(4, 8)).sum() * math_nan()).backward()
+            opt.step()
+        changed = any(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
+        (record,) = [json.loads(line) for line in capsys.readouterr().err.splitlines()
+                     if line.startswith("{") and '"nan-guard"' in line]
+        assert changed == audit  # the reference: whether the parameters moved
+        messages[audit] = (record["outcome"], record["message"])
+    assert messages[False] == ("step skipped", "non-finite gradients at step 1: step skipped")
+    assert messages[True] == ("step not skipped (audit mode)",
+                              "non-finite gradients at step 1: step not skipped (audit mode)")

@@ -192,11 +192,14 @@ class Readback:
                 firing[action.severity] = firing.get(action.severity, False) or fired
                 if not fired:
                     continue
-                message = _render(action, base, stats)
+                applied = rs.enforce and not final
+                outcome = _outcome(action.then, applied, rs.mode)
+                message = _render(action, {**base, "outcome": outcome}, stats, applied)
                 self.store.inc(ALERTS, (*rs.key, action.severity))
                 logged[(-1, None)].append({
                     **base, "stats": {k: _json_number(v) for k, v in stats.items()}, "event": "alert",
-                    "severity": action.severity, "then": action.then, "mode": rs.mode, "message": message,
+                    "severity": action.severity, "then": action.then, "mode": rs.mode, "outcome": outcome,
+                    "message": message,
                 })
                 if rs.enforce and not final:
                     if action.then == "skip_step" and rs.key not in report.skip_by:
@@ -336,10 +339,26 @@ class _StatFormat(dict[str, Any]):
 MAX_RENDERED_CHARS = 4096
 
 
-def _render(action: Alert, base: dict[str, Any], stats: dict[str, float]) -> str:
+def _outcome(then: str, applied: bool, mode: str) -> str:
+    """What an alert's `then` did this time, in words: a message must not claim a skip that did not happen."""
+    if then == "log":
+        return "logged"
+    done = "step skipped" if then == "skip_step" else "halting"
+    if applied:
+        return done
+    undone = "step not skipped" if then == "skip_step" else "not halted"
+    return f"{undone} ({'audit mode' if mode == 'audit' else 'the policy was being removed'})"
+
+
+def _render(action: Alert, base: dict[str, Any], stats: dict[str, float], applied: bool = True) -> str:
+    """The alert's message; when its `then` did not take effect and the template does not
+    say so through `{outcome}`, the outcome is appended, so no message claims an effect that
+    did not happen (a shipped "...; step skipped" under `--audit`)."""
     fields = _StatFormat(base, severity=action.severity, condition=action.source, **stats)
     fields["module"] = base["module"] or "<root>"
     message = string.Formatter().vformat(action.message, (), fields)
+    if action.then != "log" and not applied and "outcome" not in action.message:
+        message += f" [{base['outcome']}]"
     return message if len(message) <= MAX_RENDERED_CHARS else message[: MAX_RENDERED_CHARS - 1] + "…"
 
 

@@ -103,7 +103,9 @@ class Records:
             summary.fired(step, severity)
             self.events.append((policy, rule, step, severity))
             self.alerts[(policy, rule, module, tensor, rank)].add(step)
-            if record.get("then") == "skip_step" and record.get("mode") == "enforce":
+            outcome = record.get("outcome")  # absent in logs of older versions: then and mode tell
+            if outcome == "step skipped" or (outcome is None and record.get("then") == "skip_step"
+                                             and record.get("mode") == "enforce"):
                 summary.skipped.add(step)
                 self.skipped[rank].add(step)
             return True

@@ -31,7 +31,7 @@ __all__ = ["MESSAGE_FIELDS", "build_policy", "check_semantics"]
 
 #: the fields an alert message may use besides the statistic names.
 MESSAGE_FIELDS: tuple[str, ...] = (
-    "policy", "rule", "module", "tensor", "target", "step", "rank", "severity", "condition",
+    "policy", "rule", "module", "tensor", "target", "step", "rank", "severity", "condition", "outcome",
 )
 #: labels that hookpolicy_policy_info sets itself, so a policy label may not use them.
 RESERVED_LABELS = frozenset({"policy", "revision", "mode", "rank"})
