@@ -29,7 +29,7 @@ class PolicySet:
     def attach(
         self, model: torch.nn.Module, registry: Optional[CollectorRegistry] = None,
         rank: Optional[int] = None, *, audit: bool = False, start_step: int = 0,
-        on_halt: Optional[Callable[[Halt], object]] = None,
+        on_halt: Optional[Callable[[Halt], object]] = None, strict: bool = False,
     ) -> Attached:
         """Install the hooks the policies need on `model`; use as `with policies.attach(model):`.
 
@@ -37,10 +37,12 @@ class PolicySet:
         with `rank` (from `RANK`/`LOCAL_RANK`, else 0, when None). `audit=True` forces every
         rule into audit mode: everything is evaluated and reported, nothing is changed.
         `start_step` numbers the first step (a hot reload continues the old count);
-        `on_halt(halt)` is called just before a `hookpolicy.Halt` is raised.
+        `on_halt(halt)` is called just before a `hookpolicy.Halt` is raised. A rule that
+        selects nothing on `model` is a warning (`FILE:LINE:COL` of its `match`), and with
+        `strict=True` a `PolicyError` raised before anything is installed.
         """
         return Attached(self.policies, model, registry=registry, rank=rank, audit=audit,
-                        start_step=start_step, on_halt=on_halt)
+                        start_step=start_step, on_halt=on_halt, strict=strict)
 
     def plan(self, model: torch.nn.Module) -> Plan:
         """What `attach` would install, without installing anything."""

@@ -105,7 +105,8 @@ def check(policies: tuple[str, ...]) -> None:
               help="An nn.Module, or a zero-argument callable returning one, e.g. examples.train_mlp:build_model "
                    "(MODULE may also be a path to a .py file).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def explain(policies: tuple[str, ...], model_spec: str, fmt: str) -> None:
+@click.option("--strict", is_flag=True, help="Exit 1 when a rule selects nothing on the model.")
+def explain(policies: tuple[str, ...], model_spec: str, fmt: str, strict: bool) -> None:
     """Show which rule goes on which module, hook point and target, with the plan's warnings."""
     from .api import PolicySet
 
@@ -114,7 +115,13 @@ def explain(policies: tuple[str, ...], model_spec: str, fmt: str) -> None:
     plan = loaded.plan(model)
     if fmt == "json":
         click.echo(json.dumps({"bindings": plan.rows(), "warnings": list(plan.warnings)}, indent=2))
-        return
+    else:
+        _explain_text(plan, model)
+    if strict and plan.unmatched:
+        raise PolicyProblems(PolicyError(plan.unmatched))
+
+
+def _explain_text(plan: Any, model: Any) -> None:
     rows = plan.rows()
     if rows:
         click.echo(_table(rows))
@@ -270,10 +277,12 @@ def _dash_dash_hint(args: Sequence[str]) -> Optional[str]:
               help="Address the metrics endpoint listens on.")
 @click.option("--audit", is_flag=True, help="Force audit mode: evaluate and report everything, change nothing.")
 @click.option("--watch", is_flag=True, help="Reload changed policy files between two steps (SIGHUP also reloads).")
+@click.option("--strict", is_flag=True,
+              help="A rule that selects nothing on the trained model stops the process (status 1) instead of a warning.")
 @click.pass_context
 def apply(
     ctx: click.Context, policies: tuple[str, ...], metrics_port: Optional[int], metrics_addr: str,
-    audit: bool, watch: bool,
+    audit: bool, watch: bool, strict: bool,
 ) -> None:
     """Run COMMAND with the policies on every model it trains, unmodified.
 
@@ -296,7 +305,7 @@ def apply(
     _load(sources, not_done=f"nothing was started: {' '.join(command)} did not run")
     launch = Launch(
         sources=tuple(os.path.abspath(s) for s in sources), metrics_port=metrics_port,
-        metrics_addr=metrics_addr, audit=audit, watch=watch,
+        metrics_addr=metrics_addr, audit=audit, watch=watch, strict=strict,
     )
     ctx.exit(run(launch, command))
 

@@ -6,7 +6,7 @@ Three parties set them:
   (where policy `log`/`tensors` paths point), `HOOKPOLICY_WATCH_INTERVAL`;
 - `hookpolicy apply`, for every process of its COMMAND (`apply_variables` writes them,
   `ChildConfig.from_env` reads them back in the child): `HOOKPOLICY_BOOTSTRAP`,
-  `HOOKPOLICY_POLICIES`, `HOOKPOLICY_AUDIT`, `HOOKPOLICY_WATCH`,
+  `HOOKPOLICY_POLICIES`, `HOOKPOLICY_AUDIT`, `HOOKPOLICY_STRICT`, `HOOKPOLICY_WATCH`,
   `HOOKPOLICY_METRICS_PORT`, `HOOKPOLICY_METRICS_ADDR`, `HOOKPOLICY_RUN_DIR`;
 - the launcher (torchrun, Lightning, accelerate): `RANK` and `LOCAL_RANK`, read by the
   one rank rule here (`rank`), which both `attach` and the `apply` child use.
@@ -25,7 +25,7 @@ from typing import Mapping, Optional, Sequence
 
 __all__ = [
     "ENV_POLICY_DIRS", "ENV_OUTPUT_DIR", "ENV_WATCH_INTERVAL", "ENV_BOOTSTRAP", "ENV_POLICIES",
-    "ENV_AUDIT", "ENV_WATCH", "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_RUN_DIR", "ENV_RANK",
+    "ENV_AUDIT", "ENV_STRICT", "ENV_WATCH", "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_RUN_DIR", "ENV_RANK",
     "ENV_LOCAL_RANK", "DEFAULT_METRICS_ADDR", "ChildConfig", "apply_variables", "local_rank",
     "output_dir", "policy_dirs", "rank",
 ]
@@ -45,6 +45,8 @@ ENV_BOOTSTRAP = "HOOKPOLICY_BOOTSTRAP"
 ENV_POLICIES = "HOOKPOLICY_POLICIES"
 #: Set to 1: every rule runs in audit mode (`--audit`).
 ENV_AUDIT = "HOOKPOLICY_AUDIT"
+#: Set to 1: a rule that selects nothing on a governed model stops the process (`--strict`).
+ENV_STRICT = "HOOKPOLICY_STRICT"
 #: Set to 1: reload changed policy files (`--watch`).
 ENV_WATCH = "HOOKPOLICY_WATCH"
 #: Base port of the metrics endpoint (`--metrics-port`); rank r serves on port + LOCAL_RANK.
@@ -107,7 +109,7 @@ def _watch_interval(environ: Mapping[str, str]) -> float:
 
 def apply_variables(
     sources: Sequence[str], run_dir: str, *, audit: bool, watch: bool,
-    metrics_port: Optional[int], metrics_addr: str,
+    metrics_port: Optional[int], metrics_addr: str, strict: bool = False,
 ) -> dict[str, Optional[str]]:
     """What `hookpolicy apply` sets for its COMMAND; None means "remove it if inherited"."""
     return {
@@ -115,6 +117,7 @@ def apply_variables(
         ENV_POLICIES: os.pathsep.join(sources),
         ENV_RUN_DIR: run_dir,
         ENV_AUDIT: "1" if audit else "",
+        ENV_STRICT: "1" if strict else "",
         ENV_WATCH: "1" if watch else "",
         ENV_METRICS_ADDR: metrics_addr,
         ENV_METRICS_PORT: None if metrics_port is None else str(metrics_port),
@@ -127,6 +130,7 @@ class ChildConfig:
 
     sources: tuple[str, ...]
     audit: bool = False
+    strict: bool = False
     watch: bool = False
     interval: float = _DEFAULT_INTERVAL
     metrics_port: Optional[int] = None
@@ -140,6 +144,7 @@ class ChildConfig:
         return cls(
             sources=tuple(s for s in environ.get(ENV_POLICIES, "").split(os.pathsep) if s),
             audit=bool(environ.get(ENV_AUDIT)),
+            strict=bool(environ.get(ENV_STRICT)),
             watch=bool(environ.get(ENV_WATCH)),
             interval=_watch_interval(environ),
             metrics_port=_count(environ, ENV_METRICS_PORT),

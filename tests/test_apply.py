@@ -602,3 +602,37 @@ def test_only_the_metrics_store_spells_the_reload_gauge() -> None:
             continue
         strings = {n.value for n in ast.walk(ast.parse(path.read_text("utf-8"))) if isinstance(n, ast.Constant)}
         assert RELOAD_GAUGE not in strings, path
+
+
+GLOB_NOTHING = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata:
+  name: glob-nothing
+spec:
+  rules:
+    - name: attn-grads
+      match: {modules: ["**.attn.*"]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - capture: {stats: [l2_norm]}
+"""
+
+
+@pytest.mark.slow
+def test_a_rule_that_selects_nothing_is_a_positioned_warning_and_an_error_under_strict(
+    apply: Callable[..., Run], tmp_path: Path,
+) -> None:
+    policy = tmp_path / "glob-nothing.yaml"
+    policy.write_text(GLOB_NOTHING)
+    where = f"hookpolicy: {policy}:8:7: $.spec.rules[0].match: glob-nothing/attn-grads: matches no module of Sequential"
+    run = apply(str(policy), "--", sys.executable, TRAIN, "--steps", "3")
+    assert run.wait() == 0
+    assert where in run.stderr.splitlines()
+    assert len(losses(run.stdout)) == 3
+    strict = apply("--strict", str(policy), "--", sys.executable, TRAIN, "--steps", "3")
+    assert strict.wait() == 1
+    assert f"{where} (--strict: stopping before the first step)" in strict.stderr.splitlines()
+    assert losses(strict.stdout) == []  # no step trained ungoverned
+    assert "Traceback" not in strict.stderr

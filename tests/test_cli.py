@@ -153,7 +153,11 @@ def test_explain_json_and_warnings(tmp_path: Path) -> None:
     text = invoke("explain", str(nothing), "--model", "examples.charlm:build_model")
     assert text.exit_code == 0
     assert "no rule binds" in text.stdout
-    assert re.search(r"^warning: nothing/convs: matches no module", text.stdout, re.M)
+    assert re.search(rf"^warning: {re.escape(str(nothing))}:8:7: \$\.spec\.rules\[0\]\.match: nothing/convs: matches no module",
+                     text.stdout, re.M)
+    strict = invoke("explain", str(nothing), "--model", "examples.charlm:build_model", "--strict")
+    assert strict.exit_code == 1
+    assert f"{nothing}:8:7: $.spec.rules[0].match: nothing/convs: matches no module of TinyGPT" in strict.stderr
 
 
 def test_explain_accepts_a_module_instance_and_a_file_path(tmp_path: Path) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch.nn as nn
 
+from hookpolicy.errors import PolicyError
 from hookpolicy.plan.planner import build_plan
 
 from conftest import load_policy
@@ -74,9 +76,31 @@ def test_warnings_for_rules_that_cannot_fire(tmp_path: Path) -> None:
           target: grad_input
           actions: [{capture: {stats: [numel]}}]
     """, name="p")
-    warnings = pol.plan(Tied()).warnings
-    assert warnings == (
+    plan = pol.plan(Tied())
+    source = pol.policies[0].source
+    # A rule that selects nothing is positioned at its `match` (the second line of the rules here).
+    assert plan.warnings == (
+        f"{source}:{plan.unmatched[0].line}:{plan.unmatched[0].column}: $.spec.rules[0].match: "
         "p/none: matches no module of Tied",
+        f"{source}:{plan.unmatched[1].line}:{plan.unmatched[1].column}: $.spec.rules[1].match: "
         "p/no-params: the matched modules have no parameters matching *",
         "p/indices: wte is an Embedding; its inputs are indices and never receive a gradient",
     )
+    text = Path(source).read_text().splitlines()
+    for problem in plan.unmatched:
+        assert text[problem.line - 1][problem.column - 1:].startswith("match:")
+
+
+def test_strict_attach_refuses_before_installing_anything(tmp_path: Path) -> None:
+    pol = load_policy(tmp_path, """
+        - {name: some, match: {types: [Linear]}, trigger: {at: forward}, actions: [{capture: {stats: [numel]}}]}
+        - {name: none, match: {modules: ["decoder.**"]}, trigger: {at: forward}, actions: [{capture: {stats: [numel]}}]}
+    """)
+    model = Tied()
+    with pytest.raises(PolicyError) as refused:
+        pol.attach(model, strict=True)
+    (problem,) = refused.value.problems
+    assert (problem.path, problem.message) == ("$.spec.rules[1].match", "p/none: matches no module of Tied")
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    with pol.attach(model):  # not strict: a warning, and the rule that matches is in
+        assert any(m._forward_hooks for m in model.modules())

@@ -46,7 +46,8 @@ class _Session:
         self.config = config
         self.registry = CollectorRegistry()
         self.discovery = Discovery(
-            policies, registry=self.registry, rank=config.rank, audit=config.audit, on_govern=self._governed,
+            policies, registry=self.registry, rank=config.rank, audit=config.audit, strict=config.strict,
+            on_govern=self._governed,
             on_halt=self._record_halt,
         )
         self.reloader = Reloader(config, self.discovery.swaps, registry=self.registry, files=files)

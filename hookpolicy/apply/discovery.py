@@ -45,7 +45,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from ..api import PolicySet
-from ..errors import Halt
+from ..errors import Halt, PolicyError
 from ..engine import heap, module_hooks, optimizer_hooks
 from ..engine.runtime import Attached
 from . import say
@@ -64,7 +64,7 @@ class Discovery:
 
     def __init__(
         self, policies: PolicySet, *, registry: CollectorRegistry, rank: int, audit: bool = False,
-        on_govern: Optional[Callable[[torch.nn.Module, Attached], None]] = None,
+        strict: bool = False, on_govern: Optional[Callable[[torch.nn.Module, Attached], None]] = None,
         on_halt: Optional[Callable[[Halt], object]] = None,
     ) -> None:
         self.swaps = Swaps(policies, rank=rank)
@@ -72,6 +72,7 @@ class Discovery:
         self.registry = registry
         self.rank = rank
         self.audit = audit
+        self.strict = strict
         self._on_govern = on_govern
         self._roots: dict[int, Governed] = {}
         self._inside: dict[int, int] = {}  # id of every module of a governed model -> id of its root
@@ -127,6 +128,10 @@ class Discovery:
         policies, generation = self.swaps.current()
         try:
             attached = self._attach(policies, module, step)
+        except PolicyError as exc:  # --strict: a rule selects nothing; refuse to train half-governed
+            for problem in exc.problems:
+                say(f"{problem} (--strict: stopping before the first step)")
+            raise SystemExit(1) from None
         except Exception as exc:  # a guardrail that cannot attach must not stop training
             say(f"error: cannot govern {type(module).__name__}: {type(exc).__name__}: {exc}")
             self._rejected[id(module)] = weakref.ref(module)
@@ -264,7 +269,7 @@ class Discovery:
     # -- attaching, detaching ----------------------------------------------------------
     def _attach(self, policies: PolicySet, module: torch.nn.Module, step: int) -> Attached:
         return policies.attach(module, registry=self.registry, rank=self.rank, audit=self.audit,
-                               start_step=step, on_halt=self._on_halt)
+                               start_step=step, on_halt=self._on_halt, strict=self.strict)
 
     def _release(self, governed: Governed) -> None:
         governed.attached.remove()

@@ -54,6 +54,7 @@ class Launch:
     metrics_addr: str = DEFAULT_METRICS_ADDR
     audit: bool = False
     watch: bool = False
+    strict: bool = False
 
 
 def resolve_command(command: Sequence[str]) -> list[str]:
@@ -76,7 +77,7 @@ def child_environment(launch: Launch, run_dir: str, environ: Mapping[str, str]) 
     env["PYTHONPATH"] = os.pathsep.join(python_path)
     variables = apply_variables(
         launch.sources, run_dir, audit=launch.audit, watch=launch.watch,
-        metrics_port=launch.metrics_port, metrics_addr=launch.metrics_addr,
+        metrics_port=launch.metrics_port, metrics_addr=launch.metrics_addr, strict=launch.strict,
     )
     for name, value in variables.items():
         if value is None:

@@ -30,7 +30,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from .. import environment
-from ..errors import Halt, HookPolicyError
+from ..errors import Halt, HookPolicyError, PolicyError
 from ..export.metrics import (
     ACTIONS, ALERT_FIRING, ALERTS, HOOK_ERRORS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, POLICY_INFO,
     SERIES_DROPPED, SKIPPED_STEPS, STEPS, Labels, ModelMetrics, store_for,
@@ -65,12 +65,14 @@ class Attached:
     def __init__(
         self, policies: Sequence[Policy], model: torch.nn.Module, *,
         registry: Optional[CollectorRegistry] = None, rank: Optional[int] = None, audit: bool = False,
-        start_step: int = 0, on_halt: Optional[Callable[[Halt], object]] = None,
+        start_step: int = 0, on_halt: Optional[Callable[[Halt], object]] = None, strict: bool = False,
     ) -> None:
         self.model = model
         self._on_halt = on_halt
         self.policies = tuple(policies)
         self.plan: Plan = build_plan(self.policies, model)
+        if strict and self.plan.unmatched:  # before anything is installed: nothing half-attached
+            raise PolicyError(self.plan.unmatched)
         self.rank = environment.rank(os.environ) if rank is None else rank
         self.step = start_step
         self.store: ModelMetrics = store_for(registry, self.rank).for_model(model, model_class(model))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .matcher import Matcher, ModuleEntry, Target, iter_modules
+from ..errors import Problem
 from ..policy.model import PARAM_TARGETS, Action, Alert, Capture, Clip, Policy, Rule, Scale
 
 __all__ = ["Binding", "Plan", "build_plan", "describe_action", "param"]
@@ -83,6 +84,9 @@ class Binding:
 class Plan:
     bindings: tuple[Binding, ...]
     warnings: tuple[str, ...]
+    #: rules that select nothing on this model, each at its `match` (FILE:LINE:COL): a warning,
+    #: or the error of a strict attach
+    unmatched: tuple[Problem, ...] = ()
 
     def rows(self) -> list[dict[str, Any]]:
         return [b.row() for b in self.bindings]
@@ -128,16 +132,24 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
     )
     bindings: list[Binding] = []
     warnings: list[str] = []
+    unmatched: list[Problem] = []
+
+    def selects_nothing(policy: Policy, rule: Rule, what: str) -> None:
+        problem = Problem(policy.source, *rule.match_at, f"$.spec.rules[{rule.index}].match",
+                          f"{policy.name}/{rule.name}: {what}")
+        unmatched.append(problem)
+        warnings.append(str(problem))
+
     for *_, policy, rule in ordered:
         matcher = Matcher(rule.match)
         found = [e for e in entries if matcher.matches(e.name, e.typed, e.name == "")]
         where = f"{policy.name}/{rule.name}"
         if not found:
-            warnings.append(f"{where}: matches no module of {type(model).__name__}")
+            selects_nothing(policy, rule, f"matches no module of {type(model).__name__}")
             continue
         targets = [(entry, t) for entry in found for t in matcher.targets(entry, rule.target in PARAM_TARGETS)]
         if not targets:
-            warnings.append(f"{where}: none of the {len(found)} matched modules is an adapted layer "
+            selects_nothing(policy, rule, f"none of the {len(found)} matched modules is an adapted layer "
                             f"(PEFT tuner layer), so adapters: {rule.match.adapters} selects nothing")
             continue
         made, frozen = 0, 0
@@ -164,8 +176,8 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
                             "they never get a gradient")
         if not made:
             what = "trainable parameters" if frozen else "parameters"
-            warnings.append(f"{where}: the matched modules have no {what} matching {list(rule.match.params) or '*'}")
-    return Plan(tuple(bindings), tuple(warnings))
+            selects_nothing(policy, rule, f"the matched modules have no {what} matching {list(rule.match.params) or '*'}")
+    return Plan(tuple(bindings), tuple(warnings), tuple(unmatched))
 
 
 def _binding(policy: Policy, rule: Rule, entry: ModuleEntry, target: Target,

@@ -385,7 +385,10 @@ def _policy(document: Document) -> Policy:
         name=metadata["name"],
         source=document.file,
         revision=document.revision,
-        rules=tuple(_rule(rule, index, mode) for index, rule in enumerate(spec["rules"])),
+        rules=tuple(
+            _rule(rule, index, mode, document.position(("spec", "rules", index, "match"), key=True))
+            for index, rule in enumerate(spec["rules"])
+        ),
         mode=mode,
         on_error=spec.get("onError", "continue"),
         max_series=int(spec.get("limits", {}).get("maxSeries", 10000)),
@@ -394,7 +397,7 @@ def _policy(document: Document) -> Policy:
     )
 
 
-def _rule(rule: dict[str, Any], index: int, mode: str) -> Rule:
+def _rule(rule: dict[str, Any], index: int, mode: str, match_at: tuple[int, int]) -> Rule:
     trigger = rule["trigger"]
     at = trigger["at"]
     return Rule(
@@ -407,6 +410,7 @@ def _rule(rule: dict[str, Any], index: int, mode: str) -> Rule:
         mode=rule.get("mode", mode),
         priority=int(rule.get("priority", 50)),
         select=tuple(s if isinstance(s, str) else int(s) for s in rule.get("select", ())),
+        match_at=match_at,
     )
 
 

@@ -173,6 +173,8 @@ class Rule:
     mode: Mode = "enforce"
     priority: int = 50
     select: tuple[Union[int, str], ...] = ()
+    #: (line, column) of the rule's `match` key in its file, for warnings about what it selected
+    match_at: tuple[int, int] = (0, 0)
 
     @property
     def stats(self) -> tuple[str, ...]:
