@@ -173,8 +173,9 @@ class Rule:
     mode: Mode = "enforce"
     priority: int = 50
     select: tuple[Union[int, str], ...] = ()
-    #: (line, column) of the rule's `match` key in its file, for warnings about what it selected
-    match_at: tuple[int, int] = (0, 0)
+    #: (line, column) of the rule's `match` key in its file, for warnings about what it selected;
+    #: where a rule is written is not what it means, so it takes no part in equality
+    match_at: tuple[int, int] = field(default=(0, 0), compare=False)
 
     @property
     def stats(self) -> tuple[str, ...]:
