@@ -240,10 +240,11 @@ def test_audit_never_halts(apply: Callable[..., Run], tmp_path: Path) -> None:
     policy.write_text(HALT_POLICY)
     run = apply(str(policy), "--audit", "--", sys.executable, TRAIN, "--steps", "6", "--nan-at", "2")
     assert run.wait() == 0
-    assert "halted" not in run.stderr
+    assert "hookpolicy: halted by" not in run.stderr
     assert len(losses(run.stdout)) == 6
     alert = json.loads(next(line for line in run.stderr.splitlines() if line.startswith("{")))
     assert (alert["event"], alert["mode"], alert["step"]) == ("alert", "audit", 2)
+    assert alert["outcome"] == "not halted (audit mode)" and alert["message"].endswith("[not halted (audit mode)]")
 
 
 @pytest.mark.slow
