@@ -467,7 +467,12 @@ def bundled_models() -> dict[str, nn.Module]:
     import examples.charlm
     import examples.train_mlp
 
-    return {"examples.train_mlp": examples.train_mlp.build_model(), "examples.charlm": examples.charlm.build_model()}
+    from peft import LoraConfig, get_peft_model
+
+    # The LoRA policies need an adapted model: charlm under PEFT, as a LoRA fine-tune of it would be.
+    lora = get_peft_model(examples.charlm.build_model(), LoraConfig(r=4, target_modules=["c_attn", "c_fc"]))
+    return {"examples.train_mlp": examples.train_mlp.build_model(), "examples.charlm": examples.charlm.build_model(),
+            "examples.charlm + LoRA": lora}
 
 
 @pytest.mark.parametrize("path", LIBRARY, ids=lambda p: p.stem)
