@@ -172,8 +172,10 @@ def test_a_gradient_rule_on_frozen_layers_only_says_so(tmp_path: Path) -> None:
           actions: [{capture: {stats: [l2_norm]}}]
         """).plan(lora_model())
     assert not plan.bindings
+    (nothing,) = plan.unmatched  # selecting nothing is positioned at the rule's match
     assert plan.warnings == (
         "p/frozen: 8 frozen parameters (requires_grad=False) left out: they never get a gradient",
+        f"{nothing.file}:{nothing.line}:{nothing.column}: $.spec.rules[0].match: "
         "p/frozen: the matched modules have no trainable parameters matching *",
     )
 
@@ -210,10 +212,13 @@ def test_adapters_selects_the_lora_pieces_without_spelling_their_names(tmp_path:
         *[("up-weights", f"{layer.format(i)}.lora_B.default", "weight", ("weight",)) for i in range(2)],
     ]
     assert [b.kind for b in plan.bindings] == ["lora down", "lora up"] * 2 + ["lora down"] + ["lora up"] * 2
+    (nothing,) = plan.unmatched
     assert plan.warnings == (
+        f"{nothing.file}:{nothing.line}:{nothing.column}: {nothing.path}: "
         "p/no-adapter-here: none of the 2 matched modules is an adapted layer (PEFT tuner layer), "
         "so adapters: all selects nothing",
     )
+    assert nothing.path.endswith(".match")
 
 
 def test_adapter_gradient_norms_are_those_of_the_lora_parameters(tmp_path: Path) -> None:
