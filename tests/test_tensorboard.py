@@ -104,4 +104,6 @@ def test_without_tensorboard_the_rule_reports_why(
     with caplog.at_level(logging.ERROR, logger="hookpolicy"):
         train(tmp_path, monkeypatch, registry)
     assert MISSING_TENSORBOARD in caplog.text
-    assert registry.get_sample_value("hookpolicy_hook_errors_total", {"policy": "tb", "rule": "grads", "rank": "0"}) >= 1
+    errors = [s.value for family in registry.collect() for s in family.samples
+              if s.name == "hookpolicy_hook_errors_total" and s.labels.get("rule") == "grads"]
+    assert errors and errors[0] >= 1
