@@ -56,6 +56,9 @@ def _entry(rank: int, name: str, port: int, folder: str, args: tuple[Any, ...]) 
     try:
         result = globals()[name](rank, *args)
     finally:
+        # Both ranks leave together: a rank that tears gloo down while the other still
+        # talks to it aborts the other process ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
     Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
 
