@@ -13,7 +13,6 @@ Reload (`--watch`, SIGHUP, or the run folder's `reload` file): see `reload`.
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import signal
 import sys
@@ -26,7 +25,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from ..api import PolicySet
-from . import say
+from ..say import LOGGER, say
 from .discovery import Discovery
 from ..environment import ChildConfig
 from ..errors import Halt, PolicyError
@@ -127,16 +126,12 @@ _SESSION: Optional[_Session] = None
 
 
 def _warnings_as_hookpolicy_lines() -> None:
-    """The engine's warnings (logger `hookpolicy`: a plan's warnings, an in-place input) as
-    `hookpolicy:` lines on stderr, like every other line of ours. Without a handler Python
-    printed them bare; not propagated, so a script that configures logging does not print
-    them twice."""
-    logger = logging.getLogger("hookpolicy")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setLevel(logging.WARNING)
-    handler.setFormatter(logging.Formatter("hookpolicy: %(message)s"))
-    logger.addHandler(handler)
-    logger.propagate = False
+    """Keep hookpolicy's lines to the one `hookpolicy:` channel of `say.py` in a governed process.
+
+    `say`'s handler already prints every record of the `hookpolicy` logger; not propagating
+    them means a script that configures logging (`basicConfig`) does not print them twice.
+    """
+    LOGGER.propagate = False
 
 
 def bootstrap() -> None:
