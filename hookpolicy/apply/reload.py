@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import stat
-import sys
 import threading
 import time
 import zlib
@@ -211,8 +210,7 @@ class Reloader:
         except PolicyError as exc:
             store.config_loaded(False)
             lines = "\n".join(str(p) for p in exc.problems)
-            sys.stderr.write(f"hookpolicy: reload failed; keeping the current policies:\n{lines}\n")
-            sys.stderr.flush()
+            say(f"reload failed; keeping the current policies:\n{lines}")
             return
         store.config_loaded(True)
         current, _ = self.swaps.current()

@@ -22,14 +22,16 @@ beyond that closes the oldest (so a flood of idle connections cannot keep Promet
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
-import sys
 import threading
 import time
 from typing import Any, Callable, Iterable, Optional
 from urllib.parse import unquote
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+
+from ..say import say
 
 __all__ = [
     "BACKLOG", "Exporter", "MAX_ANSWERS_PER_SECOND", "MAX_CONNECTIONS", "RENDER_INTERVAL", "REQUEST_DEADLINE",
@@ -87,7 +89,7 @@ class RenderCache:
             reason = f"{type(exc).__name__}: {exc}"
             if reason not in self._reported and len(self._reported) < self.MAX_KEYS:
                 self._reported.add(reason)
-                sys.stderr.write(f"hookpolicy: cannot render metrics: {reason}\n")
+                say(f"cannot render metrics: {reason}", logging.ERROR)
             return (-float("inf"), "500 Internal Server Error", [("Content-Type", "text/plain; charset=utf-8")],
                     f"cannot render metrics: {reason}\n".encode())
         answer = (self._clock(), str(started[0]), list(started[1]), body)
@@ -172,7 +174,7 @@ class Exporter:
             pass  # too slow, hung up, or a head too long: dropped quietly
         except Exception as exc:  # noqa: BLE001 - one line, never a traceback on the script's stderr
             peer = writer.get_extra_info("peername") or ("?",)
-            sys.stderr.write(f"hookpolicy: a metrics request from {peer[0]} failed: {type(exc).__name__}: {exc}\n")
+            say(f"a metrics request from {peer[0]} failed: {type(exc).__name__}: {exc}", logging.ERROR)
         finally:
             self._open.pop(writer, None)
             writer.transport.abort()
@@ -227,11 +229,8 @@ def serve(
         )
     except (OSError, OverflowError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        sys.stderr.write(
-            f"hookpolicy: rank {rank}: cannot serve metrics on {addr}:{port}: {reason}; "
-            "training continues without metrics\n"
-        )
-        sys.stderr.flush()
+        say(f"rank {rank}: cannot serve metrics on {addr}:{port}: {reason}; training continues without metrics",
+            logging.WARNING)
         return None
     exporter = Exporter(RenderCache(make_wsgi_app(registry), render_interval), sock)
     exporter.start()
