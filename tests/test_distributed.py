@@ -33,7 +33,12 @@ from conftest import REPO, Run, labels_of, losses, torchrun, value, wait_metrics
 sys.path.insert(0, str(REPO / "examples"))
 from train_mlp import build_model, make_data  # noqa: E402
 
-pytestmark = pytest.mark.slow
+#: Open defect, cause not found yet: about one run in five to ten, a gloo rank aborts at process
+#: exit with "terminate called without an active exception" (std::terminate in a C++ thread)
+#: after its training finished. Only that abort is retried, twice; every other failure fails.
+GLOO_EXIT_ABORT = ["terminate called without an active exception", "signal SIGABRT"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.flaky(reruns=2, only_rerun=GLOO_EXIT_ABORT)]
 
 SCRIPT = str(REPO / "tests" / "dist_train.py")
 STATS = ["l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel"]
