@@ -99,3 +99,18 @@ def test_an_early_stage_imports_no_later_one(stage: str) -> None:
             if name.startswith("hookpolicy."):
                 top = ".".join(name.split(".")[:2])
                 assert top in allowed, f"{_module_name(path)} imports {name}"
+
+
+def test_the_policy_stage_imports_neither_torch_nor_click() -> None:
+    """`hookpolicy check` and the bootstrap load policies without torch or click."""
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    seen: set[str] = set()
+    todo = ["hookpolicy.policy.sources"]
+    while todo:
+        module = todo.pop()
+        seen.add(module)
+        for name in _imports(paths[module]):
+            assert name.split(".")[0] not in ("torch", "click"), f"{module} imports {name}"
+            if name in paths and name not in seen:
+                todo.append(name)
+    assert {f"hookpolicy.policy.{m}" for m in ("loader", "schema", "build", "document")} <= seen

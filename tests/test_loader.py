@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -390,38 +389,3 @@ def test_shipped_policies_load() -> None:
     if not files:
         pytest.skip("no policies/*.yaml yet")
     assert len(load_sources(files)) == len(files)
-
-
-def _imports(module: str) -> set[str]:
-    """What `hookpolicy.<module>` imports (dotted, under hookpolicy), relative imports resolved."""
-    path = ROOT / "hookpolicy" / (module.replace(".", "/") + ".py")
-    if not path.exists():
-        path = path.with_suffix("") / "__init__.py"
-    package = module.split(".")[:-1] if path.name != "__init__.py" else module.split(".")
-    tree = ast.parse(path.read_text("utf-8"))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - node.level + 1]
-                found.add(".".join(["hookpolicy", *base, *([node.module] if node.module else [])]))
-            else:
-                found.add(node.module or "")
-    return found
-
-
-def test_the_loader_side_imports_neither_torch_nor_click() -> None:
-    seen: set[str] = set()
-    todo = ["policy.sources"]
-    while todo:
-        module = todo.pop()
-        seen.add(module)
-        for name in _imports(module):
-            top = name.split(".")[0]
-            assert top not in ("torch", "click"), f"hookpolicy.{module} imports {name}"
-            inner = name[len("hookpolicy."):]
-            if name.startswith("hookpolicy.") and inner and inner not in seen:
-                todo.append(inner)
-    assert {"policy.loader", "policy.schema", "policy.build", "policy.document"} <= seen
