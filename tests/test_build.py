@@ -285,6 +285,20 @@ def test_clip_per_rule_only_at_step_and_only_with_max_norm() -> None:
     assert problem.path.endswith("clip.per") and "needs trigger.at: step" in problem.message
 
 
+def test_clip_unitwise_builds_agc_with_eps_by_default() -> None:
+    rule = policy_of("""\
+        - name: r
+          match: {modules: ["**"]}
+          trigger: {at: step}
+          actions:
+            - clip: {unitwise_ratio: 0.01}
+            - clip: {unitwise_ratio: 0.16, eps: 0.0001}
+        """).rules[0]
+    assert rule.actions == (Clip(unitwise_ratio=0.01, eps=1e-3), Clip(unitwise_ratio=0.16, eps=1e-4))
+    assert all(isinstance(a, Clip) and a.unitwise for a in rule.actions)
+    assert not Clip(max_norm=1.0).unitwise
+
+
 def test_booleans_are_not_integers() -> None:
     problems = problems_of("""\
         - name: r
@@ -347,7 +361,7 @@ def test_an_empty_clip_says_what_it_needs() -> None:
         """)
     assert problem.path == "$.spec.rules[0].actions[0].clip"
     assert problem.message == (
-        "a clip needs max_norm (clip by norm) or min and/or max (clamp values)"
+        "a clip needs max_norm (clip by norm), min and/or max (clamp values), or unitwise_ratio (AGC, at step)"
     )
 
 

@@ -188,6 +188,71 @@ def test_fsdp2_statistics_are_those_of_the_full_tensors(tmp_path: Path, free_por
     assert published[0] == published[1]  # the same numbers on both ranks, bit for bit
 
 
+AGC_RULES = """\
+- name: agc
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  actions:
+    - clip: {unitwise_ratio: 0.05, eps: 0.001}
+"""
+
+
+def agc_reference(grad: torch.Tensor, weight: torch.Tensor, ratio: float, eps: float) -> torch.Tensor:
+    """NFNets' unit-wise clip of one full gradient (see tests/test_agc.py), out of place."""
+    dims = tuple(range(1, grad.ndim)) if grad.ndim > 1 else None
+    bound = torch.linalg.vector_norm(weight, dim=dims, keepdim=True).clamp(min=eps) * ratio
+    g_norm = torch.linalg.vector_norm(grad, dim=dims, keepdim=True)
+    return torch.where(g_norm > bound, grad * (bound / g_norm.clamp(min=1e-6)), grad)
+
+
+def fsdp_agc(rank: int, policy: str, rows: bool) -> list[list[Any]]:
+    """Two FSDP2 steps under AGC: the gradients the optimizer used against the reference on the full tensors.
+
+    `rows`: FSDP2's default Shard(0) (each unit on one rank, biases split); else weights
+    sharded on dim 1 (`shard_placement_fn`), so every unit is split across the ranks.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+    torch.manual_seed(0)
+    model = build_model()
+    placement = None if rows else (lambda p: Shard(1) if p.ndim == 2 else None)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, shard_placement_fn=placement)
+    fully_shard(model)
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    used: list[torch.Tensor] = []
+    optimizer.register_step_pre_hook(lambda o, a, k: used.extend(full(p.grad) for p in params))
+    x, y = make_data(0)
+    x, y = x[rank::2], y[rank::2]
+    out: list[list[Any]] = []
+    with hookpolicy.load(policy).attach(model, rank=rank):
+        for step in range(2):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x[step * 32:(step + 1) * 32]), y[step * 32:(step + 1) * 32]).backward()
+            want = [agc_reference(full(p.grad), full(p).detach(), 0.05, 0.001) for p in params]
+            clipped = sum(int(not torch.equal(w, full(p.grad))) for w, p in zip(want, params))
+            used.clear()
+            optimizer.step()
+            out.append([f"step {step} tensors with a clipped unit", clipped, None])
+            for (name, p), u, w in zip(model.named_parameters(), used, want):
+                out.append([f"step {step} {name} {tuple(p.placements)}", float((u - w).abs().max()), 0.0])
+    return out
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["shard-dim0", "shard-dim1"])
+def test_fsdp2_agc_equals_the_reference_on_the_full_tensors(tmp_path: Path, free_port: int, rows: bool) -> None:
+    policy = str(write_policy(tmp_path, AGC_RULES))
+    ranks = spawn(fsdp_agc, tmp_path, free_port, policy, rows)
+    for rows_ in ranks:
+        for what, got, want in rows_:
+            if want is None:
+                assert got > 0, what  # the reference clipped something: this test can fail
+            else:
+                assert got == pytest.approx(want, abs=1e-7), what
+
+
 PLACEMENT_RULES = """\
 - name: replicated
   match: {modules: [rep]}

@@ -7,21 +7,23 @@ program; all decisions about *what* to compute were made here.
 
 `clip_norm` mirrors `torch.nn.utils.clip_grad_norm_` operation for operation (same
 foreach norms, the same `1e-6`, the same clamp), so a `per: rule` clip at `step` gives
-the same gradients as calling it on the rule's parameters.
+the same gradients as calling it on the rule's parameters. `clip_unitwise` is AGC
+(NFNets, Brock et al. 2021), written from the paper's equations as timm's
+`adaptive_clip_grad` is.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from ..policy.model import Alert, Capture, Clip, Rule, Scale
 from .stats import partials_for
 
-__all__ = ["StatsOp", "MutateOp", "Program", "compile_rule", "mutate", "clip_norm"]
+__all__ = ["StatsOp", "MutateOp", "Program", "compile_rule", "mutate", "clip_norm", "clip_unitwise"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,11 @@ class MutateOp:
     @property
     def name(self) -> str:
         return "clip" if isinstance(self.action, Clip) else "scale"
+
+    @property
+    def unitwise(self) -> bool:
+        """AGC: a clip that reads the parameters' weights (`clip_unitwise`)."""
+        return isinstance(self.action, Clip) and self.action.unitwise
 
 
 Program = tuple[Union[StatsOp, MutateOp], ...]
@@ -126,3 +133,72 @@ def clip_norm(
     # Out of place (forward and backward targets): outside no_grad, so autograd sees the scaling.
     return [t * c for t, c in zip(tensors, coefs)]
 
+
+
+#: Reduces squared unit norms of shards to those of whole units: (squares, groups per tensor) -> squares.
+UnitReduce = Callable[[list[torch.Tensor], Sequence[tuple[object, ...]]], list[torch.Tensor]]
+
+
+def clip_unitwise(
+    grads: list[torch.Tensor], weights: list[torch.Tensor], ratio: float, eps: float, apply: bool,
+    spans: Sequence[tuple[object, ...]] = (), reduce: Optional[UnitReduce] = None,
+) -> list[torch.Tensor]:
+    """AGC: g_i <- g_i * max_i / max(|g_i|, 1e-6) where |g_i| > max_i = ratio * max(|w_i|, eps).
+
+    A unit i is a slice along dim 0 (an output row of a Linear, an output channel of a
+    conv); a tensor of ndim <= 1 is one unit. Gradients change in place when `apply`
+    (enforce), else nothing changes (audit). Returns, per tensor, a bool vector: which of
+    its units were (or would have been) clipped, on the device.
+
+    `grads`/`weights` may be local shards: `spans[k]` then names the process groups over
+    which tensor k's units are split, and `reduce` sums squared unit norms over them.
+    The coefficients are computed on one flat vector per device, so a rule costs two
+    norm kernels and one multiplication per tensor plus a constant number of kernels.
+    """
+    with torch.no_grad():
+        g_norms, w_norms = _unit_norms(grads), _unit_norms(weights)
+        if reduce is not None and any(spans):
+            wide = [k for k, groups in enumerate(spans) if groups]
+            squares = reduce([g_norms[k].square() for k in wide] + [w_norms[k].square() for k in wide],
+                             [spans[k] for k in wide] * 2)
+            for j, k in enumerate(wide):
+                g_norms[k], w_norms[k] = squares[j].sqrt(), squares[len(wide) + j].sqrt()
+        clipped: list[torch.Tensor] = [g_norms[0]] * len(grads)
+        for indices in _by_device(grads):
+            sizes = [g_norms[k].numel() for k in indices]
+            g_norm = torch.cat([g_norms[k] for k in indices])
+            limit = torch.cat([w_norms[k] for k in indices]).clamp(min=eps) * ratio
+            over = g_norm > limit
+            for k, flags in zip(indices, torch.split(over, sizes)):
+                clipped[k] = flags
+            if apply:
+                coef = torch.where(over, limit / g_norm.clamp(min=1e-6), 1.0)
+                shaped = [c.reshape(_unit_shape(grads[k])) for k, c in zip(indices, torch.split(coef, sizes))]
+                torch._foreach_mul_([grads[k] for k in indices], shaped)
+        return clipped
+
+
+def _unit_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's L2 norms over all dims but the first (ndim <= 1: of the whole tensor, as a 1-vector)."""
+    norms: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    whole = [k for k, t in enumerate(tensors) if t.ndim <= 1]
+    if whole:  # biases and norm scales: one foreach kernel for all of them
+        for k, norm in zip(whole, torch._foreach_norm([tensors[k] for k in whole])):
+            norms[k] = norm.reshape(1)
+    for k, t in enumerate(tensors):
+        if t.ndim > 1:
+            norms[k] = torch.linalg.vector_norm(t, dim=tuple(range(1, t.ndim)))
+    return norms
+
+
+def _unit_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape a tensor's per-unit coefficients broadcast from."""
+    return () if t.ndim <= 1 else (t.shape[0],) + (1,) * (t.ndim - 1)
+
+
+def _by_device(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Tensor indices grouped by device, in first-seen order (one flat coefficient vector per device)."""
+    groups: dict[torch.device, list[int]] = {}
+    for k, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(k)
+    return list(groups.values())

@@ -19,16 +19,16 @@ import logging
 import time
 import traceback
 from collections import defaultdict
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, cast
 
 import torch
 
-from .actions import StatsOp, mutate
+from .actions import MutateOp, StatsOp, clip_unitwise, mutate
 from ..errors import Halt
 from ..export.metrics import HOOK_ERRORS, ModelMetrics
 from ..plan.planner import Binding, param as find_param
-from ..policy.model import Rule
-from .distributed import Shards, local_shards, shard_name, shard_partials
+from ..policy.model import Clip, Rule
+from .distributed import Shards, local_shards, reduce_squares, shard_name, shard_partials, unit_shards
 from .readback import Entry
 from .rulestate import MAX_ERRORS, RuleState
 from .stats import tensor_partials
@@ -169,6 +169,8 @@ class Executor:
     def _run_step_rule(self, rs: RuleState) -> None:
         rows: list[tuple[str, str]] = []
         tensors: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []  # AGC's: the weight of each gradient in `tensors`
+        unitwise = any(isinstance(op, MutateOp) and op.unitwise for op in rs.program)
         for b in rs.bindings:
             for pname, path in zip(b.params, b.paths()):
                 param = find_param(b.obj, path)
@@ -176,12 +178,15 @@ class Executor:
                 if t is not None and t.numel() > 0:
                     rows.append((b.module, pname))
                     tensors.append(t)
+                    if unitwise:
+                        weights.append(param.detach())
         if tensors:
-            self._execute(rs, rs.rule.target, rows, tensors, inplace=True, defer=self._defer_step_counts)
+            self._execute(rs, rs.rule.target, rows, tensors, inplace=True, defer=self._defer_step_counts,
+                          weights=weights)
 
     def _execute(
         self, rs: RuleState, target: str, rows: list[tuple[str, str]], tensors: list[torch.Tensor], inplace: bool,
-        defer: bool = False,
+        defer: bool = False, weights: Sequence[torch.Tensor] = (),
     ) -> Optional[list[torch.Tensor]]:
         """Run a rule's program on tensors; returns replacements when a mutation applied."""
         changed = False
@@ -201,12 +206,28 @@ class Executor:
                                          list(tensors) if deferred else None,
                                          None if sharded is None else sharded[1]))
                 self.ran.update((key, module) for key in count_keys for module in modules)
+            elif op.unitwise:
+                self.ran.update((count_keys[0], module) for module in modules)
+                self._clip_units(rs, op, rows, tensors, list(weights))
             else:
                 self.ran.update((count_keys[0], module) for module in modules)
                 if rs.enforce:
                     tensors = mutate(op.action, list(tensors), _groups(rows, getattr(op.action, "per", "tensor")), inplace)
                     changed = True
         return tensors if changed else None
+
+    def _clip_units(
+        self, rs: RuleState, op: MutateOp, rows: list[tuple[str, str]], grads: list[torch.Tensor],
+        weights: list[torch.Tensor],
+    ) -> None:
+        """AGC on a step rule's gradients (in place when enforced), on the local shards of DTensors."""
+        clip = cast(Clip, op.action)
+        assert clip.unitwise_ratio is not None  # op.unitwise
+        sharded = unit_shards(grads, weights)
+        if sharded is None:
+            clip_unitwise(grads, weights, clip.unitwise_ratio, clip.eps, rs.enforce)
+        else:
+            clip_unitwise(sharded[0], sharded[1], clip.unitwise_ratio, clip.eps, rs.enforce, sharded[2], reduce_squares)
 
     # -- error containment -------------------------------------------------------------
     def guarded(self, rs: RuleState, fn: Any, *args: Any) -> Any:

@@ -113,6 +113,8 @@ def describe_action(action: Action) -> str:
             parts.append(f"log={action.log.path or 'stderr'}")
         return f"capture({' '.join(parts)})"
     if isinstance(action, Clip):
+        if action.unitwise_ratio is not None:
+            return f"clip(unitwise_ratio={action.unitwise_ratio:g}, eps={action.eps:g})"
         if action.max_norm is not None:
             return f"clip(max_norm={action.max_norm:g}, norm_type={action.norm_type:g}, per={action.per})"
         return f"clip(min={action.min}, max={action.max})"

@@ -280,11 +280,14 @@ class _Checker:
             )
         if not body:
             self.add(
-                path, "a clip needs max_norm (clip by norm) or min and/or max (clamp values)",
+                path, "a clip needs max_norm (clip by norm), min and/or max (clamp values), "
+                "or unitwise_ratio (AGC, at step)",
                 key=True,
             )
+        if "unitwise_ratio" in body or "eps" in body:
+            self.unitwise(body, site)
         for key in ("norm_type", "per"):
-            if key in body and not by_norm:
+            if key in body and not by_norm and "unitwise_ratio" not in body:
                 self.add(
                     path + (key,), f"{key} applies to clipping by norm: add max_norm", key=True
                 )
@@ -298,6 +301,34 @@ class _Checker:
         if low is not None and high is not None and low > high:
             self.add(path + ("max",), f"max ({high:g}) is below min ({low:g})")
         self.modifies(site)
+
+    def unitwise(self, body: dict[str, Any], site: _Site) -> None:
+        """AGC reads the parameters' weights next to their gradients: only at step, on grad, alone."""
+        path = site.path
+        if "unitwise_ratio" not in body:
+            self.add(path + ("eps",), "eps is the weight norm floor of AGC: add unitwise_ratio", key=True)
+            return
+        others = [key for key in ("max_norm", "min", "max", "norm_type", "per") if key in body]
+        if others:
+            self.add(
+                path + (others[0],),
+                f"unitwise_ratio (AGC: per unit, relative to its weights) takes only eps, not {', '.join(others)}; "
+                "a norm or value clip goes in a clip action of its own",
+                key=True,
+            )
+        if site.at not in (None, "step"):
+            self.add(
+                path + ("unitwise_ratio",),
+                "unitwise_ratio (AGC) compares gradients with their parameters' weights: it needs "
+                f"trigger.at: step and target: grad, not trigger.at: {site.at}",
+                key=True,
+            )
+        elif site.at == "step" and site.target not in (None, "grad"):
+            self.add(
+                path + ("unitwise_ratio",),
+                f"unitwise_ratio (AGC) clips gradients: it needs target: grad, not target: {site.target}",
+                key=True,
+            )
 
     def scale(self, body: dict[str, Any], site: _Site) -> None:
         self.modifies(site)
@@ -460,6 +491,8 @@ def _capture(body: dict[str, Any], at: str) -> Capture:
 
 
 def _clip(body: dict[str, Any], at: str) -> Clip:
+    if "unitwise_ratio" in body:
+        return Clip(unitwise_ratio=float(body["unitwise_ratio"]), eps=float(body.get("eps", 1e-3)))
     if "max_norm" in body:
         norm_type = body.get("norm_type", 2)
         return Clip(

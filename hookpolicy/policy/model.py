@@ -125,13 +125,26 @@ class Capture:
 
 @dataclass(frozen=True)
 class Clip:
-    """Norm clipping (`max_norm`, `norm_type`) or value clamping (`min`/`max`)."""
+    """Norm clipping (`max_norm`, `norm_type`), value clamping (`min`/`max`), or adaptive
+    gradient clipping (`unitwise_ratio`, `eps`: AGC, NFNets), exactly one of the three.
+
+    AGC bounds each unit's gradient norm by `unitwise_ratio * max(unit's weight norm, eps)`,
+    a unit being a slice along a parameter's first dimension (an output row or channel);
+    it reads the weights, so it exists only at `step` on `target: grad`.
+    """
 
     max_norm: Optional[float] = None
     norm_type: float = 2.0
     per: Per = "tensor"
     min: Optional[float] = None
     max: Optional[float] = None
+    unitwise_ratio: Optional[float] = None
+    eps: float = 1e-3
+
+    @property
+    def unitwise(self) -> bool:
+        """Whether this is AGC (unit-wise, relative to the weights) rather than a norm or value clip."""
+        return self.unitwise_ratio is not None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,198 @@
+"""AGC (`clip: {unitwise_ratio, eps}`) against a reference written here from the NFNets equations.
+
+Brock et al. 2021, "High-Performance Large-Scale Image Recognition Without Normalization",
+section 4.1: for each unit i of a parameter (a row of a weight matrix, an output channel
+of a conv kernel; a bias is one unit), with G_i its gradient and W_i its weights,
+
+    G_i <- lambda * max(||W_i||, eps) / ||G_i|| * G_i   if ||G_i|| / max(||W_i||, eps) > lambda
+
+(the paper's reference code divides by max(||G_i||, 1e-6)). The reference below applies
+that to a copy of the model, and the test compares the gradients the optimizer used.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from torch import nn
+
+from conftest import load_policy, metric
+
+
+class ConvNet(nn.Module):
+    """A conv (4-d weight, bias), a linear head (2-d weight, zero bias: eps decides its bound),
+    a scale vector, a frozen parameter and one the forward never uses (no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3)
+        self.head = nn.Linear(6 * 4 * 4, 5)
+        nn.init.zeros_(self.head.bias)
+        self.gain = nn.Parameter(torch.ones(6))
+        self.frozen = nn.Parameter(torch.ones(3, 3), requires_grad=False)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x)) * self.gain[:, None, None]
+        return self.head(h.flatten(1))
+
+
+def unit_norm(x: torch.Tensor) -> torch.Tensor:
+    """||x_i|| over all dims but the first, keeping them for broadcasting; of the whole tensor for ndim <= 1."""
+    if x.ndim <= 1:
+        return torch.linalg.vector_norm(x)
+    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True)
+
+
+def agc_reference(params: list[nn.Parameter], ratio: float, eps: float) -> int:
+    """Clip each unit's gradient as NFNets does; returns how many units were clipped."""
+    clipped = 0
+    with torch.no_grad():
+        for p in params:
+            if p.grad is None:
+                continue
+            bound = unit_norm(p).clamp(min=eps) * ratio
+            g_norm = unit_norm(p.grad)
+            over = g_norm > bound
+            p.grad.copy_(torch.where(over, p.grad * (bound / g_norm.clamp(min=1e-6)), p.grad))
+            clipped += int(over.sum())
+    return clipped
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 3, 6, 6, generator=g), torch.randn(8, 5, generator=g)) for _ in range(n)]
+
+
+RULE = """
+- name: agc
+  match: {modules: [%s]}
+  trigger: {at: step}
+  actions: [{clip: {unitwise_ratio: %s, eps: %s}}]
+"""
+
+
+def run(tmp_path: Path, modules: str, ratio: float, eps: float, steps: int = 4, spec: str = "",
+        ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]], list[int], nn.Module, nn.Module,
+                   CollectorRegistry]:
+    """Train a model under the policy and a copy under the reference, side by side.
+
+    Returns per step the gradients the optimizer used with hookpolicy and with the
+    reference, the reference's count of clipped units, both models and the registry.
+    """
+    pol = load_policy(tmp_path, RULE % (modules, ratio, eps), spec=spec)
+    torch.manual_seed(0)
+    model = ConvNet()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    got: list[dict[str, torch.Tensor]] = []
+    want: list[dict[str, torch.Tensor]] = []
+    counts: list[int] = []
+    opt.register_step_pre_hook(lambda o, a, k: got.append(
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    reg = CollectorRegistry()
+    selected = [p for n, p in ref.named_parameters() if modules == '"**"' or f'"{n.split(".")[0]}"' == modules]
+    with pol.attach(model, registry=reg):
+        for x, y in batches(steps):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                nn.functional.mse_loss(m(x), y).backward()
+            counts.append(agc_reference(selected, ratio, eps) if not spec else 0)
+            want.append({n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None})
+            opt.step()
+            ref_opt.step()
+    return got, want, counts, model, ref, reg
+
+
+def test_agc_equals_the_nfnets_equations(tmp_path: Path) -> None:
+    got, want, counts, model, ref, _ = run(tmp_path, '"**"', 0.02, 1e-3)
+    assert all(0 < c < 6 + 6 + 1 + 5 + 1 + 1 for c in counts), counts  # some units clipped, not all
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert sorted(g) == sorted(w) == ["conv.bias", "conv.weight", "gain", "head.bias", "head.weight"]
+        for name in g:
+            torch.testing.assert_close(g[name], w[name], rtol=1e-6, atol=1e-9, msg=lambda m: f"step {step} {name}: {m}")
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    assert model.unused.weight.grad is None and model.frozen.grad is None
+
+
+def test_agc_clips_only_the_matched_modules(tmp_path: Path) -> None:
+    """`match` decides which parameters AGC sees: the head's gradients stay as backward left them."""
+    got, want, counts, _, _, _ = run(tmp_path, '"conv"', 0.01, 1e-3, steps=2)
+    assert all(c > 0 for c in counts)
+    for g, w in zip(got, want):
+        for name in g:
+            torch.testing.assert_close(g[name], w[name], rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    # the reference left the head alone too; and the conv was really clipped by both
+    torch.manual_seed(0)
+    plain = ConvNet()
+    x, y = batches(1)[0]
+    nn.functional.mse_loss(plain(x), y).backward()
+    assert torch.equal(got[0]["head.weight"], plain.head.weight.grad)
+    assert not torch.allclose(got[0]["conv.weight"], plain.conv.weight.grad)
+
+
+def test_eps_bounds_units_with_zero_weights(tmp_path: Path) -> None:
+    """A zero-initialised bias (||w|| = 0) may still move: its bound is ratio * eps, not 0."""
+    got, want, _, _, _, _ = run(tmp_path, '"head"', 0.5, 0.01, steps=1)
+    bias = got[0]["head.bias"]
+    torch.testing.assert_close(bias, want[0]["head.bias"], rtol=1e-6, atol=1e-9)
+    assert float(torch.linalg.vector_norm(bias)) == pytest.approx(0.5 * 0.01, rel=1e-5)
+
+
+def test_audit_leaves_gradients_bit_for_bit(tmp_path: Path) -> None:
+    got, _, _, model, _, reg = run(tmp_path, '"**"', 0.02, 1e-3, steps=3, spec="mode: audit\n")
+    torch.manual_seed(0)
+    plain = ConvNet()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for step, (x, y) in enumerate(batches(3)):
+        opt.zero_grad()
+        nn.functional.mse_loss(plain(x), y).backward()
+        for name, p in plain.named_parameters():
+            if p.grad is not None:
+                assert torch.equal(got[step][name], p.grad), (step, name)
+        opt.step()
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    # once per step and module with gradients: conv, head and the root (gain); not `unused`
+    actions = metric(reg, "hookpolicy_actions_total", {"rank": "0", "policy": "p", "rule": "agc", "action": "clip",
+                                                       "mode": "audit"})
+    assert actions == 3 * 3
+
+
+def test_no_host_sync_inside_the_step_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AGC runs inside the optimizer step pre-hook: no .item(), .tolist(), bool(tensor)... there."""
+    pol = load_policy(tmp_path, RULE % ('"**"', 0.02, 1e-3))
+    torch.manual_seed(0)
+    model = ConvNet()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    reg = CollectorRegistry()
+    x, y = batches(1)[0]
+    for m in (model, ref):
+        nn.functional.mse_loss(m(x), y).backward()
+    agc_reference(list(ref.parameters()), 0.02, 1e-3)
+    with pol.attach(model, registry=reg) as attached:
+        executor = attached._executor
+        run_step_rules = executor.run_step_rules
+
+        def forbidden(*a: Any, **k: Any) -> Any:
+            raise AssertionError("host sync inside a hook")
+
+        def guarded(rules: Any) -> None:
+            with monkeypatch.context() as m:
+                for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
+                    m.setattr(torch.Tensor, name, forbidden)
+                run_step_rules(rules)
+
+        monkeypatch.setattr(executor, "run_step_rules", guarded)
+        opt.step()
+    # a sync would have raised inside the hook, where onError contains it: so check both
+    assert metric(reg, "hookpolicy_hook_errors_total", {"rule": "agc"}) == 0
+    torch.testing.assert_close(model.conv.weight, ref.conv.weight - 0.5 * ref.conv.weight.grad)
