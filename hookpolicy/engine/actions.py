@@ -142,13 +142,13 @@ UnitReduce = Callable[[list[torch.Tensor], Sequence[tuple[object, ...]]], list[t
 def clip_unitwise(
     grads: list[torch.Tensor], weights: list[torch.Tensor], ratio: float, eps: float, apply: bool,
     spans: Sequence[tuple[object, ...]] = (), reduce: Optional[UnitReduce] = None,
-) -> list[torch.Tensor]:
+) -> torch.Tensor:
     """AGC: g_i <- g_i * max_i / max(|g_i|, 1e-6) where |g_i| > max_i = ratio * max(|w_i|, eps).
 
     A unit i is a slice along dim 0 (an output row of a Linear, an output channel of a
     conv); a tensor of ndim <= 1 is one unit. Gradients change in place when `apply`
-    (enforce), else nothing changes (audit). Returns, per tensor, a bool vector: which of
-    its units were (or would have been) clipped, on the device.
+    (enforce), else nothing changes (audit). Returns per tensor how many of its units
+    were (or would have been) clipped: a float64 vector on the first tensor's device.
 
     `grads`/`weights` may be local shards: `spans[k]` then names the process groups over
     which tensor k's units are split, and `reduce` sums squared unit norms over them.
@@ -163,19 +163,32 @@ def clip_unitwise(
                              [spans[k] for k in wide] * 2)
             for j, k in enumerate(wide):
                 g_norms[k], w_norms[k] = squares[j].sqrt(), squares[len(wide) + j].sqrt()
-        clipped: list[torch.Tensor] = [g_norms[0]] * len(grads)
+        counts: list[tuple[list[int], torch.Tensor]] = []
         for indices in _by_device(grads):
             sizes = [g_norms[k].numel() for k in indices]
             g_norm = torch.cat([g_norms[k] for k in indices])
             limit = torch.cat([w_norms[k] for k in indices]).clamp(min=eps) * ratio
             over = g_norm > limit
-            for k, flags in zip(indices, torch.split(over, sizes)):
-                clipped[k] = flags
+            counts.append((indices, _count_per_tensor(over, sizes)))
             if apply:
                 coef = torch.where(over, limit / g_norm.clamp(min=1e-6), 1.0)
                 shaped = [c.reshape(_unit_shape(grads[k])) for k, c in zip(indices, torch.split(coef, sizes))]
                 torch._foreach_mul_([grads[k] for k in indices], shaped)
-        return clipped
+        if len(counts) == 1:
+            return counts[0][1]
+        first = grads[0].device  # several devices (a model split by hand): rare, a copy each
+        by_tensor = {k: c.to(first) for indices, vector in counts for k, c in zip(indices, vector.unbind())}
+        return torch.stack([by_tensor[k] for k in range(len(grads))])
+
+
+def _count_per_tensor(flags: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The number of true flags per consecutive run of `sizes`: the L1 norms of the runs, one foreach kernel.
+
+    (A segment sum would need the runs' indices on the device, a host-to-device copy that
+    PyTorch synchronises; counts below 2**24 are exact in float32.)
+    """
+    ones = flags.to(torch.float32)
+    return torch.stack(torch._foreach_norm(list(torch.split(ones, sizes)), 1)).to(torch.float64)
 
 
 def _unit_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 from .stats import tensor_partials
 
-__all__ = ["Shards", "local_shards", "unit_shards", "reduce_squares", "shard_partials", "shard_name", "reduce_shards", "agreeing", "agree", "encode", "decode"]
+__all__ = ["Shards", "Units", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards", "agreeing", "agree", "encode", "decode"]
 
 #: What an empty shard contributes to each partial.
 _IDENTITY = {"sumsq": 0.0, "sum": 0.0, "m2": 0.0, "min": math.inf, "max": -math.inf, "nonzero": 0.0, "finite": 0.0}
@@ -114,9 +114,22 @@ def local_shards(tensors: Sequence[torch.Tensor]) -> Optional[tuple[list[torch.T
     return locals_, Shards(tuple(groups), tuple(t.numel() for t in locals_))
 
 
-def unit_shards(
-    grads: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
-) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[Any, ...]]]]:
+@dataclass(frozen=True)
+class Units:
+    """For AGC, the local shards of gradients and weights, and per tensor two lists of process groups.
+
+    `split`: the groups each of its units is split over (sum squared norms over them);
+    `apart`: the groups over which its units are dealt out whole, one rank each (sum counts
+    of units over them to count those of the full tensor).
+    """
+
+    grads: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    split: list[tuple[Any, ...]]
+    apart: list[tuple[Any, ...]]
+
+
+def unit_shards(grads: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> Optional[Units]:
     """For AGC: local shards of gradients and weights, and per tensor the groups its units span.
 
     A unit is a slice along dim 0 (a whole tensor of ndim <= 1). A mesh dimension that
@@ -124,7 +137,8 @@ def unit_shards(
     keeps each unit on one rank: nothing to reduce. One that shards any other dim (a
     `shard_placement_fn` returning `Shard(1)`, tensor-parallel `RowwiseParallel`), or a
     tensor of ndim <= 1, splits units across its group, whose squared norms are summed
-    (`reduce_squares`). None when no DTensor is among `grads`.
+    (`sum_over_groups`), and the units dealt out over the mesh dimensions sharding
+    dim 0 are counted over their groups. None when no DTensor is among `grads`.
 
     Raises ValueError for a `Partial` gradient (a sum still pending) or a weight that is
     not laid out as its gradient (its units would not line up).
@@ -133,42 +147,44 @@ def unit_shards(
     if found is None:
         return None
     dtensor = cast(type, _dtensor_type())  # not None: local_shards found a DTensor
-    local_g, local_w = found[0], []
-    spans: list[tuple[Any, ...]] = []
+    units = Units(found[0], [], [], [])
     for g, w in zip(grads, weights):
         if not isinstance(g, dtensor):
-            local_w.append(w)
-            spans.append(())
+            units.weights.append(w)
+            units.split.append(())
+            units.apart.append(())
             continue
         dg, dw = cast("DTensor", g), cast("DTensor", w)
         if not isinstance(w, dtensor) or dw.placements != dg.placements or dw.device_mesh != dg.device_mesh:
             layout = tuple(dw.placements) if isinstance(w, dtensor) else "a plain tensor"
             raise ValueError(f"a gradient with placements {tuple(dg.placements)} belongs to a weight laid out as "
                              f"{layout}: AGC needs both laid out alike to pair their units")
-        local_w.append(dw.to_local())
-        spans.append(tuple(
-            dg.device_mesh.get_group(d) for d, placement in enumerate(dg.placements)
-            if placement.is_shard() and (g.ndim <= 1 or getattr(placement, "dim", 0) != 0)
-        ))
-    return local_g, local_w, spans
+        units.weights.append(dw.to_local())
+        sharded = [(d, getattr(p, "dim", 0)) for d, p in enumerate(dg.placements) if p.is_shard()]
+        whole = g.ndim > 1  # a unit is a slice along dim 0, else the whole tensor
+        units.split.append(tuple(dg.device_mesh.get_group(d) for d, dim in sharded if not (whole and dim == 0)))
+        units.apart.append(tuple(dg.device_mesh.get_group(d) for d, dim in sharded if whole and dim == 0))
+    return units
 
 
-def reduce_squares(squares: list[torch.Tensor], spans: Sequence[tuple[Any, ...]]) -> list[torch.Tensor]:
-    """Per vector of squared unit norms of shards, its sum over the process groups in `spans` (one all_reduce per group).
+def sum_over_groups(vectors: list[torch.Tensor], spans: Sequence[tuple[Any, ...]]) -> list[torch.Tensor]:
+    """Each vector summed over the process groups in its `spans` entry (one all_reduce per group in all).
 
     Collective, inside the step pre-hook where every rank is at the same step: every rank
     must pass the same tensors in the same order (as for `reduce_shards`).
     """
     import torch.distributed as dist
 
-    sizes = [v.numel() for v in squares]
+    sizes = [v.numel() for v in vectors]
     order: list[Any] = []
     for groups in spans:
         order.extend(g for g in groups if g not in order)
-    flat = torch.cat(squares)
+    if not order:
+        return vectors
+    flat = torch.cat(vectors)
     for group in order:
         rows = [k for k, groups in enumerate(spans) if group in groups]
-        if len(rows) == len(squares):
+        if len(rows) == len(vectors):
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             continue
         pieces = list(torch.split(flat, sizes))

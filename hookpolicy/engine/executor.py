@@ -28,7 +28,7 @@ from ..errors import Halt
 from ..export.metrics import HOOK_ERRORS, ModelMetrics
 from ..plan.planner import Binding, param as find_param
 from ..policy.model import Clip, Rule
-from .distributed import Shards, local_shards, reduce_squares, shard_name, shard_partials, unit_shards
+from .distributed import Shards, local_shards, sum_over_groups, shard_name, shard_partials, unit_shards
 from .readback import Entry
 from .rulestate import MAX_ERRORS, RuleState
 from .stats import tensor_partials
@@ -219,15 +219,20 @@ class Executor:
     def _clip_units(
         self, rs: RuleState, op: MutateOp, rows: list[tuple[str, str]], grads: list[torch.Tensor],
         weights: list[torch.Tensor],
-    ) -> None:
-        """AGC on a step rule's gradients (in place when enforced), on the local shards of DTensors."""
+    ) -> torch.Tensor:
+        """AGC on a step rule's gradients (in place when enforced); per tensor, the units it clipped.
+
+        On DTensors it works on the local shards, and the counts are those of the full
+        tensors, the same on every rank (see `distributed.unit_shards`).
+        """
         clip = cast(Clip, op.action)
         assert clip.unitwise_ratio is not None  # op.unitwise
-        sharded = unit_shards(grads, weights)
-        if sharded is None:
-            clip_unitwise(grads, weights, clip.unitwise_ratio, clip.eps, rs.enforce)
-        else:
-            clip_unitwise(sharded[0], sharded[1], clip.unitwise_ratio, clip.eps, rs.enforce, sharded[2], reduce_squares)
+        units = unit_shards(grads, weights)
+        if units is None:
+            return clip_unitwise(grads, weights, clip.unitwise_ratio, clip.eps, rs.enforce)
+        counts = clip_unitwise(units.grads, units.weights, clip.unitwise_ratio, clip.eps, rs.enforce,
+                               units.split, sum_over_groups)
+        return torch.cat(sum_over_groups(list(torch.split(counts, 1)), units.apart))
 
     # -- error containment -------------------------------------------------------------
     def guarded(self, rs: RuleState, fn: Any, *args: Any) -> Any:
