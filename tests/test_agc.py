@@ -49,18 +49,19 @@ def unit_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True)
 
 
-def agc_reference(params: list[nn.Parameter], ratio: float, eps: float) -> int:
-    """Clip each unit's gradient as NFNets does; returns how many units were clipped."""
-    clipped = 0
+def agc_reference(params: list[tuple[str, nn.Parameter]], ratio: float, eps: float) -> dict[str, int]:
+    """Clip each unit's gradient as NFNets does; returns how many units were clipped per module."""
+    clipped: dict[str, int] = {}
     with torch.no_grad():
-        for p in params:
+        for name, p in params:
             if p.grad is None:
                 continue
             bound = unit_norm(p).clamp(min=eps) * ratio
             g_norm = unit_norm(p.grad)
             over = g_norm > bound
             p.grad.copy_(torch.where(over, p.grad * (bound / g_norm.clamp(min=1e-6)), p.grad))
-            clipped += int(over.sum())
+            module = name.rpartition(".")[0]
+            clipped[module] = clipped.get(module, 0) + int(over.sum())
     return clipped
 
 
@@ -78,7 +79,7 @@ RULE = """
 
 
 def run(tmp_path: Path, modules: str, ratio: float, eps: float, steps: int = 4, spec: str = "",
-        ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]], list[int], nn.Module, nn.Module,
+        ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]], list[dict[str, int]], nn.Module, nn.Module,
                    CollectorRegistry]:
     """Train a model under the policy and a copy under the reference, side by side.
 
@@ -97,13 +98,13 @@ def run(tmp_path: Path, modules: str, ratio: float, eps: float, steps: int = 4, 
     opt.register_step_pre_hook(lambda o, a, k: got.append(
         {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     reg = CollectorRegistry()
-    selected = [p for n, p in ref.named_parameters() if modules == '"**"' or f'"{n.split(".")[0]}"' == modules]
+    selected = [(n, p) for n, p in ref.named_parameters() if modules == '"**"' or f'"{n.split(".")[0]}"' == modules]
     with pol.attach(model, registry=reg):
         for x, y in batches(steps):
             for m, o in ((model, opt), (ref, ref_opt)):
                 o.zero_grad()
                 nn.functional.mse_loss(m(x), y).backward()
-            counts.append(agc_reference(selected, ratio, eps) if not spec else 0)
+            counts.append(agc_reference(selected, ratio, eps) if not spec else {})
             want.append({n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None})
             opt.step()
             ref_opt.step()
@@ -112,7 +113,7 @@ def run(tmp_path: Path, modules: str, ratio: float, eps: float, steps: int = 4, 
 
 def test_agc_equals_the_nfnets_equations(tmp_path: Path) -> None:
     got, want, counts, model, ref, _ = run(tmp_path, '"**"', 0.02, 1e-3)
-    assert all(0 < c < 6 + 6 + 1 + 5 + 1 + 1 for c in counts), counts  # some units clipped, not all
+    assert all(0 < sum(c.values()) < 6 + 6 + 1 + 5 + 1 + 1 for c in counts), counts  # some units clipped, not all
     for step, (g, w) in enumerate(zip(got, want)):
         assert sorted(g) == sorted(w) == ["conv.bias", "conv.weight", "gain", "head.bias", "head.weight"]
         for name in g:
@@ -125,7 +126,7 @@ def test_agc_equals_the_nfnets_equations(tmp_path: Path) -> None:
 def test_agc_clips_only_the_matched_modules(tmp_path: Path) -> None:
     """`match` decides which parameters AGC sees: the head's gradients stay as backward left them."""
     got, want, counts, _, _, _ = run(tmp_path, '"conv"', 0.01, 1e-3, steps=2)
-    assert all(c > 0 for c in counts)
+    assert all(c["conv"] > 0 for c in counts)
     for g, w in zip(got, want):
         for name in g:
             torch.testing.assert_close(g[name], w[name], rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
@@ -177,7 +178,7 @@ def test_no_host_sync_inside_the_step_hook(tmp_path: Path, monkeypatch: pytest.M
     x, y = batches(1)[0]
     for m in (model, ref):
         nn.functional.mse_loss(m(x), y).backward()
-    agc_reference(list(ref.parameters()), 0.02, 1e-3)
+    agc_reference(list(ref.named_parameters()), 0.02, 1e-3)
     with pol.attach(model, registry=reg) as attached:
         executor = attached._executor
         run_step_rules = executor.run_step_rules
@@ -196,3 +197,23 @@ def test_no_host_sync_inside_the_step_hook(tmp_path: Path, monkeypatch: pytest.M
     # a sync would have raised inside the hook, where onError contains it: so check both
     assert metric(reg, "hookpolicy_hook_errors_total", {"rule": "agc"}) == 0
     torch.testing.assert_close(model.conv.weight, ref.conv.weight - 0.5 * ref.conv.weight.grad)
+
+
+def test_parameters_flattened_by_fsdp1_are_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """FSDP1 makes each parameter a 1-D view of a flat shard and marks it `_fsdp_flattened`: AGC
+    would take a weight matrix for one unit, so it raises (onError: continue) and changes nothing."""
+    pol = load_policy(tmp_path, RULE % ('"head"', 0.01, 1e-3))
+    torch.manual_seed(0)
+    model = ConvNet()
+    setattr(model.head.weight, "_fsdp_flattened", True)  # what torch.distributed.fsdp._flat_param does
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    reg = CollectorRegistry()
+    x, y = batches(1)[0]
+    with pol.attach(model, registry=reg):
+        nn.functional.mse_loss(model(x), y).backward()
+        before = model.head.weight.grad.clone()
+        opt.register_step_pre_hook(lambda o, a, k: torch.testing.assert_close(model.head.weight.grad, before,
+                                                                             rtol=0, atol=0))
+        opt.step()
+    assert metric(reg, "hookpolicy_hook_errors_total", {"rule": "agc"}) == 1
+    assert "head.weight is flattened by FSDP1 (FullyShardedDataParallel)" in caplog.text

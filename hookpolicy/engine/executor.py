@@ -179,7 +179,7 @@ class Executor:
                     rows.append((b.module, pname))
                     tensors.append(t)
                     if unitwise:
-                        weights.append(param.detach())
+                        weights.append(param)
         if tensors:
             self._execute(rs, rs.rule.target, rows, tensors, inplace=True, defer=self._defer_step_counts,
                           weights=weights)
@@ -227,6 +227,12 @@ class Executor:
         """
         clip = cast(Clip, op.action)
         assert clip.unitwise_ratio is not None  # op.unitwise
+        flat = next((rows[k] for k, w in enumerate(weights) if getattr(w, "_fsdp_flattened", False)), None)
+        if flat is not None:  # FSDP1 marks the parameters it flattened (torch/distributed/fsdp/_flat_param.py)
+            raise ValueError(
+                f"{flat[0] or '<root>'}.{flat[1]} is flattened by FSDP1 (FullyShardedDataParallel): its gradient "
+                "is a 1-D slice of a flat buffer whose units (rows) cannot be told apart, so AGC is not applied; "
+                "FSDP2 (fully_shard) is supported")
         units = unit_shards(grads, weights)
         if units is None:
             return clip_unitwise(grads, weights, clip.unitwise_ratio, clip.eps, rs.enforce)

@@ -308,7 +308,7 @@ class _Checker:
         if "unitwise_ratio" not in body:
             self.add(path + ("eps",), "eps is the weight norm floor of AGC: add unitwise_ratio", key=True)
             return
-        others = [key for key in ("max_norm", "min", "max", "norm_type", "per") if key in body]
+        others = [key for key in ("max_norm", "min", "max", "norm_type", "per", "warmup") if key in body]
         if others:
             self.add(
                 path + (others[0],),
