@@ -174,7 +174,7 @@ def test_condition_column_points_into_the_string() -> None:
     assert (first.line, first.column) == (11, 45)  # the '?' inside the single-quoted string
     assert "unexpected character '?'" in first.message
     assert (second.line, second.column) == (13, 17)  # a block scalar: the node itself
-    assert "expected a number after '>'" in second.message
+    assert "expected a number, a name, a function or '(' after '>'" in second.message
 
 
 def test_message_may_use_every_documented_field_and_stat() -> None:

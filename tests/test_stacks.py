@@ -172,6 +172,9 @@ def test_every_family_says_its_unit() -> None:
         "hookpolicy_alert_firing": "1 while an alert's condition holds (after its for: count), else 0.",
         "hookpolicy_skipped_steps_total": "Optimizer steps skipped by a rule's alert: one per skipped step, however "
         "many modules fired.",
+        "hookpolicy_clipped_total": "Groups (per: tensor, module or rule) a norm clip scaled down, or units a "
+        "unit-wise clip did: one per group or unit and clip execution (a call of the hooked module, or a step for "
+        "trigger.at: step); in audit mode the ones it would have clipped, nothing changed.",
         "hookpolicy_hook_errors_total": "Errors raised inside hookpolicy's hooks: one per error.",
         "hookpolicy_hook_seconds_total": "Seconds spent inside hookpolicy's hooks and read-back.",
         "hookpolicy_policy_info": "The applied policies: revision is the file's content hash.",

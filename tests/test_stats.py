@@ -139,15 +139,32 @@ def test_clip_norm_in_place_is_clip_grad_norm(norm_type: float) -> None:
         p.grad = t.clone()
     torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type=norm_type)
     ours = [t.clone() for t in grads]
-    clip_norm(ours, 0.5, norm_type, [[0, 1, 2]], inplace=True)
+    _, report = clip_norm(ours, [0.5], norm_type, [[0, 1, 2]], inplace=True)
     for mine, p in zip(ours, params):
         assert p.grad is not None and torch.equal(mine, p.grad)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, norm_type) for t in grads]), norm_type)
+    assert report.dtype == torch.float64 and report.tolist() == [[pytest.approx(total.item(), rel=1e-6), 1.0]]
+
+
+def test_clip_norm_reports_per_group_and_audits_without_changing_anything() -> None:
+    """Per group: its measured norm (vector_norm) and whether it was clipped; apply=False changes nothing."""
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(4, generator=g) * s for s in (0.1, 10.0, 1.0)]
+    groups, limits = [[0], [1], [2]], [1.0, 1.0, None]
+    audited, report = clip_norm([t.clone() for t in grads], limits, 2.0, groups, inplace=True, apply=False)
+    assert all(torch.equal(a, t) for a, t in zip(audited, grads))
+    norms = [torch.linalg.vector_norm(t).item() for t in grads]
+    assert report.tolist() == [[pytest.approx(n, rel=1e-6), c] for n, c in zip(norms, (0.0, 1.0, 0.0))]
+    clipped, same = clip_norm([t.clone() for t in grads], limits, 2.0, groups, inplace=True)
+    assert torch.equal(same, report)
+    assert torch.equal(clipped[0], grads[0]) and torch.equal(clipped[2], grads[2])  # under the limit, no limit
+    assert torch.linalg.vector_norm(clipped[1]).item() == pytest.approx(1.0, rel=1e-5)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_clip_norm_out_of_place_keeps_the_autograd_graph(norm_type: float) -> None:
     g = torch.Generator().manual_seed(1)
     leaves = [torch.randn(5, 3, generator=g).requires_grad_() for _ in range(3)]
-    clipped = clip_norm([t * 1 for t in leaves], 0.5, norm_type, [[0], [1, 2]], inplace=False)
+    clipped, _ = clip_norm([t * 1 for t in leaves], [0.5, 0.5], norm_type, [[0], [1, 2]], inplace=False)
     torch.stack([c.sum() for c in clipped]).sum().backward()  # type: ignore[no-untyped-call]
     assert all(t.grad is not None for t in leaves)

@@ -124,10 +124,12 @@ class Swaps:
             old.remove()
             try:
                 governed.attached = attach(policies, governed.model, step)
+                governed.attached.carry_history(old)
             except Exception as exc:
                 say(f"error: cannot attach the reloaded policies: {type(exc).__name__}: {exc}; "
                     "keeping the previous ones")
                 governed.attached = attach(PolicySet(old.policies), governed.model, step)
+                governed.attached.carry_history(old)
         governed.generation = generation
         governed.swap_after = None
         names = ", ".join(f"{p.name}@{p.revision[:12]}" for p in policies.policies)

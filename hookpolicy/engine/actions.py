@@ -7,9 +7,11 @@ program; all decisions about *what* to compute were made here.
 
 `clip_norm` mirrors `torch.nn.utils.clip_grad_norm_` operation for operation (same
 foreach norms, the same `1e-6`, the same clamp), so a `per: rule` clip at `step` gives
-the same gradients as calling it on the rule's parameters. `clip_unitwise` is AGC
-(NFNets, Brock et al. 2021), written from the paper's equations as timm's
-`adaptive_clip_grad` is.
+the same gradients as calling it on the rule's parameters. It also leaves, on the device,
+each group's measured norm and whether it was clipped, which the read-back turns into
+`hookpolicy_clipped_total` and (for a `max_norm` expression) the clip's norm history.
+`clip_unitwise` is AGC (NFNets, Brock et al. 2021), written from the paper's equations as
+timm's `adaptive_clip_grad` is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..policy.model import Alert, Capture, Clip, Rule, Scale
+from .distributed import full_value
 from .stats import partials_for
 
 __all__ = ["StatsOp", "MutateOp", "Program", "compile_rule", "mutate", "clip_norm", "clip_unitwise"]
@@ -84,12 +87,10 @@ def compile_rule(rule: Rule) -> Program:
     return tuple(ops)
 
 
-def mutate(
-    action: Union[Clip, Scale], tensors: list[torch.Tensor], groups: Sequence[Sequence[int]], inplace: bool
-) -> list[torch.Tensor]:
-    """Apply a clip or scale to `tensors`; in place (parameters, gradients) or returning new ones.
+def mutate(action: Union[Scale, Clip], tensors: list[torch.Tensor], groups: Sequence[Sequence[int]], inplace: bool) -> list[torch.Tensor]:
+    """Apply a scale or a clamp (`clip` with min/max) to `tensors`; in place (parameters, gradients) or returning new ones.
 
-    `groups` lists the tensor indices that share one norm (`per: module` / `per: rule`).
+    Norm clips go through `clip_norm`, which also reports what it did.
     """
     with torch.no_grad() if inplace else nullcontext():
         if isinstance(action, Scale):
@@ -97,42 +98,65 @@ def mutate(
                 torch._foreach_mul_(tensors, action.factor)
                 return tensors
             return [t * action.factor for t in tensors]
-        if action.max_norm is None:
-            if inplace:
-                for t in tensors:
-                    t.clamp_(min=action.min, max=action.max)
-                return tensors
-            return [t.clamp(min=action.min, max=action.max) for t in tensors]
-        return clip_norm(tensors, action.max_norm, action.norm_type, groups, inplace)
+        if inplace:
+            for t in tensors:
+                t.clamp_(min=action.min, max=action.max)
+            return tensors
+        return [t.clamp(min=action.min, max=action.max) for t in tensors]
 
 
 def clip_norm(
-    tensors: list[torch.Tensor], max_norm: float, norm_type: float,
-    groups: Sequence[Sequence[int]], inplace: bool,
-) -> list[torch.Tensor]:
-    """Clip each group of tensors to a joint `norm_type` norm of at most `max_norm`."""
+    tensors: list[torch.Tensor], limits: Sequence[Optional[float]], norm_type: float,
+    groups: Sequence[Sequence[int]], inplace: bool, apply: bool = True,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Clip each group of tensors to a joint `norm_type` norm of at most its limit; report what it did.
+
+    `groups` lists the tensor indices that share one norm (`per: module` / `per: rule`),
+    `limits` the max_norm of each group (None: this group is not clipped now). Returns the
+    tensors (clipped unless `apply` is False: audit mode measures and reports only) and a
+    `[len(groups), 2]` float64 device matrix, for the read-back: each group's measured norm
+    and 1.0 where it was clipped (or would have been). Nothing is read back here.
+    """
     with torch.no_grad():
         norms = torch._foreach_norm(tensors, norm_type)
-        group_coefs: list[torch.Tensor] = []
+        totals: list[torch.Tensor] = []
         for group in groups:
             if len(group) == 1:
-                total = norms[group[0]]
+                totals.append(norms[group[0]])
             else:
-                total = torch.linalg.vector_norm(torch.stack([norms[i] for i in group]), norm_type)
-            group_coefs.append(torch.clamp(max_norm / (total + 1e-6), max=1.0))
-        if inplace and len(groups) == 1:  # the common case (`per: rule`): one coefficient, no list
-            torch._foreach_mul_(tensors, group_coefs[0])
-            return tensors
-        coefs: list[torch.Tensor] = [group_coefs[0]] * len(tensors)
-        for group, coef in zip(groups, group_coefs):
-            for i in group:
-                coefs[i] = coef
+                totals.append(torch.linalg.vector_norm(torch.stack([norms[i] for i in group]), norm_type))
+        group_coefs = [None if limit is None else torch.clamp(limit / (total + 1e-6), max=1.0)
+                       for total, limit in zip(totals, limits)]
+        report = _clip_report(totals, group_coefs)
+        if not apply or all(c is None for c in group_coefs):
+            return tensors, report
+        only = group_coefs[0]
+        if inplace and len(groups) == 1 and only is not None:  # the common case (`per: rule`): one coefficient
+            torch._foreach_mul_(tensors, only)
+            return tensors, report
+        scaled: list[tuple[int, torch.Tensor]] = [
+            (i, coef) for group, coef in zip(groups, group_coefs) if coef is not None for i in group]
         if inplace:
-            torch._foreach_mul_(tensors, coefs)
-            return tensors
+            torch._foreach_mul_([tensors[i] for i, _ in scaled], [coef for _, coef in scaled])
+            return tensors, report
     # Out of place (forward and backward targets): outside no_grad, so autograd sees the scaling.
-    return [t * c for t, c in zip(tensors, coefs)]
+    out = list(tensors)
+    for i, coef in scaled:
+        out[i] = tensors[i] * coef
+    return out, report
 
+
+def _clip_report(totals: Sequence[torch.Tensor], coefs: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """Per group (measured norm, clipped? 1.0 : 0.0) as one float64 matrix on the norms' device.
+
+    One stack (dtypes promote: a bool flag becomes 1.0) and one cast, besides a comparison
+    per clipped group: a clip costs a few more small kernels, no sync.
+    """
+    cells: list[torch.Tensor] = []
+    for total, coef in zip(totals, coefs):
+        total = full_value(total)
+        cells += [total, total.new_zeros(()) if coef is None else full_value(coef) < 1.0]
+    return torch.stack(cells).view(len(totals), 2).to(torch.float64)
 
 
 #: Reduces squared unit norms of shards to those of whole units: (squares, groups per tensor) -> squares.

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 from .stats import tensor_partials
 
-__all__ = ["Shards", "Units", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards", "agreeing", "agree", "encode", "decode"]
+__all__ = ["Shards", "Units", "full_value", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards", "agreeing", "agree", "encode", "decode"]
 
 #: What an empty shard contributes to each partial.
 _IDENTITY = {"sumsq": 0.0, "sum": 0.0, "m2": 0.0, "min": math.inf, "max": -math.inf, "nonzero": 0.0, "finite": 0.0}
@@ -194,6 +194,15 @@ def sum_over_groups(vectors: list[torch.Tensor], spans: Sequence[tuple[Any, ...]
             pieces[k] = reduced
         flat = torch.cat(pieces)
     return list(torch.split(flat, sizes))
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor with the value of `t`: a DTensor's full value (a collective when it is
+    sharded or pending: a clip's norm under FSDP2), any other tensor itself."""
+    dtensor = _dtensor_type()
+    if dtensor is None or type(t) in _PLAIN or not isinstance(t, dtensor):
+        return t
+    return cast("DTensor", t).full_tensor()
 
 
 def shard_partials(locals_: Sequence[torch.Tensor], kinds: Sequence[str]) -> torch.Tensor:

@@ -19,17 +19,19 @@ import logging
 import time
 import traceback
 from collections import defaultdict
-from typing import Any, Callable, Optional, Sequence, cast
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import torch
 
-from .actions import MutateOp, StatsOp, clip_unitwise, mutate
+from .actions import MutateOp, StatsOp, clip_norm, clip_unitwise, mutate
 from ..errors import Halt
 from ..export.metrics import HOOK_ERRORS, ModelMetrics
 from ..plan.planner import Binding, param as find_param
+from ..policy.expr import Value
 from ..policy.model import Clip, Rule
 from .distributed import Shards, local_shards, sum_over_groups, shard_name, shard_partials, unit_shards
-from .readback import Entry
+from .history import History
+from .readback import ClipEntry, Entry, group_key
 from .rulestate import MAX_ERRORS, RuleState
 from .stats import tensor_partials
 from .steps import Phase, recomputing
@@ -51,10 +53,11 @@ class Executor:
 
     def __init__(
         self, rules: dict[tuple[str, str], RuleState], phase: Phase, store: ModelMetrics,
-        step: Callable[[], int], halting: Callable[[Halt], Halt],
+        step: Callable[[], int], halting: Callable[[Halt], Halt], history: History,
     ) -> None:
         self.rules = rules
-        self.buffer: list[Entry] = []
+        self.history = history
+        self.buffer: list[Union[Entry, ClipEntry]] = []
         #: (hookpolicy_actions_total labels, module) of every action that ran this step
         self.ran: set[tuple[tuple[str, ...], str]] = set()
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
@@ -65,6 +68,7 @@ class Executor:
         self.rules_changed()
         self._versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self._warned_inplace: set[tuple[str, ...]] = set()
+        self._warned_limits: set[tuple[tuple[str, str], int]] = set()
 
     def rules_changed(self) -> None:
         """Derive what the hook bodies need from `rules` (again, after a rule joined on a rebind)."""
@@ -211,8 +215,12 @@ class Executor:
                 self._clip_units(rs, op, rows, tensors, list(weights))
             else:
                 self.ran.update((count_keys[0], module) for module in modules)
-                if rs.enforce:
-                    tensors = mutate(op.action, list(tensors), _groups(rows, getattr(op.action, "per", "tensor")), inplace)
+                action = op.action
+                if isinstance(action, Clip) and action.max_norm is not None:
+                    tensors, clipped = self._clip(rs, op.index, action, rows, tensors, inplace)
+                    changed |= clipped
+                elif rs.enforce:
+                    tensors = mutate(action, list(tensors), _groups(rows, getattr(action, "per", "tensor")), inplace)
                     changed = True
         return tensors if changed else None
 
@@ -239,6 +247,43 @@ class Executor:
         counts = clip_unitwise(units.grads, units.weights, clip.unitwise_ratio, clip.eps, rs.enforce,
                                units.split, sum_over_groups)
         return torch.cat(sum_over_groups(list(torch.split(counts, 1)), units.apart))
+
+    def _clip(
+        self, rs: RuleState, index: int, action: Clip, rows: list[tuple[str, str]], tensors: list[torch.Tensor],
+        inplace: bool,
+    ) -> tuple[list[torch.Tensor], bool]:
+        """A norm clip (in audit mode: its measurement only); what it did goes to the read-back as a `ClipEntry`."""
+        groups = _groups(rows, action.per)
+        keys = [group_key(rows, group, action.per) for group in groups]
+        limits = self._limits(rs, index, action, keys)
+        new, report = clip_norm(list(tensors), limits, action.norm_type, groups, inplace, apply=rs.enforce)
+        self.buffer.append(ClipEntry(rs, index, keys, report, limits))
+        applied = rs.enforce and any(limit is not None for limit in limits)
+        return (new, True) if applied else (tensors, False)
+
+    def _limits(self, rs: RuleState, index: int, action: Clip, keys: list[tuple[str, str]]) -> list[Optional[float]]:
+        """Each group's max_norm now: the number, or the expression evaluated on its norm's history.
+
+        A group whose series has fewer than `warmup` values, or whose threshold is NaN (no
+        history yet) or not positive, is not clipped this time (a threshold <= 0 is said once).
+        """
+        if not isinstance(action.max_norm, Value):
+            return [action.max_norm] * len(keys)
+        expression = action.max_norm
+        limits: list[Optional[float]] = []
+        for module, tensor in keys:
+            key = (rs.key, index, module, tensor)
+            if action.warmup and self.history.count(key, ("norm",)) < action.warmup:
+                limits.append(None)
+                continue
+            limit = expression.evaluate({}, self.history.past(key))
+            if limit <= 0 and (rs.key, index) not in self._warned_limits:
+                self._warned_limits.add((rs.key, index))
+                log.warning("%s/%s: max_norm %s is %g at step %d for %s, which clips nothing; a threshold that is "
+                            "not positive never clips (said once)", *rs.key, expression, limit, self._step(),
+                            module or "<root>")
+            limits.append(limit if limit > 0 else None)  # NaN > 0 is False: no history, no clip
+        return limits
 
     # -- error containment -------------------------------------------------------------
     def guarded(self, rs: RuleState, fn: Any, *args: Any) -> Any:

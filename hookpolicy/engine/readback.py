@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import string
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,15 +25,17 @@ import torch
 
 from .actions import StatsOp
 from ..errors import Halt
-from ..export.metrics import ALERT_FIRING, ALERTS, SKIPPED_STEPS, ModelMetrics, Labels, stat_family
-from ..policy.model import Alert, Board, Capture, LogSink, Policy
+from ..export.metrics import ALERT_FIRING, ALERTS, CLIPPED, SKIPPED_STEPS, ModelMetrics, Labels, stat_family
+from ..policy.expr import NO_PAST, Past, Template
+from ..policy.model import Alert, Board, Capture, Clip, LogSink, Policy
 from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
 from ..export.tensorboard import Boards, histogram_tag, scalar_tag
 from .rulestate import MAX_ERRORS, RuleState
 from .distributed import Shards, reduce_shards
+from .history import History, Observation, SeriesSpec, spec_for
 from .stats import combine, finish, resolve_counts
 
-__all__ = ["Entry", "Readback", "StepReport"]
+__all__ = ["ClipEntry", "Entry", "Readback", "StepReport", "group_key"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -56,6 +57,31 @@ class Entry:
 
 
 @dataclass
+class ClipEntry:
+    """What one execution of a clip did (enforce) or would have done (audit), still on the device.
+
+    One row per group the clip measured (`rows`: its (module, tensor) key, see `group_key`)
+    or per unit row of a unit-wise clip; `matrix` is `[len(rows), 2]` float64 on the
+    device: the measured norm (NaN where there is none), and how many groups or units were
+    clipped. `limits` are the thresholds used (None: not clipped this time). The read-back
+    adds the counts to `hookpolicy_clipped_total` and, for a `max_norm` expression, appends
+    `min(norm, limit)` (the norm as it left the clip) to the clip's history.
+    """
+
+    rule: RuleState
+    index: int
+    rows: list[tuple[str, str]]
+    matrix: torch.Tensor
+    limits: list[Optional[float]]
+
+
+def group_key(rows: Sequence[tuple[str, str]], group: Sequence[int], per: str) -> tuple[str, str]:
+    """The (module, tensor) a group of `per` is reported under: both, the module and "", or ("", "")."""
+    module, tensor = rows[group[0]]
+    return (module, tensor) if per == "tensor" else ((module, "") if per == "module" else ("", ""))
+
+
+@dataclass
 class StepReport:
     """What one read-back decided, for the coordinator to act on."""
 
@@ -70,6 +96,8 @@ class StepReport:
     errors: list[tuple[RuleState, Exception]] = field(default_factory=list)
     #: time spent per rule, for `hookpolicy_hook_seconds_total`
     seconds: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    #: what was evaluated against a history, appended to it (`History.commit`) unless the step is skipped
+    observed: list[Observation] = field(default_factory=list)
 
     def off(self, rs: RuleState) -> bool:
         """Whether `rs` is switched off, counting the errors this report still has to hand over."""
@@ -83,9 +111,13 @@ class _SinkHalts(Exception):
 class Readback:
     """Turns a step's buffered entries into metrics, log records, tensor files and a `StepReport`."""
 
-    def __init__(self, store: ModelMetrics, policies: Sequence[Policy], root: Path, rank: int) -> None:
+    def __init__(
+        self, store: ModelMetrics, policies: Sequence[Policy], root: Path, rank: int, history: History,
+    ) -> None:
         self.store = store
         self.rank = rank
+        self.history = history
+        self._specs: dict[tuple[tuple[str, str], int], dict[str, SeriesSpec]] = {}
         self._root = root
         self._max_series = {p.name: p.max_series for p in policies}
         self._streaks: dict[tuple[Any, ...], int] = {}
@@ -111,7 +143,7 @@ class Readback:
         except Exception as exc:  # noqa: BLE001 - as for the logs: remove() never raises
             log.error("hookpolicy: closing the TensorBoard writers failed: %s: %s", type(exc).__name__, exc)
 
-    def run(self, entries: list[Entry], step: int, final: bool) -> StepReport:
+    def run(self, entries: Sequence[Union[Entry, ClipEntry]], step: int, final: bool) -> StepReport:
         """Report one step's entries and decide the step.
 
         `final` (at `remove()`) publishes what is left but takes no skip or halt decision.
@@ -124,17 +156,21 @@ class Readback:
             pass
         return report
 
-    def _run(self, entries: list[Entry], step: int, final: bool, report: StepReport) -> None:
+    def _run(self, buffered: Sequence[Union[Entry, ClipEntry]], step: int, final: bool, report: StepReport) -> None:
         start = time.perf_counter()
         self._step = step
         passes: dict[tuple[tuple[str, str], int], _Pass] = {}
+        entries = [e for e in buffered if isinstance(e, Entry)]
+        clips = [e for e in buffered if isinstance(e, ClipEntry)]
         entries = _drop_shards(entries) if final else entries
         try:
-            fetched = _fetch(_full_matrices(entries))
+            fetched = _fetch(_full_matrices(entries) + [c.matrix for c in clips])
         except Exception as exc:  # noqa: BLE001 - the step's statistics are lost, the training is not
-            for rs in {id(e.rule): e.rule for e in entries}.values():
+            for rs in {id(rs): rs for rs in [e.rule for e in entries] + [c.rule for c in clips]}.values():
                 self._fault(report, rs, exc)
             return
+        for clip, rows in zip(clips, fetched[len(entries):]):
+            self._report_clip(clip, rows, report)
         for entry, rows in zip(entries, fetched):
             if entry.deferred is not None:
                 resolve_counts(rows, entry.deferred, entry.op.kinds)
@@ -188,13 +224,14 @@ class Readback:
                         boarded[index] += [(scalar_tag(*rs.key, p.target, s, module, tensor), stats[s])
                                            for s in action.stats]
                     continue
-                fired = self._evaluate_alert(rs, index, action, module, tensor, stats)
+                past = self._observe(rs, index, action, module, tensor, stats, report)
+                fired = self._evaluate_alert(rs, index, action, module, tensor, stats, past)
                 firing[action.severity] = firing.get(action.severity, False) or fired
                 if not fired:
                     continue
                 applied = rs.enforce and not final
                 outcome = _outcome(action.then, applied, rs.mode)
-                message = _render(action, {**base, "outcome": outcome}, stats, applied)
+                message = _render(action, {**base, "outcome": outcome}, stats, applied, past or NO_PAST)
                 self.store.inc(ALERTS, (*rs.key, action.severity))
                 logged[(-1, None)].append({
                     **base, "stats": {k: _json_number(v) for k, v in stats.items()}, "event": "alert",
@@ -216,11 +253,49 @@ class Readback:
         for severity, on in firing.items():
             self.store.set(ALERT_FIRING, (*rs.key, severity), 1.0 if on else 0.0)
 
+    def _report_clip(self, entry: ClipEntry, rows: list[list[float]], report: StepReport) -> None:
+        """Count what a clip clipped (or would have); feed an adaptive clip's norm history."""
+        rs = entry.rule
+        action = rs.rule.actions[entry.index]
+        clipped: dict[str, float] = defaultdict(float)
+        for (module, tensor), (norm, count), limit in zip(entry.rows, rows, entry.limits):
+            clipped[module] += count
+            if isinstance(action, Clip) and action.adaptive is not None:
+                specs = self._specs.get((rs.key, entry.index))
+                if specs is None:
+                    specs = self._specs[(rs.key, entry.index)] = {"norm": spec_for(action.calls, "norm", action.warmup)}
+                effective = norm if limit is None else min(norm, limit)
+                report.observed.append(Observation((rs.key, entry.index, module, tensor), {"norm": effective}, specs))
+        for module, count in clipped.items():
+            self.store.inc(CLIPPED, (*rs.key, module, rs.mode), count)
+
+    def _observe(
+        self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
+        report: StepReport,
+    ) -> Optional[Past]:
+        """The past of an alert that keeps a history (None for one that does not), and its values to append."""
+        if not action.remembers:
+            return None
+        specs = self._specs.get((rs.key, index))
+        if specs is None:
+            specs = self._specs[(rs.key, index)] = {
+                stat: spec_for(action.calls, stat, action.warmup) for stat in sorted(action.stats)}
+        key = (rs.key, index, module, tensor)
+        report.observed.append(Observation(key, {stat: stats[stat] for stat in specs}, specs))
+        return self.history.past(key)
+
     def _evaluate_alert(
         self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
+        past: Optional[Past],
     ) -> bool:
+        """Whether the alert fires: its condition held `for:` evaluations in a row, after its warmup."""
         key = (rs.key, index, module, tensor)
-        streak = self._streaks.get(key, 0) + 1 if action.condition.evaluate(stats) else 0
+        if past is None:
+            holds = action.condition.evaluate(stats)
+        else:
+            ready = action.warmup == 0 or self.history.count(key, self._specs[(rs.key, index)]) >= action.warmup
+            holds = ready and action.condition.evaluate(stats, past)
+        streak = self._streaks.get(key, 0) + 1 if holds else 0
         self._streaks[key] = streak
         return streak >= action.for_
 
@@ -350,13 +425,16 @@ def _outcome(then: str, applied: bool, mode: str) -> str:
     return f"{undone} ({'audit mode' if mode == 'audit' else 'the policy was being removed'})"
 
 
-def _render(action: Alert, base: dict[str, Any], stats: dict[str, float], applied: bool = True) -> str:
+def _render(
+    action: Alert, base: dict[str, Any], stats: dict[str, float], applied: bool = True, past: Past = NO_PAST,
+) -> str:
     """The alert's message; when its `then` did not take effect and the template does not
     say so through `{outcome}`, the outcome is appended, so no message claims an effect that
-    did not happen (a shipped "...; step skipped" under `--audit`)."""
+    did not happen (a shipped "...; step skipped" under `--audit`). Expression fields
+    (`{zscore(loss, 100):.1f}`) are evaluated against the same past as the condition."""
     fields = _StatFormat(base, severity=action.severity, condition=action.source, **stats)
     fields["module"] = base["module"] or "<root>"
-    message = string.Formatter().vformat(action.message, (), fields)
+    message = Template(dict(action.fields), stats, past).vformat(action.message, (), fields)
     if action.then != "log" and not applied and "outcome" not in action.message:
         message += f" [{base['outcome']}]"
     return message if len(message) <= MAX_RENDERED_CHARS else message[: MAX_RENDERED_CHARS - 1] + "…"

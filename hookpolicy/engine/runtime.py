@@ -24,6 +24,7 @@ import os
 import time
 import weakref
 from collections import defaultdict
+from dataclasses import replace
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
@@ -41,6 +42,7 @@ from ..plan.planner import Plan, build_plan
 from ..policy.model import Alert, Clip, Policy, Rule, Scale
 from . import module_hooks
 from .executor import Executor
+from .history import History
 from .installer import HookInstaller
 from .distributed import agree, agreeing, decode, encode
 from .readback import Readback, StepReport
@@ -79,9 +81,11 @@ class Attached:
         self._audit = audit
         self._rules = rule_states(self.plan, audit)
         phase = Phase()
-        self._executor = Executor(self._rules, phase, self.store, lambda: self.step, self._halting)
+        #: the past values of the series that history functions read (alerts, adaptive clips)
+        self.history = History()
+        self._executor = Executor(self._rules, phase, self.store, lambda: self.step, self._halting, self.history)
         self._installer = HookInstaller(self.plan, self._rules, self._executor)
-        self._report = Readback(self.store, self.policies, output_root(), self.rank)
+        self._report = Readback(self.store, self.policies, output_root(), self.rank, self.history)
         # Whether a step's decision must be every rank's (one collective a step, see distributed.py).
         self._decides = any(
             isinstance(a, Alert) and a.then in ("skip_step", "halt")
@@ -153,6 +157,17 @@ class Attached:
     @property
     def removed(self) -> bool:
         return self._removed
+
+    def carry_history(self, previous: "Attached") -> None:
+        """Take over the history of `previous` (a hot reload) for every rule it ran unchanged.
+
+        A rule is unchanged when it equals its namesake in `previous` but for its place in
+        the file; a changed rule starts with an empty history (its windows, warmup and
+        emas begin again). Called between the two attachments, before this one's first step.
+        """
+        same = [key for key, rs in self._rules.items()
+                if key in previous._rules and replace(previous._rules[key].rule, index=rs.rule.index) == rs.rule]
+        self.history.series.update(previous.history.carry(same).series)
 
     def last_values(self) -> Mapping[str, Mapping[Labels, float]]:
         """The latest value of every statistic this attachment computed, read-only.
@@ -275,6 +290,8 @@ class Attached:
         self._flush_counters()
         if decide and agreeing(self._decides):
             self._agree(report)
+        if not report.skip and not final:  # a skipped step did not happen: its values never become the baseline
+            self.history.commit(report.observed)
         if report.halt is not None:
             raise self._halting(report.halt)
         return report.skip

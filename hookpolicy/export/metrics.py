@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from ..policy.model import STATS, TARGETS
 
 __all__ = [
-    "ACTIONS", "ALERTS", "ALERT_FIRING", "ENGINE_FAMILIES", "FAMILIES", "Family", "HOOK_ERRORS", "HOOK_SECONDS",
+    "ACTIONS", "ALERTS", "ALERT_FIRING", "CLIPPED", "ENGINE_FAMILIES", "FAMILIES", "Family", "HOOK_ERRORS", "HOOK_SECONDS",
     "LAST_STEP_TIMESTAMP", "POLICY_INFO", "RELOAD_GAUGE", "RELOAD_SUCCESSFUL", "SERIES_DROPPED", "SKIPPED_STEPS", "STAT_LABELS",
     "STEPS", "Labels", "MODEL_FAMILIES", "MetricsStore", "ModelMetrics", "StoreCollector", "split_family", "stat_family",
     "store_for",
@@ -79,6 +79,11 @@ SKIPPED_STEPS = Family(
     "hookpolicy_skipped_steps", "counter", "Optimizer steps skipped by a rule's alert: one per skipped step, however "
     "many modules fired.", ("policy", "rule", "model"),
 )
+CLIPPED = Family(
+    "hookpolicy_clipped", "counter", "Groups (per: tensor, module or rule) a norm clip scaled down, or units a unit-wise "
+    "clip did: one per group or unit and clip execution (a call of the hooked module, or a step for trigger.at: "
+    "step); in audit mode the ones it would have clipped, nothing changed.", ("policy", "rule", "module", "mode", "model"),
+)
 HOOK_ERRORS = Family(
     "hookpolicy_hook_errors", "counter", "Errors raised inside hookpolicy's hooks: one per error.", ("policy", "rule", "model"),
 )
@@ -99,7 +104,7 @@ SERIES_DROPPED = Family(
 
 #: Every engine family, in exposition order.
 FAMILIES: tuple[Family, ...] = (
-    STEPS, LAST_STEP_TIMESTAMP, ACTIONS, ALERTS, ALERT_FIRING, SKIPPED_STEPS, HOOK_ERRORS, HOOK_SECONDS,
+    STEPS, LAST_STEP_TIMESTAMP, ACTIONS, ALERTS, ALERT_FIRING, SKIPPED_STEPS, CLIPPED, HOOK_ERRORS, HOOK_SECONDS,
     POLICY_INFO, RELOAD_SUCCESSFUL, SERIES_DROPPED,
 )
 _BY_NAME = {f.name: f for f in FAMILIES}

@@ -115,13 +115,18 @@ def describe_action(action: Action) -> str:
     if isinstance(action, Clip):
         if action.unitwise_ratio is not None:
             return f"clip(unitwise_ratio={action.unitwise_ratio:g}, eps={action.eps:g})"
-        if action.max_norm is not None:
+        if action.adaptive is not None:
+            warmup = f", warmup={action.warmup}" if action.warmup else ""
+            return (f"clip(max_norm={str(action.adaptive)!r}{warmup}, norm_type={action.norm_type:g}, "
+                    f"per={action.per})")
+        if isinstance(action.max_norm, float):
             return f"clip(max_norm={action.max_norm:g}, norm_type={action.norm_type:g}, per={action.per})"
         return f"clip(min={action.min}, max={action.max})"
     if isinstance(action, Scale):
         return f"scale({action.factor:g})"
     assert isinstance(action, Alert)
-    return f"alert(if {action.source!r} for {action.for_} -> {action.then}, {action.severity})"
+    warmup = f" after {action.warmup} values" if action.warmup else ""
+    return f"alert(if {action.source!r} for {action.for_}{warmup} -> {action.then}, {action.severity})"
 
 
 def build_plan(policies: Sequence[Policy], model: Any) -> Plan:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from ..errors import PolicyError, Problem
 from .document import Document, JsonPath
-from .expr import ExprError, parse
+from .expr import ExprError, NO_PAST, Template, Value, names_with, parse, parse_value
 from .model import (
     HOOK_POINTS, PARAM_TARGETS, STATS, TARGETS, Action, Alert, Board, Capture, Clip, LogSink, Match,
     Policy, Rule, Scale, TensorFiles, Trigger,
@@ -27,12 +27,23 @@ from .model import (
 from .patterns import compile_glob, shown
 from .schema import validate
 
-__all__ = ["MESSAGE_FIELDS", "build_policy", "check_semantics"]
+__all__ = ["CLIP_NAMES", "MESSAGE_FIELDS", "TARGET_ALIASES", "build_policy", "check_semantics", "expression_names"]
 
 #: the fields an alert message may use besides the statistic names.
 MESSAGE_FIELDS: tuple[str, ...] = (
     "policy", "rule", "module", "tensor", "target", "step", "rank", "severity", "condition", "outcome",
 )
+#: target -> the names its rules' expressions may use besides the statistics (alias -> statistic).
+TARGET_ALIASES: Mapping[str, Mapping[str, str]] = {}
+#: The one name a clip's `max_norm` expression may use: the clip's own norm series.
+CLIP_NAMES: Mapping[str, str] = {"norm": "norm"}
+
+
+def expression_names(target: Optional[str]) -> Mapping[str, str]:
+    """The names an `if` or message expression of a rule on `target` may use: statistics and the target's aliases."""
+    return names_with(TARGET_ALIASES.get(target or "", {}))
+
+
 #: labels that hookpolicy_policy_info sets itself, so a policy label may not use them.
 RESERVED_LABELS = frozenset({"policy", "revision", "mode", "rank"})
 #: at most this many problems of one file are reported.
@@ -300,6 +311,15 @@ class _Checker:
         low, high = _number(body.get("min")), _number(body.get("max"))
         if low is not None and high is not None and low > high:
             self.add(path + ("max",), f"max ({high:g}) is below min ({low:g})")
+        threshold = body.get("max_norm")
+        if isinstance(threshold, str) and threshold:
+            try:
+                parse_value(threshold, CLIP_NAMES, current=False)
+            except ExprError as exc:
+                self.add(path + ("max_norm",), f"invalid max_norm expression: {exc}", offset=exc.offset)
+        if "warmup" in body and not isinstance(threshold, str) and "unitwise_ratio" not in body:
+            self.add(path + ("warmup",), "warmup applies to a max_norm expression (which needs a history); a fixed "
+                     "max_norm clips from the first step (trigger.steps.from starts a rule later)", key=True)
         self.modifies(site)
 
     def unitwise(self, body: dict[str, Any], site: _Site) -> None:
@@ -345,15 +365,16 @@ class _Checker:
 
     def alert(self, body: dict[str, Any], site: _Site) -> None:
         path = site.path
+        names = expression_names(site.target)
         condition = body.get("if")
         if isinstance(condition, str) and condition:
             try:
-                parse(condition)
+                parse(condition, names)
             except ExprError as exc:
                 self.add(path + ("if",), f"invalid condition: {exc}", offset=exc.offset)
         message = body.get("message")
         if isinstance(message, str):
-            wrong = _message_problem(message)
+            wrong = _message_problem(message, names)
             if wrong:
                 self.add(path + ("message",), wrong[0], offset=wrong[1])
 
@@ -365,12 +386,13 @@ MAX_FIELD_WIDTH = 100
 _FORMAT_SPEC = re.compile(r"(?:.?[<>=^])?[-+ ]?z?#?0?(?P<width>\d*)[_,]?(?:\.(?P<precision>\d*))?[a-zA-Z%]?")
 
 
-def _message_problem(message: str) -> Optional[tuple[str, Optional[int]]]:
+def _message_problem(message: str, names: Mapping[str, str]) -> Optional[tuple[str, Optional[int]]]:
     """What is wrong with an alert message template (and where in it), or None when it is fine.
 
-    Only bare field names are allowed: `{module.__class__}` would let a policy file
-    walk Python objects at render time. Widths and precisions are bounded, so a rendered
-    message is at most about MAX_MESSAGE_CHARS plus its fields' values.
+    A field is a name (`MESSAGE_FIELDS`, a statistic) or an expression of the `if` language
+    (`{zscore(l2_norm, 100):.1f}`); nothing else: `{module.__class__}` would let a policy
+    file walk Python objects at render time. Widths and precisions are bounded, so a
+    rendered message is at most about MAX_MESSAGE_CHARS plus its fields' values.
     """
     if len(message) > MAX_MESSAGE_CHARS:
         return f"the message is {len(message)} characters long; at most {MAX_MESSAGE_CHARS}", MAX_MESSAGE_CHARS
@@ -379,12 +401,23 @@ def _message_problem(message: str) -> Optional[tuple[str, Optional[int]]]:
         fields = list(string.Formatter().parse(message))
     except ValueError as exc:
         return f"invalid message template: {exc} (write a literal brace as '{{{{' or '}}}}')", None
+    expressions: dict[str, Value] = {}
     for _, name, spec, _ in fields:
         if name is None:
             continue
         if name not in allowed:
-            shown = "{" + name + "}"
-            return f"unknown message field {shown}; the fields are: {', '.join(allowed)}", _field_at(message, name)
+            at = _field_at(message, name)
+            unknown = (f"unknown message field {{{name}}}; the fields are: {', '.join(allowed)}, or an expression "
+                       "of the statistics such as {zscore(l2_norm, 100):.1f}")
+            try:
+                value = parse_value(name, names)
+            except ExprError as exc:
+                if name.isidentifier() or not name.strip() or "." in name or "[" in name:  # meant as a name
+                    return unknown, at
+                return f"invalid expression in a message field: {exc}", None if at is None else at + 1 + exc.offset
+            if not value.stats:  # `{0}`: a number names no statistic
+                return unknown, at
+            expressions[name] = value
         if spec and "{" in spec:
             return f"the format spec of {{{name}}} may not contain fields", _field_at(message, name)
         sized = _FORMAT_SPEC.fullmatch(spec or "")
@@ -394,10 +427,18 @@ def _message_problem(message: str) -> Optional[tuple[str, Optional[int]]]:
                 return (f"the {part} of {{{name}:{spec}}} is {int(digits)}; at most {MAX_FIELD_WIDTH}",
                         _field_at(message, name))
     try:
-        message.format(**_SAMPLE_FIELDS)
+        Template(expressions, {stat: 0.0 for stat in STATS}, NO_PAST).format(message, **_SAMPLE_FIELDS)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
         return f"the message cannot be formatted: {exc} (statistics are numbers, the rest text)", None
     return None
+
+
+def message_fields(message: str, names: Mapping[str, str]) -> tuple[tuple[str, Value], ...]:
+    """The fields of a (checked) message template that are expressions, parsed."""
+    plain = set(MESSAGE_FIELDS + STATS)
+    found = {name: parse_value(name, names) for _, name, _, _ in string.Formatter().parse(message)
+             if name is not None and name not in plain}
+    return tuple(found.items())
 
 
 def _field_at(message: str, name: str) -> Optional[int]:
@@ -431,13 +472,14 @@ def _policy(document: Document) -> Policy:
 def _rule(rule: dict[str, Any], index: int, mode: str, match_at: tuple[int, int]) -> Rule:
     trigger = rule["trigger"]
     at = trigger["at"]
+    target = rule.get("target", HOOK_POINTS[at][0])
     return Rule(
         name=rule["name"],
         index=index,
         trigger=_trigger(trigger),
-        target=rule.get("target", HOOK_POINTS[at][0]),
+        target=target,
         match=_match(rule["match"]),
-        actions=tuple(_action(item, at) for item in rule["actions"]),
+        actions=tuple(_action(item, at, target) for item in rule["actions"]),
         mode=rule.get("mode", mode),
         priority=int(rule.get("priority", 50)),
         select=tuple(s if isinstance(s, str) else int(s) for s in rule.get("select", ())),
@@ -468,12 +510,12 @@ def _match(match: dict[str, Any]) -> Match:
     )
 
 
-def _action(item: dict[str, Any], at: str) -> Action:
+def _action(item: dict[str, Any], at: str, target: str) -> Action:
     ((kind, body),) = item.items()
-    return _BUILDERS[kind](body, at)
+    return _BUILDERS[kind](body, at, target)
 
 
-def _capture(body: dict[str, Any], at: str) -> Capture:
+def _capture(body: dict[str, Any], at: str, target: str) -> Capture:
     tensors, log, board = body.get("tensors"), body.get("log"), body.get("tensorboard")
     return Capture(
         stats=tuple(body.get("stats", ())),
@@ -490,38 +532,44 @@ def _capture(body: dict[str, Any], at: str) -> Capture:
     )
 
 
-def _clip(body: dict[str, Any], at: str) -> Clip:
+def _clip(body: dict[str, Any], at: str, target: str) -> Clip:
     if "unitwise_ratio" in body:
         return Clip(unitwise_ratio=float(body["unitwise_ratio"]), eps=float(body.get("eps", 1e-3)))
     if "max_norm" in body:
         norm_type = body.get("norm_type", 2)
+        threshold = body["max_norm"]
         return Clip(
-            max_norm=float(body["max_norm"]),
+            max_norm=(parse_value(threshold, CLIP_NAMES, current=False) if isinstance(threshold, str)
+                      else float(threshold)),
             norm_type=math.inf if norm_type == "inf" else float(norm_type),
             per=body.get("per", "rule" if at == "step" else "tensor"),
+            warmup=int(body.get("warmup", 0)),
         )
     low, high = body.get("min"), body.get("max")
     return Clip(min=None if low is None else float(low), max=None if high is None else float(high))
 
 
-def _scale(body: dict[str, Any], at: str) -> Scale:
+def _scale(body: dict[str, Any], at: str, target: str) -> Scale:
     return Scale(factor=float(body["factor"]))
 
 
-def _alert(body: dict[str, Any], at: str) -> Alert:
-    optional = {"message": body["message"]} if "message" in body else {}
+def _alert(body: dict[str, Any], at: str, target: str) -> Alert:
+    names = expression_names(target)
+    message = body.get("message")
+    optional: dict[str, Any] = {} if message is None else {"message": message, "fields": message_fields(message, names)}
     return Alert(
-        condition=parse(body["if"]),
+        condition=parse(body["if"], names),
         source=body["if"],
         for_=int(body.get("for", 1)),
         severity=body.get("severity", "warning"),
         then=body.get("then", "log"),
         per=body.get("per", "module"),
+        warmup=int(body.get("warmup", 0)),
         **optional,
     )
 
 
 #: action name -> how to build it; the one place that knows every action.
-_BUILDERS: Mapping[str, Callable[[dict[str, Any], str], Action]] = {
+_BUILDERS: Mapping[str, Callable[[dict[str, Any], str, str], Action]] = {
     "capture": _capture, "clip": _clip, "scale": _scale, "alert": _alert,
 }

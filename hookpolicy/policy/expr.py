@@ -1,16 +1,31 @@
-"""The alert-condition language of `alert.if`, parsed by hand and never `eval`-ed.
+"""The expression language of `alert.if`, `clip.max_norm` and message fields: parsed by hand, never `eval`-ed.
 
-Grammar (`and` binds tighter than `or`)::
+Grammar (`and` binds tighter than `or`; `*` `/` tighter than `+` `-`)::
 
     condition  := conjunct ("or" conjunct)*
     conjunct   := atom ("and" atom)*
-    atom       := "(" condition ")" | STAT OP NUMBER
+    atom       := "(" condition ")" | sum OP sum
+    sum        := term (("+" | "-") term)*
+    term       := factor (("*" | "/") factor)*
+    factor     := NUMBER | NAME | FUNC "(" NAME ["," NUMBER] ")" | "(" sum ")" | ("-" | "+") factor
     OP         := ">" | ">=" | "<" | "<=" | "==" | "!="
-    NUMBER     := a decimal or exponent literal, optionally signed; "inf" and "nan" are refused
+    NUMBER     := a decimal or exponent literal; "inf" and "nan" are refused
 
-A condition compares statistics (the names of `hookpolicy.model.STATS`) with numbers.
-Comparisons follow IEEE rules, so `l2_norm > 10` is false when the norm is NaN: guard
-non-finite values with `nonfinite > 0`.
+A NAME is a statistic (`l2_norm`, `mean`, ...) or an alias a caller passes in (`norm` for
+a clip's own norm, `loss` for `target: loss`): its **current** value. A FUNC reads the
+**past** values of the same series (never the current one), kept by
+`hookpolicy.engine.history`: `prev(x)`, `ema(x, alpha)`, `ema_std(x, alpha)`,
+`mean(x, W)`, `std(x, W)`, `min(x, W)`, `max(x, W)`, and `zscore(x, W)`, which is
+`(x - mean(x, W)) / std(x, W)` with `x` the current value. `mean`, `std`, `min` and `max`
+are statistics when bare and functions when followed by `(`.
+
+The parser reads one unified precedence grammar (comparisons and arithmetic in one
+pass, no backtracking) and then checks kinds: `and`/`or` join comparisons, comparisons
+and arithmetic take numbers. Every error carries the 0-based offset of what is wrong.
+
+Arithmetic follows IEEE: `x / 0` is +-inf or nan, never an exception; a function with no
+past value is nan; a comparison with nan is false, so `l2_norm > 10` is false when the
+norm is NaN (guard non-finite values with `nonfinite > 0`).
 """
 
 from __future__ import annotations
@@ -19,78 +34,485 @@ import difflib
 import math
 import operator
 import re
+import string
 from dataclasses import dataclass
-from typing import Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
-__all__ = ["Condition", "Compare", "Junction", "ExprError", "parse", "STAT_NAMES"]
+__all__ = [
+    "Arith", "Call", "Compare", "Condition", "ExprError", "FUNCTIONS", "Junction", "MAX_DEPTH", "MAX_WINDOW",
+    "Name", "Neg", "Num", "NO_PAST", "Past", "STAT_NAMES", "Template", "Value", "names_with", "parse",
+    "parse_value",
+]
 
 MAX_DEPTH = 32
+#: The largest window a function may name: each series keeps at most this many floats.
+MAX_WINDOW = 10000
 
 STAT_NAMES: frozenset[str] = frozenset(
     {"l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel"}
 )
+#: The names a condition may use when its caller adds none: each statistic, as itself.
+_STAT_TABLE: Mapping[str, str] = {name: name for name in STAT_NAMES}
 
-_OPS: dict[str, Callable[[float, float], bool]] = {
+#: function -> what its second argument is ("" for none).
+FUNCTIONS: Mapping[str, str] = {
+    "prev": "", "ema": "alpha", "ema_std": "alpha",
+    "mean": "window", "std": "window", "min": "window", "max": "window", "zscore": "window",
+}
+
+_COMPARE: dict[str, Callable[[float, float], bool]] = {
     ">": operator.gt, ">=": operator.ge, "<": operator.lt,
     "<=": operator.le, "==": operator.eq, "!=": operator.ne,
 }
 _TOKEN = re.compile(
-    r"\s*(?:(?P<num>[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)"
-    r"|(?P<op>>=|<=|==|!=|>|<)|(?P<paren>[()])|(?P<word>[A-Za-z_][A-Za-z0-9_]*))"
+    r"\s*(?:(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)"
+    r"|(?P<op>>=|<=|==|!=|>|<)|(?P<arith>[-+*/])|(?P<paren>[()])|(?P<comma>,)"
+    r"|(?P<word>[A-Za-z_][A-Za-z0-9_]*))"
 )
 
 
 class ExprError(ValueError):
-    """A condition that does not parse; `offset` is the 0-based character position."""
+    """An expression that does not parse; `offset` is the 0-based character position."""
 
     def __init__(self, message: str, offset: int) -> None:
         self.offset = offset
         super().__init__(message)
 
 
+class Past(Protocol):
+    """The past values of the series an expression is evaluated for (`hookpolicy.engine.history`)."""
+
+    def aggregate(self, func: str, series: str, param: float) -> float:
+        """`func` (prev, ema, ema_std, mean, std, min or max) over the past of `series`; nan with none."""
+
+
+class _NoPast:
+    def aggregate(self, func: str, series: str, param: float) -> float:
+        return math.nan
+
+
+#: The past of a series that has none: every function is nan.
+NO_PAST: Past = _NoPast()
+
+
+def _divide(a: float, b: float) -> float:
+    """`a / b` as IEEE has it: +-inf or nan for `b == 0`, never ZeroDivisionError."""
+    if b != 0 or math.isnan(b):
+        return a / b
+    if a == 0 or math.isnan(a):
+        return math.nan
+    return math.copysign(math.inf, a) * math.copysign(1.0, b)
+
+
+_ARITH: dict[str, Callable[[float, float], float]] = {
+    "+": operator.add, "-": operator.sub, "*": operator.mul, "/": _divide,
+}
+
+
+# --------------------------------------------------------------------------- the tree
+
+
 @dataclass(frozen=True)
-class Compare:
-    stat: str
-    op: str
+class Num:
     value: float
 
-    def evaluate(self, values: Mapping[str, float]) -> bool:
-        return _OPS[self.op](values[self.stat], self.value)
+    def evaluate(self, values: Mapping[str, float], past: Past) -> float:
+        return self.value
 
     def __str__(self) -> str:
-        return f"{self.stat} {self.op} {self.value:g}"
+        return f"{self.value:g}"
+
+
+@dataclass(frozen=True)
+class Name:
+    """The current value of a series: `text` as written, `series` the statistic it names."""
+
+    text: str
+    series: str
+
+    def evaluate(self, values: Mapping[str, float], past: Past) -> float:
+        return values[self.series]
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
+class Call:
+    """A history function over the past of `series` (`param`: its window or alpha, 0 for prev)."""
+
+    func: str
+    text: str
+    series: str
+    param: float = 0.0
+
+    def evaluate(self, values: Mapping[str, float], past: Past) -> float:
+        if self.func == "zscore":
+            deviation = values[self.series] - past.aggregate("mean", self.series, self.param)
+            return _divide(deviation, past.aggregate("std", self.series, self.param))
+        return past.aggregate(self.func, self.series, self.param)
+
+    def __str__(self) -> str:
+        return f"{self.func}({self.text})" if self.func == "prev" else f"{self.func}({self.text}, {self.param:g})"
+
+
+@dataclass(frozen=True)
+class Neg:
+    operand: "Number"
+
+    def evaluate(self, values: Mapping[str, float], past: Past) -> float:
+        return -self.operand.evaluate(values, past)
+
+    def __str__(self) -> str:
+        return f"-{_grouped(self.operand)}"
+
+
+@dataclass(frozen=True)
+class Arith:
+    op: str
+    left: "Number"
+    right: "Number"
+
+    def evaluate(self, values: Mapping[str, float], past: Past) -> float:
+        return _ARITH[self.op](self.left.evaluate(values, past), self.right.evaluate(values, past))
+
+    def __str__(self) -> str:
+        return f"{_grouped(self.left)} {self.op} {_grouped(self.right)}"
+
+
+Number = Union[Num, Name, Call, Neg, Arith]
+
+
+@dataclass(frozen=True)
+class Compare:
+    op: str
+    left: Number
+    right: Number
+
+    def evaluate(self, values: Mapping[str, float], past: Past) -> bool:
+        return _COMPARE[self.op](self.left.evaluate(values, past), self.right.evaluate(values, past))
+
+    def __str__(self) -> str:
+        return f"{self.left} {self.op} {self.right}"
 
 
 @dataclass(frozen=True)
 class Junction:
     kind: str  # "and" | "or"
-    parts: tuple["Node", ...]
+    parts: tuple["Truth", ...]
 
-    def evaluate(self, values: Mapping[str, float]) -> bool:
-        results = (part.evaluate(values) for part in self.parts)
+    def evaluate(self, values: Mapping[str, float], past: Past) -> bool:
+        results = (part.evaluate(values, past) for part in self.parts)
         return all(results) if self.kind == "and" else any(results)
 
     def __str__(self) -> str:
-        return f" {self.kind} ".join(
-            f"({p})" if isinstance(p, Junction) else str(p) for p in self.parts
-        )
+        return f" {self.kind} ".join(f"({p})" if isinstance(p, Junction) else str(p) for p in self.parts)
 
 
-Node = Union[Compare, Junction]
+Truth = Union[Compare, Junction]
+Node = Union[Number, Truth]
+
+
+def _grouped(node: Number) -> str:
+    return f"({node})" if isinstance(node, (Arith, Neg)) else str(node)
+
+
+def _walk(node: Node) -> list[Node]:
+    """Every node under `node`, itself included."""
+    out: list[Node] = []
+    stack: list[Node] = [node]
+    while stack:
+        top = stack.pop()
+        out.append(top)
+        if isinstance(top, Junction):
+            stack.extend(top.parts)
+        elif isinstance(top, (Compare, Arith)):
+            stack.extend((top.left, top.right))
+        elif isinstance(top, Neg):
+            stack.append(top.operand)
+    return out
 
 
 @dataclass(frozen=True)
-class Condition:
-    """A parsed `alert.if`: `evaluate(stats)` is all there is to run it."""
+class _Parsed:
+    """What every parsed expression knows of itself: the statistics it reads now, the functions it calls."""
 
-    root: Node
+    #: the statistics whose current values it reads (a function's series included: the
+    #: history is fed from the current values, and zscore reads the current one)
     stats: frozenset[str]
+    #: the history functions it calls
+    calls: frozenset[Call]
 
-    def evaluate(self, values: Mapping[str, float]) -> bool:
-        return self.root.evaluate(values)
+
+@dataclass(frozen=True)
+class Condition(_Parsed):
+    """A parsed `alert.if`: `evaluate(stats, past)` is all there is to run it."""
+
+    root: Truth
+
+    def evaluate(self, values: Mapping[str, float], past: Past = NO_PAST) -> bool:
+        return self.root.evaluate(values, past)
 
     def __str__(self) -> str:
         return str(self.root)
+
+
+@dataclass(frozen=True)
+class Value(_Parsed):
+    """A parsed numeric expression (`clip.max_norm`, a message field): `evaluate(stats, past)` gives a float."""
+
+    root: Number
+
+    def evaluate(self, values: Mapping[str, float], past: Past = NO_PAST) -> float:
+        return self.root.evaluate(values, past)
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def names_with(aliases: Mapping[str, str]) -> Mapping[str, str]:
+    """The statistic names plus `aliases` (alias -> statistic), e.g. `{"loss": "mean"}` for `target: loss`."""
+    return {**_STAT_TABLE, **aliases}
+
+
+def parse(text: str, names: Optional[Mapping[str, str]] = None) -> Condition:
+    """Parse an `alert.if` condition; raises `ExprError` with the offending position.
+
+    `names` maps each name the condition may use to the statistic it reads (default:
+    the statistics, as themselves; `names_with` adds aliases).
+    """
+    parser = _Parser(text, _STAT_TABLE if names is None else names)
+    root = parser.whole()
+    if not isinstance(root, (Compare, Junction)):
+        raise ExprError("expected a comparison (for example 'l2_norm > 10'), found a number", 0)
+    return Condition(parser.stats(root), parser.calls(root), root)
+
+
+def parse_value(text: str, names: Optional[Mapping[str, str]] = None, *, current: bool = True) -> Value:
+    """Parse a numeric expression (a `max_norm`, a message field); raises `ExprError`.
+
+    With `current=False` only functions and numbers are allowed: the value is needed before
+    the current values exist (a clip's threshold, computed before its norm is known).
+    """
+    parser = _Parser(text, _STAT_TABLE if names is None else names, current=current)
+    root = parser.whole()
+    if isinstance(root, (Compare, Junction)):
+        raise ExprError("expected a number, found a comparison", 0)
+    return Value(parser.stats(root), parser.calls(root), root)
+
+
+class _Parser:
+    """Recursive descent over one precedence grammar, then a check of what each operand is."""
+
+    def __init__(self, text: str, names: Mapping[str, str], current: bool = True) -> None:
+        self.tokens = _tokenize(text)
+        self.names = names
+        self.current = current
+        self.i = 0
+        self.depth = 0
+        self.at: dict[int, int] = {}  # id(node) -> its offset, for the kind errors
+
+    def stats(self, root: Node) -> frozenset[str]:
+        return frozenset(n.series for n in _walk(root) if isinstance(n, (Name, Call)) and n.series in STAT_NAMES)
+
+    def calls(self, root: Node) -> frozenset[Call]:
+        return frozenset(n for n in _walk(root) if isinstance(n, Call))
+
+    def peek(self) -> tuple[str, str, int]:
+        return self.tokens[self.i]
+
+    def take(self) -> tuple[str, str, int]:
+        tok = self.tokens[self.i]
+        self.i += 1
+        return tok
+
+    def placed(self, node: Node, at: int) -> Node:
+        self.at[id(node)] = at
+        return node
+
+    def whole(self) -> Node:
+        root = self.disjunction()
+        kind, text, at = self.peek()
+        if kind != "end":
+            raise ExprError(f"expected an operator, 'and', 'or' or the end but found {text!r}", at)
+        return root
+
+    def disjunction(self) -> Node:
+        return self.junction("or", self.conjunction)
+
+    def conjunction(self) -> Node:
+        return self.junction("and", self.comparison)
+
+    def junction(self, kind: str, sub: Callable[[], Node]) -> Node:
+        at = self.peek()[2]
+        parts = [sub()]
+        while self.peek()[:2] == ("word", kind):
+            self.take()
+            parts.append(sub())
+        if len(parts) == 1:
+            return parts[0]
+        truths = tuple(self.truth(part, f"'{kind}' joins comparisons") for part in parts)
+        return self.placed(Junction(kind, truths), at)
+
+    def comparison(self) -> Node:
+        at = self.peek()[2]
+        left = self.sum()
+        kind, op, _ = self.peek()
+        if kind != "op":
+            return left
+        self.take()
+        right = self.sum()
+        return self.placed(Compare(op, self.number(left, f"'{op}' compares numbers"),
+                                   self.number(right, f"'{op}' compares numbers")), at)
+
+    def sum(self) -> Node:
+        return self.chain(("+", "-"), self.term)
+
+    def term(self) -> Node:
+        return self.chain(("*", "/"), self.factor)
+
+    def chain(self, ops: Sequence[str], sub: Callable[[], Node]) -> Node:
+        at = self.peek()[2]
+        node = sub()
+        while self.peek()[0] == "arith" and self.peek()[1] in ops:
+            _, op, _ = self.take()
+            right = sub()
+            node = self.placed(Arith(op, self.number(node, f"'{op}' takes numbers"),
+                                     self.number(right, f"'{op}' takes numbers")), at)
+        return node
+
+    def factor(self) -> Node:
+        kind, text, at = self.take()
+        if kind == "arith" and text in "+-":
+            with self.nested(at):
+                operand = self.number(self.factor(), f"unary '{text}' takes a number")
+            if text == "+":
+                return operand
+            return self.placed(Num(-operand.value) if isinstance(operand, Num) else Neg(operand), at)
+        if (kind, text) == ("paren", "("):
+            with self.nested(at):
+                inner = self.disjunction()
+            self.expect(")")
+            return inner
+        if kind == "num":
+            return self.placed(Num(self.finite(text, at)), at)
+        if kind == "word" and text not in ("and", "or"):
+            if self.peek()[:2] == ("paren", "("):
+                return self.placed(self.call(text, at), at)
+            return self.placed(self.name(text, at), at)
+        after = f" after {self.tokens[self.i - 2][1]!r}" if self.i >= 2 else ""
+        raise ExprError(f"expected a number, a name, a function or '('{after} but found {text or 'the end'!r}", at)
+
+    def call(self, func: str, at: int) -> Call:
+        if func not in FUNCTIONS:
+            hint = _did_you_mean(func, FUNCTIONS)
+            what = "a statistic, not a function" if func in self.names else "not a function"
+            raise ExprError(f"{func!r} is {what};{hint} the functions are: {', '.join(FUNCTIONS)}", at)
+        self.take()  # "("
+        kind, text, name_at = self.take()
+        usage = _usage(func)
+        if kind != "word" or text in ("and", "or"):
+            raise ExprError(f"{func} takes the name of a series first ({usage}), not {text or 'the end'!r}", name_at)
+        series = self.known(text, name_at)
+        param = 0.0
+        what = FUNCTIONS[func]
+        if what:
+            kind, comma, comma_at = self.take()
+            if kind != "comma":
+                raise ExprError(f"{func} takes two arguments ({usage}); expected ',' but found {comma or 'the end'!r}",
+                                comma_at)
+            param = self.argument(func, what, usage)
+        kind, close, close_at = self.take()
+        if (kind, close) != ("paren", ")"):
+            raise ExprError(f"{func} takes {'two arguments' if what else 'one argument'} ({usage}); "
+                            f"expected ')' but found {close or 'the end'!r}", close_at)
+        return Call(func, text, series, param)
+
+    def argument(self, func: str, what: str, usage: str) -> float:
+        """A function's window (an integer in 1..MAX_WINDOW) or alpha (in (0, 1))."""
+        kind, text, at = self.take()
+        sign = 1.0
+        if kind == "arith" and text == "-":
+            sign = -1.0
+            kind, text, _ = self.take()
+        if kind != "num":
+            raise ExprError(f"the {what} of {func} is a number ({usage}), not {text or 'the end'!r}", at)
+        value = sign * self.finite(text, at)
+        if what == "alpha" and not 0.0 < value < 1.0:
+            raise ExprError(f"the alpha of {func} must be between 0 and 1 (exclusive), not {value:g}", at)
+        if what == "window" and (not value.is_integer() or not 1 <= value <= MAX_WINDOW):
+            raise ExprError(f"the window of {func} is a whole number of values from 1 to {MAX_WINDOW}, "
+                            f"not {value:g}", at)
+        return value
+
+    def name(self, text: str, at: int) -> Name:
+        series = self.known(text, at)
+        if not self.current:
+            raise ExprError(
+                f"{text!r} is the current value, which is not known yet where this expression is evaluated: "
+                f"use only functions of its past (for example ema({text}, 0.97) or prev({text})) and numbers", at)
+        return Name(text, series)
+
+    def known(self, text: str, at: int) -> str:
+        """The series a name stands for; an unknown name is an error with a did-you-mean."""
+        series = self.names.get(text)
+        if series is None:
+            hint = _did_you_mean(text, self.names)
+            kind = "statistic" if set(self.names) >= STAT_NAMES else "name"
+            raise ExprError(f"unknown {kind} {text!r};{hint} one of: {', '.join(sorted(self.names))}", at)
+        return series
+
+    def finite(self, text: str, at: int) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ExprError(f"{text!r} is not a finite number", at)
+        return value
+
+    def expect(self, paren: str) -> None:
+        kind, text, at = self.take()
+        if (kind, text) != ("paren", paren):
+            raise ExprError(f"expected {paren!r} but found {text or 'the end'!r}", at)
+
+    def nested(self, at: int) -> "_Depth":
+        return _Depth(self, at)
+
+    def truth(self, node: Node, why: str) -> Truth:
+        if not isinstance(node, (Compare, Junction)):
+            raise ExprError(f"{why}: expected a comparison here, found a number", self.at.get(id(node), 0))
+        return node
+
+    def number(self, node: Node, why: str) -> Number:
+        if isinstance(node, (Compare, Junction)):
+            raise ExprError(f"{why}: expected a number here, found a comparison", self.at.get(id(node), 0))
+        return node
+
+
+class _Depth:
+    """`with parser.nested(at):` around a parenthesis or unary sign, refusing absurd nesting."""
+
+    def __init__(self, parser: _Parser, at: int) -> None:
+        self.parser, self.offset = parser, at
+
+    def __enter__(self) -> None:
+        self.parser.depth += 1
+        if self.parser.depth > MAX_DEPTH:
+            raise ExprError(f"parentheses nested deeper than {MAX_DEPTH}", self.offset)
+
+    def __exit__(self, *exc: object) -> None:
+        self.parser.depth -= 1
+
+
+def _usage(func: str) -> str:
+    what = FUNCTIONS[func]
+    return f"{func}(x)" if not what else f"{func}(x, {'alpha' if what == 'alpha' else 'W'})"
+
+
+def _did_you_mean(text: str, options: Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(text, sorted(options), n=1, cutoff=0.6)
+    return f" did you mean {close[0]!r}?" if close else ""
 
 
 def _tokenize(text: str) -> list[tuple[str, str, int]]:
@@ -110,75 +532,25 @@ def _tokenize(text: str) -> list[tuple[str, str, int]]:
     return tokens
 
 
-class _Parser:
-    def __init__(self, text: str) -> None:
-        self.tokens = _tokenize(text)
-        self.i = 0
-        self.depth = 0
-        self.stats: set[str] = set()
-
-    def peek(self) -> tuple[str, str, int]:
-        return self.tokens[self.i]
-
-    def take(self) -> tuple[str, str, int]:
-        tok = self.tokens[self.i]
-        self.i += 1
-        return tok
-
-    def junction(self, kind: str, sub: Callable[[], Node]) -> Node:
-        parts = [sub()]
-        while self.peek()[:2] == ("word", kind):
-            self.take()
-            parts.append(sub())
-        return parts[0] if len(parts) == 1 else Junction(kind, tuple(parts))
-
-    def condition(self) -> Node:
-        return self.junction("or", self.conjunct)
-
-    def conjunct(self) -> Node:
-        return self.junction("and", self.atom)
-
-    def atom(self) -> Node:
-        kind, text, at = self.take()
-        if (kind, text) == ("paren", "("):
-            self.depth += 1
-            if self.depth > MAX_DEPTH:
-                raise ExprError(f"parentheses nested deeper than {MAX_DEPTH}", at)
-            inner = self.condition()
-            self.depth -= 1
-            kind, text, at = self.take()
-            if (kind, text) != ("paren", ")"):
-                raise ExprError(f"expected ')' but found {text or 'the end'!r}", at)
-            return inner
-        if kind != "word" or text in ("and", "or"):
-            raise ExprError(f"expected a statistic or '(' but found {text or 'the end'!r}", at)
-        if text not in STAT_NAMES:
-            close = difflib.get_close_matches(text, sorted(STAT_NAMES), n=1, cutoff=0.6)
-            hint = f" did you mean {close[0]!r}?" if close else ""
-            raise ExprError(
-                f"unknown statistic {text!r};{hint} one of: {', '.join(sorted(STAT_NAMES))}", at
-            )
-        op_kind, op, op_at = self.take()
-        if op_kind != "op":
-            raise ExprError(
-                f"expected a comparison ({' '.join(_OPS)}) after {text!r} but found "
-                f"{op or 'the end'!r}", op_at,
-            )
-        num_kind, num, num_at = self.take()
-        if num_kind != "num":
-            raise ExprError(f"expected a number after {op!r} but found {num or 'the end'!r}", num_at)
-        value = float(num)
-        if not math.isfinite(value):
-            raise ExprError(f"{num!r} is not a finite number", num_at)
-        self.stats.add(text)
-        return Compare(text, op, value)
+# --------------------------------------------------------------------------- message templates
 
 
-def parse(text: str) -> Condition:
-    """Parse an `alert.if` condition; raises `ExprError` with the offending position."""
-    parser = _Parser(text)
-    root = parser.condition()
-    kind, tok, at = parser.peek()
-    if kind != "end":
-        raise ExprError(f"expected 'and', 'or' or the end but found {tok!r}", at)
-    return Condition(root, frozenset(parser.stats))
+class Template(string.Formatter):
+    """Renders an alert message whose fields may be expressions: `{zscore(loss, 100):.1f}`.
+
+    A field that is one of `fields` (the expressions the loader parsed out of the template)
+    is evaluated; any other is looked up by name (`policy`, `step`, a statistic).
+    `get_field` never walks attributes or items, so `{module.__class__}` cannot reach Python
+    (the loader refuses it anyway).
+    """
+
+    def __init__(self, fields: Mapping[str, Value], stats: Mapping[str, float], past: Past) -> None:
+        super().__init__()
+        self.fields, self.values, self.past = fields, stats, past
+
+    def get_field(self, field_name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, str]:
+        expression = self.fields.get(field_name)
+        if expression is None:
+            return kwargs[field_name], field_name
+        return expression.evaluate(self.values, self.past), field_name
+

@@ -11,7 +11,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Optional, Union
 
-from .expr import Condition
+from .expr import Call, Condition, Value
 
 __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "STATS", "Mode", "OnError", "HookPoint",
@@ -131,20 +131,36 @@ class Clip:
     AGC bounds each unit's gradient norm by `unitwise_ratio * max(unit's weight norm, eps)`,
     a unit being a slice along a parameter's first dimension (an output row or channel);
     it reads the weights, so it exists only at `step` on `target: grad`.
+
+    `max_norm` is a number, or an expression over the past of the clip's own norm series
+    (`norm`), evaluated on the host before each step's norm is known: an adaptive threshold
+    such as ZClip's `ema(norm, 0.97) + 2.5 * ema_std(norm, 0.97)`. Such a clip does not clip
+    a group until its series has `warmup` values.
     """
 
-    max_norm: Optional[float] = None
+    max_norm: Optional[Union[float, Value]] = None
     norm_type: float = 2.0
     per: Per = "tensor"
     min: Optional[float] = None
     max: Optional[float] = None
     unitwise_ratio: Optional[float] = None
     eps: float = 1e-3
+    warmup: int = 0
 
     @property
     def unitwise(self) -> bool:
         """Whether this is AGC (unit-wise, relative to the weights) rather than a norm or value clip."""
         return self.unitwise_ratio is not None
+
+    @property
+    def adaptive(self) -> Optional[Value]:
+        """The `max_norm` expression, when it is one."""
+        return self.max_norm if isinstance(self.max_norm, Value) else None
+
+    @property
+    def calls(self) -> frozenset[Call]:
+        """The history functions the threshold calls (over the series `norm`)."""
+        return self.max_norm.calls if isinstance(self.max_norm, Value) else frozenset()
 
 
 @dataclass(frozen=True)
@@ -161,6 +177,10 @@ class Alert:
     then: Then = "log"
     message: str = "{policy}/{rule}: {condition} in {module} at step {step}"
     per: Per = "module"
+    #: evaluations skipped (the alert does not fire) until its series have this many values
+    warmup: int = 0
+    #: the message's fields that are expressions (`{zscore(loss, 100):.1f}`), parsed by the loader
+    fields: tuple[tuple[str, Value], ...] = ()
 
     @property
     def stats(self) -> frozenset[str]:
@@ -169,7 +189,18 @@ class Alert:
             named = {name for _, name, _, _ in string.Formatter().parse(self.message) if name}
         except ValueError:  # a malformed template; the loader never builds one
             named = set()
-        return self.condition.stats | frozenset(s for s in STATS if s in named)
+        from_fields = (s for _, value in self.fields for s in value.stats)
+        return self.condition.stats | frozenset(s for s in STATS if s in named) | frozenset(from_fields)
+
+    @property
+    def calls(self) -> frozenset[Call]:
+        """The history functions its condition and message call."""
+        return self.condition.calls.union(*(value.calls for _, value in self.fields))
+
+    @property
+    def remembers(self) -> bool:
+        """Whether the alert keeps a history of its statistics (it calls functions, or waits for a warmup)."""
+        return bool(self.calls) or self.warmup > 0
 
 
 Action = Union[Capture, Clip, Scale, Alert]

@@ -1,0 +1,448 @@
+"""History in expressions: alerts over a series' past, adaptive clipping (ZClip), reload, clip reporting.
+
+The references are written here from the published equations (ZClip, arXiv 2504.02507:
+warm-up mean and population variance, z-score, clip to mean + k * std, EMA of the
+effective norm) and from plain Python over the values a test fed in; hookpolicy never
+computes them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from torch import nn
+
+import hookpolicy
+from conftest import load_policy, metric, policy_text, write_policy
+from hookpolicy.api import PolicySet
+
+# --------------------------------------------------------------------------- ZClip
+
+
+class ZClipReference:
+    """ZClip's update equations, step by step, on the gradients of `params`."""
+
+    def __init__(self, alpha: float = 0.97, k: float = 2.5, warmup: int = 25) -> None:
+        self.alpha, self.k, self.warmup = alpha, k, warmup
+        self.buffer: list[float] = []
+        self.mu: Optional[float] = None
+        self.var = 0.0
+
+    def step(self, params: list[nn.Parameter], apply: bool) -> bool:
+        """Clip the gradients (when `apply`) as ZClip would; True when it clips (or would)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        g = total.item()
+        if self.mu is None:  # warm-up: collect, then start from the buffer's mean and population variance
+            self.buffer.append(g)
+            if len(self.buffer) == self.warmup:
+                self.mu = statistics.fmean(self.buffer)
+                self.var = statistics.pvariance(self.buffer, self.mu)
+            return False
+        sigma = math.sqrt(self.var)
+        z = (g - self.mu) / (sigma + 1e-6)
+        clipped = z > self.k
+        effective = g
+        if clipped:
+            threshold = self.mu + self.k * sigma
+            if apply:
+                torch._foreach_mul_(grads, torch.clamp(threshold / (total + 1e-6), max=1.0))
+            effective = threshold
+        self.mu = self.alpha * self.mu + (1 - self.alpha) * effective
+        self.var = self.alpha * self.var + (1 - self.alpha) * (effective - self.mu) ** 2
+        return clipped
+
+
+ZCLIP = """
+- name: zclip
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  actions:
+    - clip: {max_norm: "ema(norm, 0.97) + 2.5 * ema_std(norm, 0.97)", warmup: 25, per: rule}
+"""
+
+STEPS = 60
+SPIKES = {40: 40.0, 41: 25.0, 52: 60.0}  # step -> loss multiplier: an injected gradient spike
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _backward(model: nn.Module, step: int) -> None:
+    x, y = _batch(step)
+    (nn.functional.mse_loss(model(x), y) * SPIKES.get(step, 1.0)).backward()
+
+
+def _clipped(reg: CollectorRegistry, mode: str) -> float:
+    return metric(reg, "hookpolicy_clipped_total", {"rule": "zclip", "module": "", "mode": mode}) or 0.0
+
+
+@pytest.mark.parametrize("audit", [False, True], ids=["enforce", "audit"])
+def test_adaptive_max_norm_reproduces_zclip_step_by_step(tmp_path: Path, audit: bool) -> None:
+    """Each step's gradients, after hookpolicy's clip, equal ZClip's (enforce) or are untouched
+    bit for bit (audit), and hookpolicy_clipped_total moves exactly on the steps ZClip clips."""
+    policy = load_policy(tmp_path, ZCLIP)
+    model, shadow = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    shadow_opt = torch.optim.SGD(shadow.parameters(), lr=0.05)
+    reference = ZClipReference()
+    seen: list[list[torch.Tensor]] = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append([p.grad.clone() for p in model.parameters()]))
+    reg = CollectorRegistry()
+    clipped_steps: list[int] = []
+    with policy.attach(model, registry=reg, rank=0, audit=audit):
+        for step in range(STEPS):
+            _backward(model, step)
+            _backward(shadow, step)
+            before = [p.grad.clone() for p in model.parameters()]
+            count = _clipped(reg, "audit" if audit else "enforce")
+            opt.step()
+            if reference.step(list(shadow.parameters()), apply=not audit):
+                clipped_steps.append(step)
+            after = seen[-1]
+            if audit:  # nothing changes, bit for bit
+                assert all(torch.equal(a, b) for a, b in zip(after, before)), step
+            for got, want in zip(after, [p.grad for p in shadow.parameters()]):
+                torch.testing.assert_close(got, want, msg=f"step {step}")
+            assert _clipped(reg, "audit" if audit else "enforce") - count == (step in clipped_steps), step
+            shadow_opt.step()
+            opt.zero_grad()
+            shadow_opt.zero_grad()
+    assert {40, 52} <= set(clipped_steps), clipped_steps  # the injected spikes are clipped (or would be)
+    assert min(clipped_steps) >= 25  # not during the warm-up
+
+
+def test_a_fixed_max_norm_counts_its_clips_per_group(tmp_path: Path) -> None:
+    """per: tensor: one count per tensor whose norm was over max_norm, against vector_norm."""
+    policy = load_policy(tmp_path, """
+        - name: fixed
+          match: {modules: ["0", "2"]}
+          trigger: {at: step}
+          actions: [{clip: {max_norm: 0.3, per: tensor}}]
+    """)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    reg = CollectorRegistry()
+    want = {"0": 0, "2": 0}
+    with policy.attach(model, registry=reg, rank=0):
+        for step in range(5):
+            _backward(model, step)
+            for name, module in model.named_children():
+                if name in want:
+                    want[name] += sum(int(torch.linalg.vector_norm(p.grad) + 1e-6 > 0.3) for p in module.parameters())
+            opt.step()
+            opt.zero_grad()
+    for module, count in want.items():
+        assert metric(reg, "hookpolicy_clipped_total", {"rule": "fixed", "module": module, "mode": "enforce"}) == count
+    assert sum(want.values()) > 0
+
+
+def test_an_adaptive_clip_reads_no_value_back_inside_its_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The threshold is a host float from the history: clipping syncs nothing; the read-back does, once."""
+    policy = load_policy(tmp_path, """
+        - name: zclip
+          match: {modules: ["**"]}
+          trigger: {at: step}
+          actions: [{clip: {max_norm: "mean(norm, 3) + 2 * std(norm, 3)", per: tensor}}]
+        - name: bwd
+          match: {types: [Linear]}
+          trigger: {at: backward}
+          actions: [{clip: {max_norm: "1.5 * prev(norm)", per: module}}]
+    """)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    reg = CollectorRegistry()
+    with policy.attach(model, registry=reg, rank=0) as attached:
+        for step in range(4):
+            _backward(model, step)
+            opt.step()
+            opt.zero_grad()
+        assert attached.history.series  # the thresholds have a past now
+
+        def forbidden(*a: Any, **k: Any) -> Any:
+            raise AssertionError("host sync inside a hook")
+
+        with monkeypatch.context() as m:
+            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__"):
+                m.setattr(torch.Tensor, name, forbidden)
+            _backward(model, 10)
+            attached._executor.run_step_rules(attached._installer.step_rules())
+        assert any(type(e).__name__ == "ClipEntry" for e in attached._executor.buffer)
+        for rule in ("zclip", "bwd"):
+            assert metric(reg, "hookpolicy_hook_errors_total", {"rule": rule}) == 0
+
+
+# --------------------------------------------------------------------------- alerts over a series' past
+
+#: the series fed in: calm, a spike at 12 (skipped by the guard), calm again, a drift.
+SERIES = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0, 1.2, 0.8, 1.0, 1.1, 0.9, 1.0, 50.0, 1.0, 1.05, 3.0, 1.0, 0.97, 1.02, 4.0]
+
+WATCH = """
+- name: watch
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  target: input
+  actions:
+    - alert:
+        if: "numel > 0"
+        severity: info
+        message: "{mean:.17g}|{prev(mean):.17g}|{ema(mean, 0.8):.17g}|{ema_std(mean, 0.8):.17g}|{mean(mean, 4):.17g}|{std(mean, 4):.17g}|{min(mean, 4):.17g}|{max(mean, 4):.17g}|{zscore(mean, 4):.17g}"
+    - alert: {if: "zscore(mean, 4) > 3", warmup: 3, severity: critical}
+- name: guard
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  target: input
+  actions:
+    - alert: {if: "mean > 10", then: skip_step, severity: warning}
+"""
+
+
+def _ieee_divide(a: float, b: float) -> float:
+    if b != 0:
+        return a / b
+    return math.nan if a == 0 else math.copysign(math.inf, a)
+
+
+def _reference(values: list[float], warmup: int = 0) -> list[dict[str, float]]:
+    """Per evaluation, each function over the values before it (skipped ones left out)."""
+    out: list[dict[str, float]] = []
+    past: list[float] = []
+    m: Optional[float] = None
+    v = 0.0
+    for x in values:
+        window = past[-4:]
+        mean = statistics.fmean(window) if window else math.nan
+        std = math.sqrt(statistics.pvariance(window)) if window else math.nan
+        z = _ieee_divide(x - mean, std) if window else math.nan
+        out.append({"x": x, "prev": past[-1] if past else math.nan, "ema": math.nan if m is None else m,
+                    "ema_std": math.nan if m is None else math.sqrt(v), "mean": mean, "std": std,
+                    "min": min(window) if window else math.nan, "max": max(window) if window else math.nan,
+                    "zscore": z, "count": len(past)})
+        if x > 10:  # the guard skips the step: it never enters the history
+            continue
+        past.append(x)
+        if m is None:
+            m, v = x, 0.0  # seeded with the first value (warmup 0)
+        else:
+            m = 0.8 * m + 0.2 * x
+            v = 0.8 * v + 0.2 * (x - m) ** 2
+    return out
+
+
+def _alerts(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"event": "alert"' in line]
+
+
+def test_history_functions_in_conditions_and_messages_match_a_reference(
+    tmp_path: Path, out: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """prev, ema, ema_std, mean, std, min, max, zscore against plain Python over the fed values;
+    a skipped step's value never enters the history; warmup holds the alert back."""
+    policy = load_policy(tmp_path, WATCH)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    values = [float(torch.tensor(v, dtype=torch.float32)) for v in SERIES]  # what a float32 input holds
+    with policy.attach(model, rank=0):
+        for v in SERIES:
+            model(torch.full((1, 1), v)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    records = _alerts(capsys.readouterr().err)
+    shown = [r for r in records if r["rule"] == "watch" and r["severity"] == "info"]
+    reference = _reference(values)
+    assert len(shown) == len(values)
+    names = ["x", "prev", "ema", "ema_std", "mean", "std", "min", "max", "zscore"]
+    for step, (record, want) in enumerate(zip(shown, reference)):
+        got = [float(part) for part in record["message"].split("|")]
+        assert got == pytest.approx([want[n] for n in names], rel=1e-12, abs=1e-12, nan_ok=True), step
+    fired = [r["step"] for r in records if r["rule"] == "watch" and r["severity"] == "critical"]
+    assert fired == [s for s, w in enumerate(reference) if w["count"] >= 3 and w["zscore"] > 3]
+    assert {12, 15} <= set(fired)  # the spikes
+    skipped = [r["step"] for r in records if r["rule"] == "guard"]
+    assert skipped == [12] and reference[13]["prev"] == values[11]
+
+
+def test_warmup_holds_an_alert_back_until_its_series_has_n_values(tmp_path: Path, out: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    policy = load_policy(tmp_path, """
+        - name: w
+          match: {types: [Linear]}
+          trigger: {at: forward}
+          target: input
+          actions: [{alert: {if: "mean > 0", warmup: 4}}]
+    """)
+    model = nn.Sequential(nn.Linear(3, 1))
+    with policy.attach(model, rank=0):
+        for _ in range(7):
+            model(torch.ones(2, 3)).sum().backward()
+            torch.optim.SGD(model.parameters(), lr=0.0).step()
+    assert [r["step"] for r in _alerts(capsys.readouterr().err)] == [4, 5, 6]
+
+
+# --------------------------------------------------------------------------- reload
+
+
+RELOADED = """
+- name: watch
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  target: input
+  actions: [{alert: {if: "mean > 2 * ema(mean, 0.5)", message: "{ema(mean, 0.5):.6g}"}}]
+- name: other
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  target: input
+  actions: [{alert: {if: "mean > 3 * prev(mean)"}}]
+"""
+
+
+def test_a_reload_keeps_the_history_of_unchanged_rules_only(tmp_path: Path) -> None:
+    from hookpolicy.apply.reload import Governed, Swaps
+
+    path = write_policy(tmp_path, RELOADED)
+    model = nn.Sequential(nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    swaps = Swaps(hookpolicy.load(path), rank=0)
+    old = hookpolicy.load(path).attach(model, registry=CollectorRegistry(), rank=0)
+    for v in (1.0, 2.0, 3.0):
+        model(torch.full((2, 3), v)).sum().backward()
+        opt.step()
+    before = {key: list(s.values) for key, s in old.history.series.items()}
+    assert {key[0][1] for key in before} == {"watch", "other"}
+    # `other` changes (3 -> 4), `watch` moves below it but is otherwise the same rule
+    changed = RELOADED.replace("3 * prev(mean)", "4 * prev(mean)")
+    first, second = changed.split("- name: other")
+    path.write_text(policy_text("- name: other" + second + first.lstrip("\n")))
+    swaps.request(hookpolicy.load(path))
+    governed = Governed(model, old, generation=0)
+
+    def attach(policies: PolicySet, module: nn.Module, step: int) -> Any:
+        return policies.attach(module, registry=CollectorRegistry(), rank=0, start_step=step)
+
+    swaps._swap(governed, [governed], attach)
+    new = governed.attached
+    try:
+        assert new is not old and new.step == 3
+        kept = {key: list(s.values) for key, s in new.history.series.items()}
+        assert kept == {key: values for key, values in before.items() if key[0][1] == "watch"}
+        assert kept  # the unchanged rule's ema goes on where it was
+    finally:
+        new.remove()
+
+
+# --------------------------------------------------------------------------- malformed expressions
+
+
+@pytest.mark.parametrize("expression, column, message", [
+    ("zscore(l2_norm, 100) > 3", None, None),
+    ("l2_norm > ema(l2_norm, 0.97) + 2.5 * ema_std(l2_norm, 0.97)", None, None),
+    ("l2_norm > 2 * prev(l2_norm) and -mean / (1 + std) < 0", None, None),
+    ("zscor(l2_norm, 100) > 3", 0, "'zscor' is not a function; did you mean 'zscore'?"),
+    ("emma(l2_norm, 0.9) > 1", 0, "did you mean 'ema'?"),
+    ("mean(l2_norm) > 1", 12, "mean takes two arguments (mean(x, W))"),
+    ("prev(l2_norm, 2) > 1", 12, "prev takes one argument (prev(x))"),
+    ("ema(l2_norm, 0.9, 1) > 1", 16, "ema takes two arguments"),
+    ("mean(l2_norm, 0) > 1", 14, "the window of mean is a whole number of values from 1 to 10000, not 0"),
+    ("max(l2_norm, 10001) > 1", 13, "not 10001"),
+    ("std(l2_norm, 2.5) > 1", 13, "not 2.5"),
+    ("ema(l2_norm, 1) > 1", 13, "the alpha of ema must be between 0 and 1 (exclusive), not 1"),
+    ("ema_std(l2_norm, 0) > 1", 17, "not 0"),
+    ("ema(l2_norm, -0.5) > 1", 13, "not -0.5"),
+    ("ema(2, 0.5) > 1", 4, "ema takes the name of a series first"),
+    ("mean(l2_nrom, 5) > 1", 5, "unknown statistic 'l2_nrom'; did you mean 'l2_norm'?"),
+    ("l2_norm() > 1", 0, "'l2_norm' is a statistic, not a function"),
+    ("l2_norm + 1", 0, "expected a comparison"),
+    ("(l2_norm > 1) * 2 > 1", 1, "'*' takes numbers"),
+    ("l2_norm and mean > 1", 0, "'and' joins comparisons"),
+    ("l2_norm > 1 > 0", 12, "expected an operator, 'and', 'or' or the end but found '>'"),
+    ("l2_norm ** 2 > 1", 9, "expected a number, a name, a function or '(' after '*'"),
+    ("(" * 33 + "l2_norm > 1" + ")" * 33, 32, "nested deeper than 32"),
+])
+def test_malformed_expressions_are_refused_at_their_file_line_column(
+    tmp_path: Path, expression: str, column: Optional[int], message: Optional[str],
+) -> None:
+    """FILE:LINE:COL points at the offending character inside the quoted condition."""
+    path = write_policy(tmp_path, f"""
+        - name: r
+          match: {{types: [Linear]}}
+          trigger: {{at: step}}
+          actions:
+            - alert: {{if: "{expression}"}}
+    """)
+    if message is None:
+        hookpolicy.load(path)
+        return
+    with pytest.raises(hookpolicy.PolicyError) as caught:
+        hookpolicy.load(path)
+    (problem,) = caught.value.problems
+    line = path.read_text().splitlines()[problem.line - 1]
+    assert problem.file == str(path) and problem.path == "$.spec.rules[0].actions[0].alert.if"
+    assert problem.column == line.index('"') + 2 + column, (problem, line)
+    assert message in problem.message
+
+
+@pytest.mark.parametrize("body, where, message", [
+    ('{max_norm: "norm * 2"}', "max_norm", "'norm' is the current value"),
+    ('{max_norm: "ema(l2_norm, 0.9)"}', "max_norm", "unknown name 'l2_norm'; did you mean 'norm'? one of: norm"),
+    ('{max_norm: "ema(norm, 1.5)"}', "max_norm", "the alpha of ema must be between 0 and 1"),
+    ('{max_norm: 1.0, warmup: 5}', "warmup", "warmup applies to a max_norm expression"),
+    ('{max_norm: "prev(norm)", warmup: -1}', "warmup", "below the minimum 0"),
+    ('{max_norm: ""}', "max_norm", "must not be empty"),
+])
+def test_malformed_clip_thresholds_are_refused(tmp_path: Path, body: str, where: str, message: str) -> None:
+    path = write_policy(tmp_path, f"""
+        - name: r
+          match: {{types: [Linear]}}
+          trigger: {{at: step}}
+          actions:
+            - clip: {body}
+    """)
+    with pytest.raises(hookpolicy.PolicyError) as caught:
+        hookpolicy.load(path)
+    (problem,) = caught.value.problems
+    assert problem.path == f"$.spec.rules[0].actions[0].clip.{where}" and message in problem.message, problem
+
+
+@pytest.mark.parametrize("message, wanted", [
+    ("{zscore(l2_norm, 100):.1f} sigma", None),
+    ("{l2_norm / mean(l2_norm, 10):.2f}x", None),
+    ("{zscore(l2_nrom, 100)}", "invalid expression in a message field: unknown statistic 'l2_nrom'"),
+    ("{mean(l2_norm, 0)}", "not 0"),
+    ("{zscore(l2_norm, 100):d}", "cannot be formatted"),
+    ("{0}", "unknown message field {0}"),
+])
+def test_message_fields_may_be_expressions(tmp_path: Path, message: str, wanted: Optional[str]) -> None:
+    path = write_policy(tmp_path, f"""
+        - name: r
+          match: {{types: [Linear]}}
+          trigger: {{at: step}}
+          actions:
+            - alert: {{if: "l2_norm > 1", message: "{message}"}}
+    """)
+    if wanted is None:
+        alert = hookpolicy.load(path).policies[0].rules[0].actions[0]
+        assert "l2_norm" in alert.stats  # type: ignore[union-attr]
+        return
+    with pytest.raises(hookpolicy.PolicyError) as caught:
+        hookpolicy.load(path)
+    (problem,) = caught.value.problems
+    assert problem.path.endswith(".alert.message") and wanted in problem.message, problem
+    if "invalid expression" in wanted:
+        line = path.read_text().splitlines()[problem.line - 1]
+        assert line[problem.column - 1:].startswith("l2_nrom")
+
