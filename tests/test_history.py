@@ -446,3 +446,17 @@ def test_message_fields_may_be_expressions(tmp_path: Path, message: str, wanted:
         line = path.read_text().splitlines()[problem.line - 1]
         assert line[problem.column - 1:].startswith("l2_nrom")
 
+
+
+@pytest.mark.parametrize("text", [
+    "ema(l2_norm, 0.97) + 2.5 * ema_std(l2_norm, 0.97) < l2_norm",
+    "(mean + 1) * 2 > 3 and (std < 1 or -(min - max) / 2 >= -1)",
+    "l2_norm - (prev(l2_norm) - 1) != 1 - 2 - 3",
+    "zscore(mean, 10) > 3 or mean / (2 * max(mean, 5)) == 0",
+])
+def test_a_condition_prints_as_text_that_parses_to_the_same_tree(text: str) -> None:
+    """`{condition}` and explain show the parsed form: it must mean what the file said."""
+    from hookpolicy.policy.expr import parse
+
+    parsed = parse(text)
+    assert parse(str(parsed)).root == parsed.root

@@ -164,7 +164,7 @@ class Neg:
         return -self.operand.evaluate(values, past)
 
     def __str__(self) -> str:
-        return f"-{_grouped(self.operand)}"
+        return f"-({self.operand})" if isinstance(self.operand, (Arith, Neg)) else f"-{self.operand}"
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class Arith:
         return _ARITH[self.op](self.left.evaluate(values, past), self.right.evaluate(values, past))
 
     def __str__(self) -> str:
-        return f"{_grouped(self.left)} {self.op} {_grouped(self.right)}"
+        return f"{_operand(self.left, self.op, False)} {self.op} {_operand(self.right, self.op, True)}"
 
 
 Number = Union[Num, Name, Call, Neg, Arith]
@@ -213,8 +213,16 @@ Truth = Union[Compare, Junction]
 Node = Union[Number, Truth]
 
 
-def _grouped(node: Number) -> str:
-    return f"({node})" if isinstance(node, (Arith, Neg)) else str(node)
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+
+def _operand(node: Number, parent: str, right: bool) -> str:
+    """`node` as an operand of `parent`, in parentheses only where precedence needs them."""
+    if isinstance(node, Arith):
+        inner, outer = _PRECEDENCE[node.op], _PRECEDENCE[parent]
+        if inner < outer or (right and inner == outer and parent in "-/"):
+            return f"({node})"
+    return str(node)
 
 
 def _walk(node: Node) -> list[Node]:
