@@ -114,7 +114,8 @@ def explain(policies: tuple[str, ...], model_spec: str, fmt: str, strict: bool) 
     model = _resolve_model(model_spec)
     plan = loaded.plan(model)
     if fmt == "json":
-        click.echo(json.dumps({"bindings": plan.rows(), "warnings": list(plan.warnings)}, indent=2))
+        click.echo(json.dumps({"bindings": plan.rows(), "notes": list(plan.notes), "warnings": list(plan.warnings)},
+                              indent=2))
     else:
         _explain_text(plan, model)
     if strict and plan.unmatched:
@@ -127,6 +128,8 @@ def _explain_text(plan: Any, model: Any) -> None:
         click.echo(_table(rows))
     else:
         click.echo(f"no rule binds to any module of {type(model).__name__}")
+    for note in plan.notes:
+        click.echo(f"note: {note}")
     for warning in plan.warnings:
         click.echo(f"warning: {warning}")
 

@@ -142,7 +142,7 @@ def test_explain_json_and_warnings(tmp_path: Path) -> None:
     result = invoke("explain", MONITOR, str(nothing), "--model", "examples.charlm:build_model", "--format", "json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
-    assert set(doc) == {"bindings", "warnings"}
+    assert set(doc) == {"bindings", "notes", "warnings"}
     heads = [b for b in doc["bindings"] if b["module"] == "lm_head" and b["rule"] == "grad-norms"]
     assert heads == [{
         "policy": "example-monitor", "rule": "grad-norms", "priority": 50, "mode": "enforce", "module": "lm_head",

@@ -455,3 +455,91 @@ def test_two_models_are_told_apart(tmp_path: Path, free_port: int) -> None:
     assert stack.labels("hookpolicy_grad_l2_norm", "model") == {"Sequential", "Sequential#2"}
     governed = [line for line in stack.stderr.splitlines() if line.startswith("hookpolicy: governing")]
     assert [line.split()[2] for line in governed] == ["Sequential", "Sequential#2"]
+
+
+# -- the loss column: target: loss against the loss each stack computed itself ----------------
+
+LOSS = STACKS / "loss.yaml"
+
+
+def loss_records(tmp_path: Path) -> list[dict[str, Any]]:
+    """What the loss rule of tests/stacks/loss.yaml logged, one record per step."""
+    path = tmp_path / "loss.jsonl"
+    return [json.loads(line)["stats"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def per_step(micro: list[list[Any]]) -> list[list[float]]:
+    """[(step, loss), ...] per micro-batch -> the losses of each step."""
+    steps: dict[int, list[float]] = {}
+    for step, loss in micro:
+        steps.setdefault(step, []).append(loss)
+    return [steps[k] for k in sorted(steps)]
+
+
+@pytest.mark.slow
+def test_loss_of_a_closure_loop(tmp_path: Path, free_port: int) -> None:
+    """`opt.step(closure)` with a functional loss: the closure's return value is the step's loss; NaN step skipped."""
+    stack = run_stack(tmp_path, free_port, "loops.py", "--case", "closure-adam", "--nan-at", "3", policy=LOSS)
+    got = loss_records(tmp_path)
+    assert [r["numel"] for r in got] == [1] * 6
+    assert [r["nonfinite"] for r in got] == [0, 0, 0, 1, 0, 0]
+    finite = [(r["mean"], want) for r, want in zip(got, stack.out["losses"]) if r["nonfinite"] == 0]
+    assert [m for m, _ in finite] == pytest.approx([w for _, w in finite], rel=1e-6)
+    assert "no loss seen" not in stack.stderr
+
+
+@pytest.mark.slow
+def test_a_functional_loss_without_closure_is_said_once(tmp_path: Path, free_port: int) -> None:
+    """A loss computed with tensor functions in the script: one `hookpolicy:` line, no statistic, training unchanged."""
+    stack = run_stack(tmp_path, free_port, "loops.py", "--case", "checkpoint", "--nan-at", "3", policy=LOSS)
+    said = [line for line in stack.stderr.splitlines() if "no loss seen" in line]
+    assert len(said) == 1 and said[0].startswith("hookpolicy: stack/loss: no loss seen at step 0 of Sequential")
+    assert loss_records(tmp_path) == []
+    assert "hookpolicy_loss_mean" not in stack.out["metrics"]
+    assert stack.value("hookpolicy_skipped_steps_total", model="Sequential", rule="nan") == 1  # the guard still works
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accum", ["1", "2"])
+def test_loss_under_lightning(tmp_path: Path, free_port: int, accum: str) -> None:
+    """The closure Lightning passes returns training_step's loss / accumulate_grad_batches of the step's last
+    micro-batch: the earlier ones Lightning runs itself, outside optimizer.step()."""
+    stack = run_stack(tmp_path, free_port, "lightning_reg.py", "--steps", "6", "--accum", accum, policy=LOSS)
+    got = loss_records(tmp_path)
+    steps = per_step(stack.out["micro_losses"])
+    assert len(got) == len(steps) == 6
+    assert [r["numel"] for r in got] == [1] * 6
+    assert [r["mean"] for r in got] == pytest.approx([s[-1] / int(accum) for s in steps], rel=1e-6)
+    assert stack.out["callback_loss"] == pytest.approx(steps[-1][-1], rel=1e-6)  # what the LightningModule logged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, accum", [("llama", "1"), ("gpt2", "2")])
+def test_loss_under_the_transformers_trainer(tmp_path: Path, free_port: int, arch: str, accum: str) -> None:
+    """ModelOutput.loss of each micro-batch. The Trainer passes num_items_in_batch, so each is the micro-batch's
+    token loss sum over the whole step's tokens: their sum (mean x numel) is the loss the Trainer logs."""
+    stack = run_stack(tmp_path, free_port, "hf_trainer.py", "--arch", arch, "--steps", "4", "--accum", accum,
+                      policy=LOSS)
+    got = loss_records(tmp_path)
+    steps = per_step(stack.out["micro_losses"])
+    logged = [loss for _, loss in stack.out["logged_losses"]]
+    assert len(got) == len(steps) == len(logged) == 4
+    assert [r["numel"] for r in got] == [int(accum)] * 4
+    assert [r["max"] for r in got] == pytest.approx([max(s) for s in steps], rel=1e-6)
+    assert [r["mean"] * r["numel"] for r in got] == pytest.approx(logged, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_loss_of_the_tiny_gpt_under_apply(tmp_path: Path, free_port: int) -> None:
+    """`python -m examples.charlm`, unmodified: nanoGPT's (logits, loss); the script prints its loss per step."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "hookpolicy", "apply", str(LOSS), "--", sys.executable, "-m", "examples.charlm",
+         "--steps", "5"], cwd=tmp_path, env={**env, "PYTHONPATH": f"{REPO}"}, capture_output=True, text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    printed = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    got = loss_records(tmp_path)
+    assert len(printed) == 5 and [r["numel"] for r in got] == [1] * 5
+    assert [r["mean"] for r in got] == pytest.approx(printed, rel=1e-6)

@@ -6,6 +6,8 @@ governs it unmodified.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -58,7 +60,8 @@ class Block(nn.Module):
 
 class TinyGPT(nn.Module):
     """nanoGPT's layout and module names (transformer.wte, transformer.h.N.attn.c_attn, ...,
-    transformer.ln_f, lm_head), so the library policies written for GPT-style models bind here."""
+    transformer.ln_f, lm_head), so the library policies written for GPT-style models bind here,
+    and nanoGPT's `forward(idx, targets) -> (logits, loss)`, so `target: loss` sees the loss."""
 
     def __init__(self, vocab: int, dim: int = 48, heads: int = 4, layers: int = 2, context: int = 32) -> None:
         super().__init__()
@@ -70,12 +73,16 @@ class TinyGPT(nn.Module):
         ))
         self.lm_head = nn.Linear(dim, vocab)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """`(logits, loss)` as nanoGPT returns them: the loss is the cross-entropy with `targets`, None without."""
         t = self.transformer
         x = t.wte(idx) + t.wpe(torch.arange(idx.shape[1]))
         for block in t.h:
             x = block(x)
-        return self.lm_head(t.ln_f(x))
+        logits = self.lm_head(t.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def vocabulary() -> list[str]:

@@ -11,7 +11,6 @@ import os
 import time
 
 import torch
-from torch.nn import functional as F
 
 from . import TEXT, build_model, vocabulary
 
@@ -38,8 +37,7 @@ def main() -> None:
     best = float("inf")
     for step in range(args.steps):
         x, y = batch(data, torch.randint(0, len(data) - args.context - 1, (args.batch,)), args.context)
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        _, loss = model(x, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -47,8 +45,7 @@ def main() -> None:
         if args.save and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             model.eval()
             with torch.no_grad():
-                logits = model(val_x)
-                val = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), val_y.reshape(-1)).item()
+                val = model(val_x, val_y)[1].item()
             model.train()
             print(f"step {step} validation loss {val!r}", flush=True)
             if val < best:

@@ -35,13 +35,11 @@ them, so nothing in this module attaches or detaches from inside an optimizer st
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any, Callable, Optional
 
 import torch
 from prometheus_client import CollectorRegistry
-from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from ..api import PolicySet
@@ -98,7 +96,6 @@ class Discovery:
         return self._forward is not None
 
     def install(self) -> None:
-        _quiet_compile_warning()
         self._install_forward()
         self._steps = optimizer_hooks.subscribe(self, optimizer_hooks.DISCOVERY)
 
@@ -251,7 +248,7 @@ class Discovery:
     # -- hot-path bookkeeping ----------------------------------------------------------
     def _install_forward(self) -> None:
         if self._forward is None and not self._removed:
-            self._forward = register_module_forward_pre_hook(self._on_call)
+            self._forward = module_hooks.global_forward_pre_hook(self._on_call)
 
     def _retire_forward(self) -> None:
         if self._forward is not None:
@@ -277,24 +274,6 @@ class Discovery:
         del self._roots[root]
         self._inside = {m: r for m, r in self._inside.items() if r != root}
         self._covered = {p: r for p, r in self._covered.items() if r != root}
-
-
-def _quiet_compile_warning() -> None:
-    """Keep torch.compile from blaming the user's `model(x)` line for discovery's global hook.
-
-    `OptimizedModule.__call__` warns whenever any global module hook exists, because such
-    a hook fires once more for the wrapper. Discovery's forward pre-hook is one, and it
-    handles the wrapper on purpose (the wrapper is the model it governs), so the warning
-    would be hookpolicy's noise at the user's line. It is silenced only when the process
-    has no global module hooks of its own when discovery starts.
-    """
-    from torch.nn.modules import module as hooks
-
-    if not any((hooks._global_forward_pre_hooks, hooks._global_forward_hooks, hooks._global_backward_pre_hooks,
-                hooks._global_backward_hooks)):
-        warnings.filterwarnings(
-            "ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks", category=UserWarning,
-        )
 
 
 def _known(cache: dict[int, "weakref.ref[torch.nn.Module]"], module: torch.nn.Module) -> bool:

@@ -28,7 +28,7 @@ from ..errors import Halt
 from ..export.metrics import HOOK_ERRORS, ModelMetrics
 from ..plan.planner import Binding, param as find_param
 from ..policy.expr import Value
-from ..policy.model import Clip, Rule
+from ..policy.model import LOSS, Clip, Rule
 from .distributed import Shards, local_shards, sum_over_groups, shard_name, shard_partials, unit_shards
 from .history import History
 from .readback import ClipEntry, Entry, group_key
@@ -165,10 +165,17 @@ class Executor:
         new = self._execute(rs, b.target, rows, [t for _, t in named], inplace=False)
         return None if new is None else {name: t for (name, _), t in zip(named, new)}
 
-    def run_step_rules(self, rules: Sequence[RuleState]) -> None:
-        """Run `step` rules on their parameters' gradients or weights (in place), in order."""
+    def run_step_rules(self, rules: Sequence[RuleState], loss: Optional[torch.Tensor] = None) -> None:
+        """Run `step` rules on their parameters' gradients or weights (in place), in order.
+
+        `loss` is the step's micro-batch losses (`loss.LossTap.take`), the tensor of the
+        `target: loss` rules; when None (none seen) those rules evaluate nothing.
+        """
         for rs in rules:
-            self.guarded(rs, self._run_step_rule, rs)
+            if rs.rule.target != LOSS:
+                self.guarded(rs, self._run_step_rule, rs)
+            elif loss is not None:
+                self.guarded(rs, self._execute, rs, LOSS, [("", "")], [loss], False)
 
     def _run_step_rule(self, rs: RuleState) -> None:
         rows: list[tuple[str, str]] = []

@@ -44,17 +44,22 @@ than a dict. Changes made behind `Module.__setattr__` (`model._modules[name] = m
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch.nn.modules.module import (
-    register_module_module_registration_hook, register_module_parameter_registration_hook,
+    register_module_forward_hook, register_module_forward_pre_hook, register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
 )
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["OwnHandle", "TreeSubscriber", "Watching", "reduces_itself", "forward_hook", "forward_pre_hook", "watch"]
+__all__ = [
+    "OwnHandle", "TreeSubscriber", "Watching", "reduces_itself", "forward_hook", "forward_pre_hook",
+    "global_forward_hook", "global_forward_pre_hook", "watch",
+]
 
 #: The module dicts a forward hook's id lands in.
 _HOOK_DICTS = (
@@ -95,6 +100,36 @@ def forward_hook(
 ) -> OwnHandle:
     """`module.register_forward_hook`, left out of copies, pickles and saves of `module`."""
     return _own(module.register_forward_hook(hook, with_kwargs=with_kwargs, always_call=always_call))
+
+
+def global_forward_pre_hook(hook: Callable[..., Any]) -> RemovableHandle:
+    """`register_module_forward_pre_hook`: before every module call of the process (discovery's)."""
+    _quiet_compile_warning()
+    return register_module_forward_pre_hook(hook)
+
+
+def global_forward_hook(hook: Callable[..., Any]) -> RemovableHandle:
+    """`register_module_forward_hook`: after every module call of the process (looking for loss modules)."""
+    _quiet_compile_warning()
+    return register_module_forward_hook(hook)
+
+
+def _quiet_compile_warning() -> None:
+    """Keep torch.compile from blaming the user's `model(x)` line for hookpolicy's global hooks.
+
+    `OptimizedModule.__call__` warns whenever any global module hook exists, because such
+    a hook fires once more for the wrapper. Ours handle the wrapper on purpose (discovery
+    governs it; a compiled model is no loss module), so the warning would be hookpolicy's
+    noise at the user's line. It is silenced only when the process has no global module
+    hooks of its own when the first of ours goes in.
+    """
+    from torch.nn.modules import module as hooks
+
+    if not any((hooks._global_forward_pre_hooks, hooks._global_forward_hooks, hooks._global_backward_pre_hooks,
+                hooks._global_backward_hooks)):
+        warnings.filterwarnings(
+            "ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks", category=UserWarning,
+        )
 
 
 #: classes that reduce themselves without their own hook dicts: `torch.compile`'s wrapper is

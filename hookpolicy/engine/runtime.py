@@ -39,11 +39,12 @@ from ..export.metrics import (
 from ..export.sinks import output_root
 from ..plan.matcher import model_class
 from ..plan.planner import Plan, build_plan
-from ..policy.model import Alert, Clip, Policy, Rule, Scale
+from ..policy.model import LOSS, Alert, Clip, Policy, Rule, Scale
 from . import module_hooks
 from .executor import Executor
 from .history import History
 from .installer import HookInstaller
+from .loss import LossTap
 from .distributed import agree, agreeing, decode, encode
 from .readback import Readback, StepReport
 from .rulestate import MAX_ERRORS, RuleState, rebind, rule_states
@@ -97,11 +98,14 @@ class Attached:
         _claim_model(model, self.policies)  # from here on nothing raises before the hooks are in
         self._publish_initial_series(audit)
         self._tracker = StepTracker(model, self, phase)
+        self._loss: Optional[LossTap] = None
+        if any(rule.target == LOSS for policy in self.policies for rule in policy.rules):
+            self._loss = self._tracker.loss_tap = LossTap(self.store.model)
         self._stale = False  # the model's tree changed since the plan was built
         self._forwarded = False  # a training forward ran in this step
         self._watching = module_hooks.watch(model, self)
         self._warn_self_reducing()
-        self._installer.activate(self.step)
+        self._activate()
 
     def _publish_initial_series(self, audit: bool) -> None:
         """Create every counter at 0, so `increase()` sees the first event and dashboards list the run."""
@@ -143,6 +147,8 @@ class Attached:
         self._watching.remove()
         self._tracker.remove()
         self._installer.remove()
+        if self._loss is not None:
+            self._loss.remove()
         try:
             self._readback(final=True)
         except Halt:
@@ -184,7 +190,11 @@ class Attached:
     def begin_step(self) -> bool:
         """Run the step rules, read everything back, decide alerts; True to skip the step."""
         self._replan_if_changed()
-        self._executor.run_step_rules(self._installer.step_rules())
+        rules = self._installer.step_rules()
+        loss = None
+        if self._loss is not None:
+            loss = self._loss.take(self.step, ["/".join(rs.key) for rs in rules if rs.rule.target == LOSS])
+        self._executor.run_step_rules(rules, loss)
         return self._readback(decide=True)
 
     def end_step(self) -> None:
@@ -193,10 +203,18 @@ class Attached:
         self.store.set(LAST_STEP_TIMESTAMP, (), time.time())
         self._forwarded = False
         self._replan_if_changed()
+        self._activate()
+
+    def _activate(self) -> None:
+        """The hooks of the rules active on this step; the loss looked for only if a loss rule is among them."""
         self._installer.activate(self.step)
+        if self._loss is not None:
+            self._loss.set_active(any(rs.rule.target == LOSS for rs in self._installer.step_rules()))
 
     def discard_step(self) -> None:
         self._executor.buffer.clear()
+        if self._loss is not None:
+            self._loss.clear()
         self._forwarded = False
 
     def training_forward(self) -> None:
@@ -232,7 +250,7 @@ class Attached:
             self._publish_rule_series(rs)
         self._executor.rules_changed()
         self._installer.rebind(plan)
-        self._installer.activate(self.step)
+        self._activate()
         self._tracker.refresh()
         self._watching.update(list(self.model.modules()))
         self._warn_self_reducing()

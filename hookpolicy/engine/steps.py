@@ -30,6 +30,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from . import heap, module_hooks, optimizer_hooks
+from .loss import LossTap
 from .structure import named_tensors
 
 __all__ = ["Phase", "StepEvents", "StepTracker", "recomputing"]
@@ -104,6 +105,8 @@ class StepTracker:
         self._stepping = False  # between before_update and after_update: updates are the optimizer's
         self._last_backward: Optional[tuple[torch.nn.Parameter, int, int]] = None  # probe, its version, _hooked_steps
         self._reported: set[str] = set()
+        #: where the model's training outputs and closure returns go when a loss rule exists (`target: loss`)
+        self.loss_tap: Optional[LossTap] = None
         self._subscription = optimizer_hooks.subscribe(self, optimizer_hooks.STEP_TRACKING)
         self._root_handles = [
             module_hooks.forward_pre_hook(model, self._root_pre),
@@ -144,6 +147,8 @@ class StepTracker:
         if not phase.train:
             self._events.eval_forward_done()
         elif torch.is_grad_enabled():
+            if self.loss_tap is not None:
+                self.loss_tap.model_output(output)
             for _, t in named_tensors(output, lambda name: True):
                 if t.requires_grad:
                     t.register_hook(self.output_grad_hook)  # type: ignore[no-untyped-call]
@@ -248,6 +253,11 @@ class StepTracker:
             self._skip = self._events.begin_step()
         if self._skip:
             self._hide_grads(optimizer)
+
+    def closure_returned(self, optimizer: torch.optim.Optimizer, loss: Any) -> None:
+        """`optimizer_hooks` subscriber: the first closure call of a step returned `loss`."""
+        if self.loss_tap is not None and self._owns(optimizer):
+            self.loss_tap.closure_loss(loss)
 
     def after_update(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer_hooks` subscriber: put hidden gradients and the optimizer's state back, end the step."""

@@ -14,9 +14,17 @@ from typing import Any, Sequence
 
 from .matcher import Matcher, ModuleEntry, Target, iter_modules
 from ..errors import Problem
-from ..policy.model import PARAM_TARGETS, Action, Alert, Capture, Clip, Policy, Rule, Scale
+from ..policy.model import LOSS, PARAM_TARGETS, Action, Alert, Capture, Clip, Policy, Rule, Scale
 
-__all__ = ["Binding", "Plan", "build_plan", "describe_action", "param"]
+__all__ = ["LOSS_SOURCES", "Binding", "Plan", "build_plan", "describe_action", "param"]
+
+#: where `target: loss` finds a step's loss, in order of preference (engine/loss.py looks there)
+LOSS_SOURCES = (
+    "an optimizer closure's return value",
+    "the model's output at a training forward (ModelOutput.loss, a 'loss' key, a 0-dim tensor alone or "
+    "first in a tuple)",
+    "torch.nn loss modules (nn.CrossEntropyLoss(), ...) called in training",
+)
 
 #: Modules whose inputs are integer indices: no gradient ever reaches them.
 _INDEX_INPUT_TYPES = ("Embedding", "EmbeddingBag")
@@ -87,6 +95,8 @@ class Plan:
     #: rules that select nothing on this model, each at its `match` (FILE:LINE:COL): a warning,
     #: or the error of a strict attach
     unmatched: tuple[Problem, ...] = ()
+    #: what a user should know about how a binding works (where `target: loss` looks for the loss)
+    notes: tuple[str, ...] = ()
 
     def rows(self) -> list[dict[str, Any]]:
         return [b.row() for b in self.bindings]
@@ -98,6 +108,7 @@ class Plan:
             + "; ".join(describe_action(a) for a in b.rule.actions)
             for b in self.bindings
         ]
+        lines += [f"note: {n}" for n in self.notes]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -139,6 +150,7 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
     )
     bindings: list[Binding] = []
     warnings: list[str] = []
+    notes: list[str] = []
     unmatched: list[Problem] = []
 
     def selects_nothing(policy: Policy, rule: Rule, what: str) -> None:
@@ -151,6 +163,16 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
         matcher = Matcher(rule.match)
         found = [e for e in entries if matcher.matches(e.name, e.typed, e.name == "")]
         where = f"{policy.name}/{rule.name}"
+        if rule.target == LOSS:  # the model's loss: the rule binds the model (its root) or nothing
+            root = next((e for e in found if e.name == ""), None)
+            if root is None:
+                selects_nothing(policy, rule, f"target: loss is the loss of the whole model, so match must select "
+                                f"its root (root: true, or types: [{type(model).__name__}]); it does not")
+            else:
+                bindings.append(Binding(policy, rule, "", root.qualname, "step", LOSS, obj=root.module))
+                notes.append(f"{where}: the loss of {type(model).__name__} is looked for at each step in "
+                             + "; else ".join(LOSS_SOURCES) + " (the first of these that saw one)")
+            continue
         if not found:
             selects_nothing(policy, rule, f"matches no module of {type(model).__name__}")
             continue
@@ -184,7 +206,7 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
         if not made:
             what = "trainable parameters" if frozen else "parameters"
             selects_nothing(policy, rule, f"the matched modules have no {what} matching {list(rule.match.params) or '*'}")
-    return Plan(tuple(bindings), tuple(warnings), tuple(unmatched))
+    return Plan(tuple(bindings), tuple(warnings), tuple(unmatched), tuple(notes))
 
 
 def _binding(policy: Policy, rule: Rule, entry: ModuleEntry, target: Target,

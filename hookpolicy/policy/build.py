@@ -21,7 +21,7 @@ from ..errors import PolicyError, Problem
 from .document import Document, JsonPath
 from .expr import ExprError, NO_PAST, Template, Value, names_with, parse, parse_value
 from .model import (
-    HOOK_POINTS, PARAM_TARGETS, STATS, TARGETS, Action, Alert, Board, Capture, Clip, LogSink, Match,
+    HOOK_POINTS, LOSS, PARAM_TARGETS, STATS, TARGETS, Action, Alert, Board, Capture, Clip, LogSink, Match,
     Policy, Rule, Scale, TensorFiles, Trigger,
 )
 from .patterns import compile_glob, shown
@@ -175,6 +175,8 @@ class _Checker:
                 "is a parameter: choose parameters with match.params instead",
                 key=True,
             )
+        if target == LOSS:
+            self.loss_rule(rule, path, trigger)
         for index, item in enumerate(_list(rule.get("actions"))):
             if isinstance(item, dict) and len(item) == 1:
                 ((kind, body),) = item.items()
@@ -197,6 +199,24 @@ class _Checker:
             )
             return None
         return given
+
+    def loss_rule(self, rule: dict[str, Any], path: JsonPath, trigger: dict[str, Any]) -> None:
+        """`target: loss` is the step's training loss: nothing to select in it, nothing to change."""
+        if "select" in rule:
+            self.add(path + ("select",), "select narrows a module's inputs and outputs; target: loss is the "
+                     "step's loss, one value per micro-batch: drop select", key=True)
+        if trigger.get("phase", "train") != "train":
+            self.add(path + ("trigger", "phase"), "target: loss is the training loss of each step; "
+                     "only phase: train (the default) applies")
+        if "adapters" in _dict(rule.get("match")):
+            self.add(path + ("match", "adapters"), "target: loss is the loss of the whole model, matched at its "
+                     "root; adapters selects adapter pieces: drop it", key=True)
+        for index, item in enumerate(_list(rule.get("actions"))):
+            for kind in ("clip", "scale"):
+                if isinstance(item, dict) and kind in item:
+                    self.add(path + ("actions", index, kind), f"{kind} cannot change target: loss (the loss "
+                             "was already backpropagated); clip or scale target: grad, or alert with "
+                             "then: skip_step", key=True)
 
     def match(self, match: dict[str, Any], path: JsonPath, target: Optional[str]) -> None:
         if not ("modules" in match or "types" in match or match.get("root") is True or "adapters" in match):

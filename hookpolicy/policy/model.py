@@ -14,7 +14,7 @@ from typing import Literal, Mapping, Optional, Union
 from .expr import Call, Condition, Value
 
 __all__ = [
-    "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "STATS", "Mode", "OnError", "HookPoint",
+    "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "LOSS", "STATS", "Mode", "OnError", "HookPoint",
     "Phase", "Per", "Adapters", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
     "LogSink", "Board", "Clip", "Scale", "Alert", "Action", "Rule", "Policy",
 ]
@@ -36,11 +36,13 @@ HOOK_POINTS: Mapping[str, tuple[str, ...]] = {
     "forward_pre": ("input",),
     "forward": ("output", "input"),
     "backward": ("grad_output", "grad_input"),
-    "step": ("grad", "weight"),
+    "step": ("grad", "weight", "loss"),
 }
-TARGETS: tuple[str, ...] = ("input", "output", "grad_output", "grad_input", "grad", "weight")
+TARGETS: tuple[str, ...] = ("input", "output", "grad_output", "grad_input", "grad", "weight", "loss")
 #: targets that are a module's parameters (where `match.params` applies).
 PARAM_TARGETS: frozenset[str] = frozenset({"grad", "weight"})
+#: the target that is the step's training loss (one value per micro-batch), not a module's tensor
+LOSS = "loss"
 STATS: tuple[str, ...] = (
     "l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel",
 )

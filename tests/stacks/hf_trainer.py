@@ -51,6 +51,7 @@ class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 class NanTrainer(Trainer):
     probe: Any = None
+    losses: list[tuple[int, float]] = []  # (global_step, the loss compute_loss returned) per micro-batch
 
     def create_optimizer(self, *a: Any, **k: Any) -> Any:
         optimizer = super().create_optimizer(*a, **k)
@@ -62,6 +63,7 @@ class NanTrainer(Trainer):
         loss = super().compute_loss(*a, **k)
         if self.state.global_step == args.nan_at:
             loss = loss * float("nan")
+        self.losses.append((self.state.global_step, float(loss.detach())))
         return loss
 
 
@@ -69,9 +71,10 @@ with tempfile.TemporaryDirectory() as out:
     training = TrainingArguments(
         output_dir=out, max_steps=args.steps, per_device_train_batch_size=4,
         gradient_accumulation_steps=args.accum, learning_rate=1e-2, max_grad_norm=1.0, use_cpu=True,
-        report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        report_to="none", save_strategy="no", logging_strategy="steps", logging_steps=1, disable_tqdm=True, dataloader_num_workers=0,
     )
     trainer = NanTrainer(model=model, args=training, train_dataset=Tokens())
     trainer.train()
-finish({"optimizer": trainer.probe}, framework_steps=trainer.state.global_step,
+finish({"optimizer": trainer.probe}, framework_steps=trainer.state.global_step, micro_losses=trainer.losses,
+       logged_losses=[[h["step"], h["loss"]] for h in trainer.state.log_history if "loss" in h],
        finite=all(bool(torch.isfinite(p).all()) for p in model.parameters()))

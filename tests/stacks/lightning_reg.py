@@ -38,12 +38,15 @@ class Regressor(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
         self.automatic_optimization = not args.manual
         self.probe: Any = None
+        self.losses: list[tuple[int, float]] = []  # (global_step, training_step's loss) per micro-batch
 
     def training_step(self, batch: Any, index: int) -> Any:
         x, y = batch
         loss = (self.net(x) - y).pow(2).mean() * 10
         if self.global_step == args.nan_at:
             loss = loss * float("nan")
+        self.log("train_loss", loss, on_step=True)
+        self.losses.append((self.global_step, float(loss.detach())))
         if not args.manual:
             return loss
         optimizer = self.optimizers()
@@ -69,5 +72,6 @@ trainer = pl.Trainer(
     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
 )
 trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
-finish({"optimizer": model.probe}, framework_steps=trainer.global_step,
+finish({"optimizer": model.probe}, framework_steps=trainer.global_step, micro_losses=model.losses,
+       callback_loss=float(trainer.callback_metrics["train_loss"]),
        finite=all(bool(torch.isfinite(p).all()) for p in model.parameters()))

@@ -40,12 +40,18 @@ def poisoned(loss: torch.Tensor, step: int) -> torch.Tensor:
     return loss * float("nan") if step == args.nan_at else loss * 10
 
 
+#: per step, the loss the script backpropagated (the first closure call's, for a closure)
+losses: list[float] = []
+
+
 def closure_loop(model: nn.Module, optimizer: torch.optim.Optimizer, forward: Callable[[], torch.Tensor]) -> int:
     for step in range(args.steps):
         def closure() -> torch.Tensor:
             optimizer.zero_grad()
             loss = poisoned((forward() - y).pow(2).mean(), step)
             loss.backward()
+            if len(losses) == step:
+                losses.append(float(loss.detach()))
             return loss
         optimizer.step(closure)
     return args.steps
@@ -57,6 +63,7 @@ def plain_loop(model: nn.Module, optimizer: torch.optim.Optimizer, forward: Call
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=scaler is not None):
             loss = poisoned((forward().float() - y).pow(2).mean(), step)
+        losses.append(float(loss.detach()))
         if scaler is None:
             loss.backward()
             optimizer.step()
@@ -119,5 +126,5 @@ elif args.case == "checkpoint":
     steps = plain_loop(model, optimizer, lambda: checkpoint(model, x, use_reentrant=False))
 else:
     raise SystemExit(f"unknown case {args.case}")
-finish({"optimizer": probe}, framework_steps=steps,
+finish({"optimizer": probe}, framework_steps=steps, losses=losses,
        finite=all(bool(torch.isfinite(p).all()) for p in model.parameters()), **facts)

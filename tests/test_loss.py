@@ -1,0 +1,289 @@
+"""`target: loss`: the loss a script backpropagates, per micro-batch, reduced per step.
+
+Each test computes the loss itself (the value the script backpropagated, read with
+`.item()` in the test, never in a hook) and compares it with what hookpolicy captured
+at each step: from a loss module, from the model's `(logits, loss)` output, from a
+closure's return value. A script whose loss no source can see gets one `hookpolicy:` line.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from torch import nn
+
+import hookpolicy
+from conftest import batch, global_hook_counts, json_lines, load_policy, make_model, module_hook_count, policy_text
+from hookpolicy.engine import loss as loss_engine
+from hookpolicy.errors import PolicyError
+
+pytestmark = pytest.mark.usefixtures("out")  # the captures' logs go to a test's own folder
+
+CAPTURE = """
+    - name: loss
+      match: {root: true}
+      trigger: {at: step}
+      target: loss
+      actions:
+        - capture: {stats: [mean, max, min, nonfinite, numel], log: {path: loss.jsonl}}
+"""
+
+
+def captured(out: Path) -> list[dict[str, Any]]:
+    """The per-step statistics the capture logged, in step order."""
+    return [r["stats"] | {"step": r["step"], "module": r["module"], "target": r["target"]}
+            for r in json_lines(out / "loss.jsonl")]
+
+
+def classifier(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("criterion", [nn.CrossEntropyLoss(), nn.Sequential(nn.LogSoftmax(-1)), nn.NLLLoss()],
+                         ids=["cross-entropy", "log-softmax-model", "nll"])
+def test_a_loss_module_gives_each_micro_batch_and_the_step_mean(tmp_path: Path, out: Path, criterion: nn.Module) -> None:
+    """Three steps of four accumulated micro-batches: mean, max, min and numel per step equal the script's own."""
+    model = classifier()
+    if isinstance(criterion, nn.Sequential):  # a model ending in LogSoftmax, NLLLoss as the criterion
+        model, criterion = nn.Sequential(model, criterion), nn.NLLLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[list[float]] = []
+    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+        for step in range(3):
+            seen.append([])
+            for _ in range(4):
+                x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+                loss = criterion(model(x), y)
+                seen[-1].append(loss.item())
+                (loss / 4).backward()
+            opt.step()
+            opt.zero_grad()
+    got = captured(out)
+    assert [r["step"] for r in got] == [0, 1, 2]
+    for record, losses in zip(got, seen):
+        assert record["numel"] == 4 and record["nonfinite"] == 0
+        assert record["mean"] == pytest.approx(sum(losses) / 4, rel=1e-6)
+        assert record["max"] == pytest.approx(max(losses), rel=1e-6)
+        assert record["min"] == pytest.approx(min(losses), rel=1e-6)
+        assert record["module"] == "" and record["target"] == "loss"
+
+
+def test_the_tiny_gpt_returning_logits_and_loss(tmp_path: Path, out: Path) -> None:
+    """nanoGPT's `(logits, loss)`: the model's own output is the source; metrics are hookpolicy_loss_<stat>."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    registry = CollectorRegistry()
+    seen = []
+    with load_policy(tmp_path, CAPTURE).attach(model, registry=registry):
+        for step in range(4):
+            idx, targets = batch(step)
+            _, loss = model(idx, targets)
+            seen.append(loss.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        last = registry.get_sample_value("hookpolicy_loss_mean", {"policy": "p", "rule": "loss", "module": "",
+                                                                 "tensor": "", "model": "GPT", "rank": "0"})
+    assert [r["mean"] for r in captured(out)] == pytest.approx(seen, rel=1e-6)
+    assert last == pytest.approx(seen[-1], rel=1e-6)
+
+
+def test_a_closure_return_value_is_preferred(tmp_path: Path, out: Path) -> None:
+    """A closure returns the loss times 3 while the model returns the loss: the closure's value is the step's loss."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+        for step in range(3):
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                _, loss = model(*batch(step))
+                loss.backward()
+                seen.append(3 * loss.item())
+                return loss * 3
+            opt.step(closure)
+    assert [r["mean"] for r in captured(out)] == pytest.approx(seen, rel=1e-6)
+    assert [r["numel"] for r in captured(out)] == [1, 1, 1]
+
+
+def test_lbfgs_gives_the_first_closure_call_of_a_step(tmp_path: Path, out: Path) -> None:
+    model = classifier()
+    criterion = nn.CrossEntropyLoss()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    firsts = []
+    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+        for _ in range(2):
+            calls: list[float] = []
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = criterion(model(x), y)
+                loss.backward()
+                calls.append(loss.item())
+                return loss
+            opt.step(closure)
+            assert len(calls) > 1
+            firsts.append(calls[0])
+    assert [r["mean"] for r in captured(out)] == pytest.approx(firsts, rel=1e-6)
+
+
+def test_a_criterion_made_anew_at_each_call_is_seen_at_every_step(tmp_path: Path, out: Path) -> None:
+    model = classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+        for _ in range(4):
+            loss = nn.CrossEntropyLoss()(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
+            seen.append(loss.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert loss_engine._MODULES.watching_every_call  # such criteria are found only by watching every call
+    assert [r["mean"] for r in captured(out)] == pytest.approx(seen, rel=1e-6)
+
+
+def test_the_global_hook_lasts_one_step_and_nothing_stays(tmp_path: Path) -> None:
+    """Every call watched only in the first active step; after it one hook on the criterion; nothing after remove()."""
+    model, criterion = classifier(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = global_hook_counts()
+    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+        assert global_hook_counts()[3] == before[3] + 1
+        for _ in range(2):
+            criterion(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+            opt.step()
+            opt.zero_grad()
+            assert global_hook_counts()[3] == before[3]
+            assert len(criterion._forward_hooks) == 1
+    assert global_hook_counts() == before
+    assert module_hook_count(criterion) == 0 and module_hook_count(model) == 0
+
+
+def test_a_loss_rule_not_active_watches_nothing(tmp_path: Path) -> None:
+    """`every: 2`: the criterion's hook is there on even steps only, and no statistic on odd ones."""
+    model, criterion = classifier(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = load_policy(tmp_path, CAPTURE.replace("at: step}", "at: step, every: 2}"))
+    hooked = []
+    with policy.attach(model, registry=CollectorRegistry()) as attached:
+        for _ in range(4):
+            criterion(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+            hooked.append(len(criterion._forward_hooks))
+            opt.step()
+            opt.zero_grad()
+        numel = attached.last_values()["hookpolicy_loss_numel"][("p", "loss", "", "")]
+    assert hooked == [1, 0, 1, 0]  # step 0 watched through the global hook (it hooks the criterion), ...
+    assert numel == 1
+
+
+def test_alert_skips_the_step_with_a_nan_loss(tmp_path: Path) -> None:
+    """`nonfinite > 0` on the loss skips the step: parameters bit-identical to before it."""
+    rules = CAPTURE + """
+        - alert: {if: "nonfinite > 0", then: skip_step, message: "loss {max} at step {step}"}
+    """
+    model, criterion = classifier(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    changed = []
+    registry = CollectorRegistry()
+    with load_policy(tmp_path, rules).attach(model, registry=registry):
+        for step in range(4):
+            before = [p.detach().clone() for p in model.parameters()]
+            for micro in range(2):
+                x = torch.randn(8, 4) * (float("nan") if (step, micro) == (2, 1) else 1.0)
+                criterion(model(x), torch.randint(0, 3, (8,))).backward()
+            opt.step()
+            opt.zero_grad()
+            changed.append(not all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    assert changed == [True, True, False, True]
+    assert registry.get_sample_value("hookpolicy_skipped_steps_total", {"policy": "p", "rule": "loss", "model": "Sequential", "rank": "0"}) == 1
+
+
+def test_a_functional_loss_is_said_once_and_evaluates_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    rules = CAPTURE + """
+        - alert: {if: "mean > -1", then: halt}
+    """
+    model = classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"), \
+            load_policy(tmp_path, rules).attach(model, registry=CollectorRegistry()) as attached:
+        for _ in range(3):
+            nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+            opt.step()  # the halt would raise here had the rule evaluated anything
+            opt.zero_grad()
+        assert "hookpolicy_loss_mean" not in attached.last_values()
+        assert not loss_engine._MODULES.watching_every_call  # a rule that sees nothing costs nothing after its line
+    said = [r.getMessage() for r in caplog.records if "no loss seen" in r.getMessage()]
+    assert len(said) == 1
+    assert said[0].startswith("p/loss: no loss seen at step 0 of Sequential; looked for: an optimizer closure's")
+    assert "nn.CrossEntropyLoss()(logits, y)" in said[0]
+
+
+def test_no_host_sync_in_the_loss_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The criterion's hook, the model-output and closure taps only detach: a sync inside one would raise."""
+    model, criterion = classifier(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    registry = CollectorRegistry()
+    with load_policy(tmp_path, CAPTURE.replace(", log: {path: loss.jsonl}", "")).attach(model, registry=registry) as attached:
+        def forbidden(*a: Any, **k: Any) -> Any:
+            raise AssertionError("host sync inside a hook")
+
+        for step in range(2):
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = criterion(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
+                loss.backward()
+                return loss
+
+            with monkeypatch.context() as m:
+                for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__"):
+                    m.setattr(torch.Tensor, name, forbidden)
+                closure()  # an accumulated micro-batch outside step(): the criterion's hook
+                assert attached._loss is not None and attached._loss._sources[2]
+            opt.step(closure)
+        assert registry.get_sample_value("hookpolicy_hook_errors_total", {"policy": "p", "rule": "loss",
+                                                                         "model": "Sequential", "rank": "0"}) == 0
+        assert attached.last_values()["hookpolicy_loss_numel"][("p", "loss", "", "")] == 1  # the closure's
+
+
+# -- the policy language --------------------------------------------------------------
+
+@pytest.mark.parametrize("keys, message", [
+    (["trigger: {at: forward}", "target: loss"], "target 'loss' does not fit trigger.at 'forward'"),
+    (["trigger: {at: step}", "target: loss", "select: [0]"], "select narrows a module's inputs and outputs"),
+    (["trigger: {at: step, phase: eval}", "target: loss"], "only phase: train (the default) applies"),
+    (["trigger: {at: step}", "target: loss", "actions: [{clip: {max_norm: 1}}]"], "clip cannot change target: loss"),
+    (["trigger: {at: step}", "target: loss", "actions: [{scale: {factor: 0.5}}]"], "scale cannot change target: loss"),
+])
+def test_a_loss_rule_that_cannot_work_is_refused_at_its_line(tmp_path: Path, keys: list[str], message: str) -> None:
+    if not any(k.startswith("actions") for k in keys):
+        keys = [*keys, "actions: [{capture: {stats: [mean]}}]"]
+    rule = "- name: l\n  match: {root: true}\n" + "".join(f"  {k}\n" for k in keys)
+    (tmp_path / "p.yaml").write_text(policy_text(rule))
+    with pytest.raises(PolicyError) as caught:
+        hookpolicy.load(tmp_path / "p.yaml")
+    shown = str(caught.value)
+    assert message in shown, shown
+    assert shown.startswith(f"{tmp_path / 'p.yaml'}:")
+
+
+@pytest.mark.parametrize("match, binds", [
+    ("{root: true}", True), ("{modules: ['**']}", True), ("{types: [Sequential]}", True),
+    ("{types: [Linear]}", False), ("{modules: ['0']}", False),
+])
+def test_match_selects_the_model_at_its_root(tmp_path: Path, match: str, binds: bool) -> None:
+    policy = load_policy(tmp_path, CAPTURE.replace("{root: true}", match))
+    plan = policy.plan(classifier())
+    assert [(b.module, b.hook, b.target) for b in plan.bindings] == ([("", "step", "loss")] if binds else [])
+    if binds:
+        assert plan.notes and "looked for at each step in an optimizer closure's return value" in plan.notes[0]
+    else:
+        assert "target: loss is the loss of the whole model, so match must select its root" in plan.warnings[0]
