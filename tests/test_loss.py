@@ -8,6 +8,7 @@ closure's return value. A script whose loss no source can see gets one `hookpoli
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -287,3 +288,46 @@ def test_match_selects_the_model_at_its_root(tmp_path: Path, match: str, binds: 
         assert plan.notes and "looked for at each step in an optimizer closure's return value" in plan.notes[0]
     else:
         assert "target: loss is the loss of the whole model, so match must select its root" in plan.warnings[0]
+
+
+def test_loss_names_the_step_mean_in_conditions_functions_and_messages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    rules = """
+        - name: l
+          match: {root: true}
+          trigger: {at: step}
+          target: loss
+          actions:
+            - alert: {if: "loss > 0 and max(loss, 5) < 100", message: "loss={loss:.6f} max={max:.6f} prev={prev(loss):.6f}"}
+    """
+    model, criterion = classifier(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    means, maxima = [], []
+    with load_policy(tmp_path, rules).attach(model, registry=CollectorRegistry()):
+        for _ in range(3):
+            losses = []
+            for _ in range(3):
+                loss = criterion(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
+                losses.append(loss.item())
+                loss.backward()
+            means.append(sum(losses) / 3)
+            maxima.append(max(losses))
+            opt.step()
+            opt.zero_grad()
+    messages = [json.loads(line)["message"] for line in capsys.readouterr().err.splitlines() if '"event": "alert"' in line]
+    # step 0 has no past loss: max(loss, 5) is NaN there and the condition false (ISSUE13 section 1)
+    assert messages == [f"loss={m:.6f} max={x:.6f} prev={p:.6f}" for m, x, p in zip(means[1:], maxima[1:], means)]
+
+
+def test_loss_is_no_name_outside_a_loss_rule(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text(policy_text("""
+        - name: g
+          match: {root: true}
+          trigger: {at: step}
+          actions: [{alert: {if: "loss > 3"}}]
+    """))
+    with pytest.raises(PolicyError) as caught:
+        hookpolicy.load(tmp_path / "p.yaml")
+    assert "p.yaml:11:31: $.spec.rules[0].actions[0].alert.if: invalid condition: unknown statistic 'loss'" in str(
+        caught.value)

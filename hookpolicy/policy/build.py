@@ -34,7 +34,7 @@ MESSAGE_FIELDS: tuple[str, ...] = (
     "policy", "rule", "module", "tensor", "target", "step", "rank", "severity", "condition", "outcome",
 )
 #: target -> the names its rules' expressions may use besides the statistics (alias -> statistic).
-TARGET_ALIASES: Mapping[str, Mapping[str, str]] = {}
+TARGET_ALIASES: Mapping[str, Mapping[str, str]] = {LOSS: {"loss": "mean"}}
 #: The one name a clip's `max_norm` expression may use: the clip's own norm series.
 CLIP_NAMES: Mapping[str, str] = {"norm": "norm"}
 
