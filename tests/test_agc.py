@@ -49,8 +49,10 @@ def unit_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True)
 
 
-def agc_reference(params: list[tuple[str, nn.Parameter]], ratio: float, eps: float) -> dict[str, int]:
-    """Clip each unit's gradient as NFNets does; returns how many units were clipped per module."""
+def agc_reference(params: list[tuple[str, nn.Parameter]], ratio: float, eps: float, apply: bool = True,
+                  ) -> dict[str, int]:
+    """Clip each unit's gradient as NFNets does (unless not `apply`); returns how many units were
+    (or would have been) clipped per module."""
     clipped: dict[str, int] = {}
     with torch.no_grad():
         for name, p in params:
@@ -59,7 +61,8 @@ def agc_reference(params: list[tuple[str, nn.Parameter]], ratio: float, eps: flo
             bound = unit_norm(p).clamp(min=eps) * ratio
             g_norm = unit_norm(p.grad)
             over = g_norm > bound
-            p.grad.copy_(torch.where(over, p.grad * (bound / g_norm.clamp(min=1e-6)), p.grad))
+            if apply:
+                p.grad.copy_(torch.where(over, p.grad * (bound / g_norm.clamp(min=1e-6)), p.grad))
             module = name.rpartition(".")[0]
             clipped[module] = clipped.get(module, 0) + int(over.sum())
     return clipped
@@ -68,6 +71,11 @@ def agc_reference(params: list[tuple[str, nn.Parameter]], ratio: float, eps: flo
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(8, 3, 6, 6, generator=g), torch.randn(8, 5, generator=g)) for _ in range(n)]
+
+
+def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A loss scaled so that AGC at ratio 0.01-0.05 clips some units and not others."""
+    return 0.05 * nn.functional.mse_loss(model(x), y)
 
 
 RULE = """
@@ -94,7 +102,7 @@ def run(tmp_path: Path, modules: str, ratio: float, eps: float, steps: int = 4, 
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     got: list[dict[str, torch.Tensor]] = []
     want: list[dict[str, torch.Tensor]] = []
-    counts: list[int] = []
+    counts: list[dict[str, int]] = []
     opt.register_step_pre_hook(lambda o, a, k: got.append(
         {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     reg = CollectorRegistry()
@@ -103,7 +111,7 @@ def run(tmp_path: Path, modules: str, ratio: float, eps: float, steps: int = 4, 
         for x, y in batches(steps):
             for m, o in ((model, opt), (ref, ref_opt)):
                 o.zero_grad()
-                nn.functional.mse_loss(m(x), y).backward()
+                loss(m, x, y).backward()
             counts.append(agc_reference(selected, ratio, eps) if not spec else {})
             want.append({n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None})
             opt.step()
@@ -111,9 +119,15 @@ def run(tmp_path: Path, modules: str, ratio: float, eps: float, steps: int = 4, 
     return got, want, counts, model, ref, reg
 
 
+def clipped(reg: CollectorRegistry, module: str, mode: str = "enforce") -> float | None:
+    """hookpolicy_clipped_total of the rule `agc` on `module`."""
+    return metric(reg, "hookpolicy_clipped_total", {"rank": "0", "policy": "p", "rule": "agc", "module": module,
+                                                     "mode": mode})
+
+
 def test_agc_equals_the_nfnets_equations(tmp_path: Path) -> None:
-    got, want, counts, model, ref, _ = run(tmp_path, '"**"', 0.02, 1e-3)
-    assert all(0 < sum(c.values()) < 6 + 6 + 1 + 5 + 1 + 1 for c in counts), counts  # some units clipped, not all
+    got, want, counts, model, ref, reg = run(tmp_path, '"**"', 0.02, 1e-3)
+    assert all(0 < sum(c.values()) < 7 + 6 + 1 for c in counts), counts  # some units clipped, not all
     for step, (g, w) in enumerate(zip(got, want)):
         assert sorted(g) == sorted(w) == ["conv.bias", "conv.weight", "gain", "head.bias", "head.weight"]
         for name in g:
@@ -121,12 +135,16 @@ def test_agc_equals_the_nfnets_equations(tmp_path: Path) -> None:
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
     assert model.unused.weight.grad is None and model.frozen.grad is None
+    for module in ("conv", "head", ""):  # the units clipped, per module, over the 4 steps
+        assert clipped(reg, module) == sum(c.get(module, 0) for c in counts), module
+    assert clipped(reg, "unused") is None
 
 
 def test_agc_clips_only_the_matched_modules(tmp_path: Path) -> None:
     """`match` decides which parameters AGC sees: the head's gradients stay as backward left them."""
-    got, want, counts, _, _, _ = run(tmp_path, '"conv"', 0.01, 1e-3, steps=2)
+    got, want, counts, _, _, reg = run(tmp_path, '"conv"', 0.01, 1e-3, steps=2)
     assert all(c["conv"] > 0 for c in counts)
+    assert clipped(reg, "conv") == sum(c["conv"] for c in counts) and clipped(reg, "head") is None
     for g, w in zip(got, want):
         for name in g:
             torch.testing.assert_close(g[name], w[name], rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
@@ -134,7 +152,7 @@ def test_agc_clips_only_the_matched_modules(tmp_path: Path) -> None:
     torch.manual_seed(0)
     plain = ConvNet()
     x, y = batches(1)[0]
-    nn.functional.mse_loss(plain(x), y).backward()
+    loss(plain, x, y).backward()
     assert torch.equal(got[0]["head.weight"], plain.head.weight.grad)
     assert not torch.allclose(got[0]["conv.weight"], plain.conv.weight.grad)
 
@@ -152,9 +170,12 @@ def test_audit_leaves_gradients_bit_for_bit(tmp_path: Path) -> None:
     torch.manual_seed(0)
     plain = ConvNet()
     opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    would: dict[str, int] = {}
     for step, (x, y) in enumerate(batches(3)):
         opt.zero_grad()
-        nn.functional.mse_loss(plain(x), y).backward()
+        loss(plain, x, y).backward()
+        for module, count in agc_reference(list(plain.named_parameters()), 0.02, 1e-3, apply=False).items():
+            would[module] = would.get(module, 0) + count
         for name, p in plain.named_parameters():
             if p.grad is not None:
                 assert torch.equal(got[step][name], p.grad), (step, name)
@@ -165,6 +186,10 @@ def test_audit_leaves_gradients_bit_for_bit(tmp_path: Path) -> None:
     actions = metric(reg, "hookpolicy_actions_total", {"rank": "0", "policy": "p", "rule": "agc", "action": "clip",
                                                        "mode": "audit"})
     assert actions == 3 * 3
+    assert sum(would.values()) > 0  # the audit had something to report
+    for module in ("conv", "head", ""):  # what it would have clipped
+        assert clipped(reg, module, "audit") == would[module], module
+        assert clipped(reg, module, "enforce") is None
 
 
 def test_no_host_sync_inside_the_step_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,7 +202,7 @@ def test_no_host_sync_inside_the_step_hook(tmp_path: Path, monkeypatch: pytest.M
     reg = CollectorRegistry()
     x, y = batches(1)[0]
     for m in (model, ref):
-        nn.functional.mse_loss(m(x), y).backward()
+        loss(m, x, y).backward()
     agc_reference(list(ref.named_parameters()), 0.02, 1e-3)
     with pol.attach(model, registry=reg) as attached:
         executor = attached._executor
@@ -210,7 +235,7 @@ def test_parameters_flattened_by_fsdp1_are_refused(tmp_path: Path, caplog: pytes
     reg = CollectorRegistry()
     x, y = batches(1)[0]
     with pol.attach(model, registry=reg):
-        nn.functional.mse_loss(model(x), y).backward()
+        loss(model, x, y).backward()
         before = model.head.weight.grad.clone()
         opt.register_step_pre_hook(lambda o, a, k: torch.testing.assert_close(model.head.weight.grad, before,
                                                                              rtol=0, atol=0))

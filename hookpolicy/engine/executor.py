@@ -16,6 +16,7 @@ and switches the rule off after `MAX_ERRORS`; with `onError: halt` it becomes a 
 from __future__ import annotations
 
 import logging
+import math
 import time
 import traceback
 from collections import defaultdict
@@ -219,7 +220,10 @@ class Executor:
                 self.ran.update((key, module) for key in count_keys for module in modules)
             elif op.unitwise:
                 self.ran.update((count_keys[0], module) for module in modules)
-                self._clip_units(rs, op, rows, tensors, list(weights))
+                counts = self._clip_units(rs, op, rows, tensors, list(weights))
+                # what it clipped (audit: would have) goes to the read-back; AGC measures no group norm
+                report = torch.stack([torch.full_like(counts, math.nan), counts], dim=1)
+                self.buffer.append(ClipEntry(rs, op.index, list(rows), report, [None] * len(rows)))
             else:
                 self.ran.update((count_keys[0], module) for module in modules)
                 action = op.action
