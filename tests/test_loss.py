@@ -95,12 +95,13 @@ def test_the_tiny_gpt_returning_logits_and_loss(tmp_path: Path, out: Path) -> No
     assert last == pytest.approx(seen[-1], rel=1e-6)
 
 
-def test_a_closure_return_value_is_preferred(tmp_path: Path, out: Path) -> None:
+def test_a_closure_return_value_is_preferred(tmp_path: Path, out: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A closure returns the loss times 3 while the model returns the loss: the closure's value is the step's loss."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     seen = []
-    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"), \
+            load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
         for step in range(3):
             def closure() -> torch.Tensor:
                 opt.zero_grad()
@@ -111,6 +112,36 @@ def test_a_closure_return_value_is_preferred(tmp_path: Path, out: Path) -> None:
             opt.step(closure)
     assert [r["mean"] for r in captured(out)] == pytest.approx(seen, rel=1e-6)
     assert [r["numel"] for r in captured(out)] == [1, 1, 1]
+    assert not caplog.records  # the closure zeroes the gradients: nothing was accumulated outside it
+
+
+def test_a_closure_after_micro_batches_outside_step_is_said(
+    tmp_path: Path, out: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As Lightning accumulates: micro-batch 1 run by the script, micro-batch 2 in the closure, no zero_grad between.
+
+    The step's loss is what the closure returned (micro-batch 2's) and one line says that
+    the earlier micro-batches' losses are not in it.
+    """
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"), \
+            load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+        for step in range(3):
+            opt.zero_grad()
+            _, first = model(*batch(2 * step))
+            (first / 2).backward()
+
+            def closure() -> torch.Tensor:
+                _, loss = model(*batch(2 * step + 1))
+                (loss / 2).backward()
+                seen.append(loss.item() / 2)
+                return loss / 2
+            opt.step(closure)
+    assert [r["mean"] for r in captured(out)] == pytest.approx(seen, rel=1e-6)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("GPT: the closure passed to optimizer.step() added its gradients")
 
 
 def test_lbfgs_gives_the_first_closure_call_of_a_step(tmp_path: Path, out: Path) -> None:

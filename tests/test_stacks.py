@@ -511,6 +511,8 @@ def test_loss_under_lightning(tmp_path: Path, free_port: int, accum: str) -> Non
     assert [r["numel"] for r in got] == [1] * 6
     assert [r["mean"] for r in got] == pytest.approx([s[-1] / int(accum) for s in steps], rel=1e-6)
     assert stack.out["callback_loss"] == pytest.approx(steps[-1][-1], rel=1e-6)  # what the LightningModule logged
+    said = [line for line in stack.stderr.splitlines() if "added its gradients to ones already there" in line]
+    assert len(said) == (1 if accum == "2" else 0), stack.stderr
 
 
 @pytest.mark.slow

@@ -76,6 +76,7 @@ class LossTap:
         self._searched = False  # a step with this tap active has ended: its loss modules are known
         self.fleeting = False  # a loss module met while it was joined was collected: its script makes them anew
         self._warned = False
+        self._warned_partial = False
 
     def set_active(self, active: bool) -> None:
         if active != self.active:
@@ -85,9 +86,17 @@ class LossTap:
             else:
                 _MODULES.leave(self)
 
-    def closure_loss(self, loss: Any) -> None:
+    def closure_loss(self, loss: Any, accumulated: bool = False) -> None:
+        """What the step's closure returned; `accumulated`: its gradients were added to earlier micro-batches'."""
         if self.active and isinstance(loss, torch.Tensor) and _scalar(loss):
             self._sources[0].append(loss.detach())
+            if accumulated and not self._warned_partial:
+                self._warned_partial = True
+                log.warning("%s: the closure passed to optimizer.step() added its gradients to ones already there "
+                            "(micro-batches accumulated outside step(), as with Lightning's accumulate_grad_batches, "
+                            "or a zero_grad(set_to_none=False)): target: loss is what the closure returned, "
+                            "one value a step, not the earlier micro-batches' losses (Lightning: the last "
+                            "micro-batch's loss divided by accumulate_grad_batches)", self.model)
 
     def model_output(self, output: Any) -> None:
         if self.active:

@@ -14,6 +14,7 @@ The subscriber contract, as a literal signature:
 
     subscriber.before_update(optimizer) -> None   # the step's gradients are final
     subscriber.after_update(optimizer) -> None    # the update happened (or was skipped)
+    subscriber.closure_starting(optimizer) -> None         # optional: the step's closure is about to run
     subscriber.closure_returned(optimizer, loss) -> None   # optional: what the step's closure returned
 
 `before_update` is called when the gradients the optimizer will apply exist:
@@ -141,6 +142,12 @@ class _Owner:
             if not subscription.removed:
                 subscription.subscriber.before_update(optimizer)
 
+    def closure_starting(self, optimizer: torch.optim.Optimizer) -> None:
+        for subscription in self._subscriptions:
+            tell = getattr(subscription.subscriber, "closure_starting", None)
+            if tell is not None and not subscription.removed:
+                tell(optimizer)
+
     def closure_returned(self, optimizer: torch.optim.Optimizer, loss: Any) -> None:
         for subscription in self._subscriptions:
             tell = getattr(subscription.subscriber, "closure_returned", None)
@@ -166,6 +173,8 @@ class _ClosureThenUpdate:
         self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.calls == 0:
+            self.owner.closure_starting(self.optimizer)
         loss = self.closure(*args, **kwargs)
         self.calls += 1
         if self.calls == 1:

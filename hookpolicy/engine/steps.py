@@ -107,6 +107,7 @@ class StepTracker:
         self._reported: set[str] = set()
         #: where the model's training outputs and closure returns go when a loss rule exists (`target: loss`)
         self.loss_tap: Optional[LossTap] = None
+        self._grad_before: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None  # (a parameter, its .grad)
         self._subscription = optimizer_hooks.subscribe(self, optimizer_hooks.STEP_TRACKING)
         self._root_handles = [
             module_hooks.forward_pre_hook(model, self._root_pre),
@@ -254,10 +255,25 @@ class StepTracker:
         if self._skip:
             self._hide_grads(optimizer)
 
+    def closure_starting(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer_hooks` subscriber: note a gradient before the step's closure runs (for `closure_returned`)."""
+        self._grad_before = None
+        if self.loss_tap is not None and self.loss_tap.active and self._owns(optimizer):
+            param = next((p for g in optimizer.param_groups for p in g["params"] if id(p) in self._param_ids), None)
+            if param is not None:
+                self._grad_before = (param, param.grad)
+
     def closure_returned(self, optimizer: torch.optim.Optimizer, loss: Any) -> None:
-        """`optimizer_hooks` subscriber: the first closure call of a step returned `loss`."""
+        """`optimizer_hooks` subscriber: the first closure call of a step returned `loss`.
+
+        A closure that added its gradients to ones already there (the same `.grad` tensor
+        before and after it) ran after micro-batches accumulated outside `step()`, whose
+        losses it does not return: the tap says so once.
+        """
         if self.loss_tap is not None and self._owns(optimizer):
-            self.loss_tap.closure_loss(loss)
+            before, self._grad_before = self._grad_before, None
+            accumulated = before is not None and before[1] is not None and before[0].grad is before[1]
+            self.loss_tap.closure_loss(loss, accumulated)
 
     def after_update(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer_hooks` subscriber: put hidden gradients and the optimizer's state back, end the step."""
