@@ -100,7 +100,7 @@ def _cores() -> int:
 def _hook_seconds(v: Variant) -> dict[str, float]:
     if v.attached is None:
         return {}
-    series = v.attached.store.snapshot()[0].get("hookpolicy_hook_seconds", {})
+    series = v.attached.store.store.snapshot()[0].get("hookpolicy_hook_seconds", {})
     return {labels[1]: value for labels, value in series.items()}
 
 

@@ -460,3 +460,99 @@ def test_a_condition_prints_as_text_that_parses_to_the_same_tree(text: str) -> N
 
     parsed = parse(text)
     assert parse(str(parsed)).root == parsed.root
+
+
+def test_an_adaptive_clip_keeps_one_series_per_group(tmp_path: Path) -> None:
+    """per: module: each module's threshold comes from its own norms, against a reference per module."""
+    policy = load_policy(tmp_path, """
+        - name: per-module
+          match: {modules: ["0", "2"]}
+          trigger: {at: step}
+          actions: [{clip: {max_norm: "1.2 * mean(norm, 3)", per: module}}]
+    """)
+    model, shadow = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    shadow_opt = torch.optim.SGD(shadow.parameters(), lr=0.05)
+    past: dict[str, list[float]] = {"0": [], "2": []}
+    clipped = 0
+    with policy.attach(model, registry=CollectorRegistry(), rank=0) as attached:
+        for step in range(12):
+            _backward(model, step)
+            _backward(shadow, step)
+            for name, series in past.items():
+                grads = [p.grad for p in shadow.get_submodule(name).parameters()]
+                total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+                limit = 1.2 * statistics.fmean(series[-3:]) if series else math.nan
+                if series:
+                    torch._foreach_mul_(grads, torch.clamp(limit / (total + 1e-6), max=1.0))
+                    clipped += int(limit / (total.item() + 1e-6) < 1.0)
+                series.append(total.item() if not series else min(total.item(), limit))
+            opt.step()
+            shadow_opt.step()
+            for got, want in zip(model.parameters(), shadow.parameters()):
+                torch.testing.assert_close(got, want, msg=f"step {step}")
+            opt.zero_grad()
+            shadow_opt.zero_grad()
+        kept = {key[2]: list(s.values) for key, s in attached.history.series.items()}
+    assert kept == {name: pytest.approx(series[-3:], rel=1e-6) for name, series in past.items()}
+    assert clipped > 0  # the reference clipped some steps, so the comparison could fail
+
+
+def test_micro_batches_share_a_threshold_and_append_their_largest_norm_once(tmp_path: Path) -> None:
+    """A forward clip runs once per call: every call of a step is clipped to the same threshold,
+    and the step appends max(min(norm, threshold)) over its calls, once."""
+    policy = load_policy(tmp_path, """
+        - name: out
+          match: {types: [Linear]}
+          trigger: {at: forward}
+          target: output
+          actions: [{clip: {max_norm: "0.9 * prev(norm)", per: tensor}}]
+    """)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights stay: outputs are known in advance
+    lin = copy_of(model[0])
+    series: list[float] = []
+    clips = 0
+    with policy.attach(model, registry=CollectorRegistry(), rank=0) as attached:
+        for step in range(6):
+            limit = 0.9 * series[-1] if series else math.nan
+            effective = []
+            for micro in range(3):
+                x = torch.randn(2, 3, generator=torch.Generator().manual_seed(10 * step + micro)) * (1 + micro)
+                out = model(x)
+                want = lin(x).detach()
+                norm = torch.linalg.vector_norm(want).item()
+                if series and norm > limit:
+                    clips += 1
+                    want = want * torch.clamp(limit / (torch.linalg.vector_norm(want) + 1e-6), max=1.0)
+                torch.testing.assert_close(out.detach(), want)
+                effective.append(norm if not series else min(norm, limit))
+                out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+            series.append(max(effective))
+        (kept,) = [list(s.values) for s in attached.history.series.values()]
+    assert kept == [pytest.approx(series[-1], rel=1e-6)]  # prev keeps one value
+    assert attached.history.series[next(iter(attached.history.series))].count == 6
+    assert 0 < clips < 15  # some calls were clipped, some not: the comparison could fail either way
+
+
+def copy_of(module: nn.Module) -> nn.Module:
+    clone = nn.Linear(3, 4)
+    clone.load_state_dict(module.state_dict())
+    return clone
+
+
+def test_non_finite_values_never_enter_a_series() -> None:
+    from hookpolicy.engine.history import History, Observation, SeriesSpec
+
+    history = History()
+    spec = {"loss": SeriesSpec(size=3, alphas=(0.5,), warmup=0)}
+    for value in (1.0, math.nan, 3.0, math.inf, -math.inf, 5.0):
+        history.commit([Observation((("p", "r"), 0, "", ""), {"loss": value}, spec)])
+    (series,) = history.series.values()
+    assert list(series.values) == [1.0, 3.0, 5.0] and series.count == 3
+    past = history.past((("p", "r"), 0, "", ""))
+    m = 0.5 * (0.5 * 1.0 + 0.5 * 3.0) + 0.5 * 5.0
+    assert past.aggregate("ema", "loss", 0.5) == m
