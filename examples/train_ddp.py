@@ -7,14 +7,20 @@
 Each rank trains on its own slice of the data; DDP averages the gradients, so every
 rank's gradients (and its step-time statistics) are equal after the all-reduce. Prints
 `rank R step N loss L` per step.
+
+Each rank ends with `leave()`: the exit handlers run, the interpreter is not finalized
+(a gloo worker thread still freeing a collective then aborts the process under torch
+2.13 on CPython < 3.14; see docs/compatibility.md, "A gloo rank that aborts at exit").
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
 import time
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -34,6 +40,8 @@ def main() -> None:
     p.add_argument("--nan-at", type=int, default=None, metavar="STEP", help="make rank 0's loss NaN at this step")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to wait after each step")
     p.add_argument("--hold-file", default=None, help="after training, wait (up to 120 s) until this file exists")
+    p.add_argument("--finalize", action="store_true",
+                   help="exit through interpreter finalization, not leave() (to reproduce the gloo abort)")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -65,6 +73,25 @@ def main() -> None:
             time.sleep(0.05)
     dist.barrier()
     dist.destroy_process_group()
+    if not args.finalize:
+        leave(0)
+
+
+def leave(status: int) -> NoReturn:
+    """End this process now: run the exit handlers, flush, and exit without finalizing the interpreter.
+
+    With torch 2.13 on gloo, a worker thread of the process group may still be freeing a
+    finished collective when the main thread returns: the work holds Python objects (its
+    tensors, the context autograd stashes during backward, pytorch/pytorch#190489), the
+    thread takes the GIL to release them, and once the interpreter is finalizing, CPython
+    before 3.14 ends that thread inside a C++ destructor, which aborts the process
+    ("terminate called without an active exception"). Not finalizing leaves no window for
+    that; the exit handlers (logging's, `hookpolicy apply`'s flush) still run first.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ per step, written once (the ranks share stdout):
 `--nan-at S --nan-rank R --nan-in grad|input|loss` puts a NaN on rank R only at step S:
 in its first gradient (its own shard, after the backward pass), in its batch (so its
 activations are NaN), or in its loss. Each rank ends with `rank R exit NAME` (`ok`, or the
-exception it raised).
+exception it raised), and after `ok` with `examples/train_ddp.py`'s `leave()`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from train_ddp import leave  # noqa: E402
 from train_mlp import build_model, make_data  # noqa: E402
 
 
@@ -89,6 +90,7 @@ def main() -> None:
             time.sleep(0.05)
     dist.barrier()
     dist.destroy_process_group()
+    leave(0)  # not through interpreter finalization: see train_ddp.leave
 
 
 def train(args: argparse.Namespace, rank: int, world: int) -> None:
