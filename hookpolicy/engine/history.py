@@ -9,8 +9,8 @@ step's decision, so a skipped step (which did not happen) never enters the histo
 a spike cannot become the baseline. A non-finite value is never appended either.
 
 Memory is bounded per series: a ring of at most `max(largest window, warmup when an
-ema is used, 1 for prev)` floats, never more than `expr.MAX_WINDOW` (10000), plus two
-floats per `ema` alpha. The ema state follows ZClip: seeded with the mean and the
+ema is used, 1 for prev)` float64 values, never more than `expr.MAX_WINDOW` (10000, 80 KB),
+plus two floats per `ema` alpha. The ema state follows ZClip: seeded with the mean and the
 population variance of the first `max(warmup, 1)` values, then
 `m <- a*m + (1-a)*x; v <- a*v + (1-a)*(x - m)**2` with the updated `m`.
 """
@@ -18,9 +18,10 @@ population variance of the first `max(warmup, 1)` values, then
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
+
+import numpy as np
 
 from ..policy.expr import Call
 
@@ -50,27 +51,52 @@ def spec_for(calls: Iterable[Call], series: str, warmup: int) -> SeriesSpec:
 
 
 class Series:
-    """The past of one series: the last `spec.size` values, its count, and an ema state per alpha."""
+    """The past of one series: a ring of its last `spec.size` values, its count, an ema state per alpha.
+
+    The ring is a float64 NumPy array, so a window function is a few vectorised calls (a
+    `zscore(x, 10000)` costs tens of microseconds, not the milliseconds of a Python loop);
+    results are cached until the next value arrives (a message and a condition, or the
+    micro-batches of a step, ask for the same ones).
+    """
 
     def __init__(self, spec: SeriesSpec) -> None:
         self.spec = spec
-        self.values: deque[float] = deque(maxlen=spec.size)
+        self._ring = np.empty(spec.size, dtype=np.float64)
+        self._head = 0  # where the next value goes
+        self._filled = 0
         self.count = 0
         self.emas: dict[float, tuple[float, float]] = {}  # alpha -> (mean, variance), once seeded
+        self._cache: dict[tuple[str, float], float] = {}
+
+    @property
+    def values(self) -> list[float]:
+        """The kept values, oldest first."""
+        return [float(x) for x in self._last(self._filled)]
+
+    def _last(self, n: int) -> np.ndarray:
+        """The last `n` kept values (n <= what is kept), oldest first: a view unless the ring wraps."""
+        size = self.spec.size
+        start = (self._head - n) % size if size else 0
+        if start + n <= size:
+            return self._ring[start:start + n]
+        return np.concatenate((self._ring[start:], self._ring[:self._head]))
 
     def append(self, x: float) -> None:
-        self.values.append(x)
+        if self.spec.size:
+            self._ring[self._head] = x
+            self._head = (self._head + 1) % self.spec.size
+            self._filled = min(self._filled + 1, self.spec.size)
         self.count += 1
+        self._cache.clear()
         seed = max(self.spec.warmup, 1)
         for alpha in self.spec.alphas:
             state = self.emas.get(alpha)
             if state is not None:
                 m = alpha * state[0] + (1.0 - alpha) * x
                 self.emas[alpha] = (m, alpha * state[1] + (1.0 - alpha) * (x - m) ** 2)
-            elif self.count == seed:
-                first = list(self.values)[-seed:]
-                mean = math.fsum(first) / seed
-                self.emas[alpha] = (mean, math.fsum((y - mean) ** 2 for y in first) / seed)
+            elif self.count == seed:  # the ring holds at least `seed` values (spec_for)
+                first = self._last(seed)
+                self.emas[alpha] = (float(first.mean()), float(first.var()))
 
     def aggregate(self, func: str, param: float) -> float:
         if func in ("ema", "ema_std"):
@@ -78,20 +104,23 @@ class Series:
             if state is None:
                 return math.nan
             return state[0] if func == "ema" else math.sqrt(state[1])
-        if not self.values:
+        if not self._filled:
             return math.nan
         if func == "prev":
-            return self.values[-1]
-        window = int(param)
-        xs: Sequence[float] = self.values if window >= len(self.values) else list(self.values)[-window:]
-        if func == "min":
-            return min(xs)
-        if func == "max":
-            return max(xs)
-        mean = math.fsum(xs) / len(xs)
-        if func == "mean":
-            return mean
-        return math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / len(xs))  # std: population (ddof 0)
+            return float(self._ring[(self._head - 1) % self.spec.size])
+        cached = self._cache.get((func, param))
+        if cached is None:
+            window = self._last(min(int(param), self._filled))
+            if func == "min":
+                cached = float(window.min())
+            elif func == "max":
+                cached = float(window.max())
+            elif func == "mean":
+                cached = float(window.mean())
+            else:  # std: population (ddof 0), two passes (NumPy's var)
+                cached = float(window.std())
+            self._cache[(func, param)] = cached
+        return cached
 
 
 class Past:
