@@ -371,7 +371,8 @@ def test_a_reload_keeps_the_history_of_unchanged_rules_only(tmp_path: Path) -> N
     ("l2_norm and mean > 1", 0, "'and' joins comparisons"),
     ("l2_norm > 1 > 0", 12, "expected an operator, 'and', 'or' or the end but found '>'"),
     ("l2_norm ** 2 > 1", 9, "expected a number, a name, a function or '(' after '*'"),
-    ("(" * 33 + "l2_norm > 1" + ")" * 33, 32, "nested deeper than 32"),
+    ("(" * 33 + "l2_norm > 1" + ")" * 33, 32, "nested deeper than 32 parentheses or signs"),
+    ("l2_norm > " + "-" * 33 + "1", 42, "nested deeper than 32"),
 ])
 def test_malformed_expressions_are_refused_at_their_file_line_column(
     tmp_path: Path, expression: str, column: Optional[int], message: Optional[str],

@@ -507,7 +507,7 @@ class _Depth:
     def __enter__(self) -> None:
         self.parser.depth += 1
         if self.parser.depth > MAX_DEPTH:
-            raise ExprError(f"parentheses nested deeper than {MAX_DEPTH}", self.offset)
+            raise ExprError(f"nested deeper than {MAX_DEPTH} parentheses or signs", self.offset)
 
     def __exit__(self, *exc: object) -> None:
         self.parser.depth -= 1
