@@ -362,3 +362,41 @@ def test_loss_is_no_name_outside_a_loss_rule(tmp_path: Path) -> None:
         hookpolicy.load(tmp_path / "p.yaml")
     assert "p.yaml:11:31: $.spec.rules[0].actions[0].alert.if: invalid condition: unknown statistic 'loss'" in str(
         caught.value)
+
+
+def test_criteria_built_per_call_leave_nothing_behind(tmp_path: Path) -> None:
+    """Each collected criterion lets go of its hook: module_hooks holds no id of a dead module's hook."""
+    from hookpolicy.engine import module_hooks
+
+    model = classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with load_policy(tmp_path, CAPTURE.replace(", log: {path: loss.jsonl}", "")).attach(model, registry=CollectorRegistry()):
+        held = []
+        for _ in range(6):
+            nn.CrossEntropyLoss()(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+            opt.step()
+            opt.zero_grad()
+            held.append(len(module_hooks._ours))
+    assert held[-1] == held[1]  # not one more per step
+    assert not module_hooks._ours
+
+
+def test_no_host_sync_when_the_model_returns_its_loss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    registry = CollectorRegistry()
+    with load_policy(tmp_path, CAPTURE.replace(", log: {path: loss.jsonl}", "")).attach(model, registry=registry) as attached:
+        def forbidden(*a: Any, **k: Any) -> Any:
+            raise AssertionError("host sync inside a hook")
+
+        for step in range(2):
+            with monkeypatch.context() as m:
+                for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__"):
+                    m.setattr(torch.Tensor, name, forbidden)
+                _, loss = model(*batch(step))  # the root's forward hook takes the loss from (logits, loss)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert registry.get_sample_value("hookpolicy_hook_errors_total", {"policy": "p", "rule": "loss",
+                                                                         "model": "GPT", "rank": "0"}) == 0
+        assert attached.last_values()["hookpolicy_loss_numel"][("p", "loss", "", "")] == 1

@@ -145,7 +145,7 @@ class LossModules:
     def __init__(self) -> None:
         self._taps: list[LossTap] = []
         self._searching: set[int] = set()  # ids of joined taps whose first active step has not ended
-        self._known: "weakref.WeakKeyDictionary[_Loss, Optional[module_hooks.OwnHandle]]" = weakref.WeakKeyDictionary()
+        self._known: "weakref.WeakKeyDictionary[_Loss, _Hooked]" = weakref.WeakKeyDictionary()
         self._global: Optional[RemovableHandle] = None
 
     @property
@@ -174,12 +174,11 @@ class LossModules:
     def _sync(self) -> None:
         """Hooks for exactly what is needed now: per-instance hooks while a tap is joined, the global one while searching."""
         wanted = bool(self._taps)
-        for module, handle in list(self._known.items()):
-            if wanted and handle is None:
-                self._known[module] = module_hooks.forward_hook(module, self._called)
-            elif not wanted and handle is not None:
-                handle.remove()
-                self._known[module] = None
+        for module, hooked in list(self._known.items()):
+            if wanted and hooked.handle is None:
+                hooked.handle = module_hooks.forward_hook(module, self._called)
+            elif not wanted:
+                hooked.remove()
         every_call = bool(self._searching) or any(tap.fleeting for tap in self._taps)
         if every_call and self._global is None:
             self._global = module_hooks.global_forward_hook(self._any_call)
@@ -191,9 +190,9 @@ class LossModules:
         """hook(module, args, output) -> None, on every module call of the process while searching."""
         if not isinstance(module, _Loss) or module in self._known:
             return
-        self._known[module] = module_hooks.forward_hook(module, self._called)
+        hooked = self._known[module] = _Hooked(module_hooks.forward_hook(module, self._called))
         finders = [weakref.ref(tap) for tap in self._taps if id(tap) in self._searching]
-        weakref.finalize(module, self._collected, finders)
+        weakref.finalize(module, self._collected, finders, hooked)
         self._called(module, args, output)  # its own hook joins the next call, not this one
 
     def _called(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -202,13 +201,32 @@ class LossModules:
             for tap in self._taps:
                 tap.module_loss(output)
 
-    def _collected(self, finders: list["weakref.ref[LossTap]"]) -> None:
-        """A loss module is gone: the taps that found it have a script that makes a new one per call."""
+    def _collected(self, finders: list["weakref.ref[LossTap]"], hooked: "_Hooked") -> None:
+        """A loss module is gone: the taps that found it have a script that makes a new one per call.
+
+        Its hook's handle is let go too, or `module_hooks` would keep its id (and the reduce
+        filter) for ever, one id per criterion a script builds.
+        """
+        hooked.remove()
         fresh = [tap for tap in (ref() for ref in finders) if tap is not None and not tap.fleeting]
         for tap in fresh:
             tap.fleeting = True
         if any(tap in self._taps for tap in fresh):
             self._sync()
+
+
+class _Hooked:
+    """The handle of a known loss module's own hook, while it has one."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Optional[module_hooks.OwnHandle]) -> None:
+        self.handle = handle
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
 _MODULES = LossModules()
