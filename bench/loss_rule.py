@@ -10,7 +10,8 @@
    interleaved, medians over 100 steps: no policy; the loss policy attached but not active
    (`steps: {from: 10**9}`); a `target: loss` capture and NaN alert whose loss is the
    model's `(logits, loss)`; the same script with an `nn.CrossEntropyLoss()` module as
-   the source; the policy with `every: 10`.
+   the source; the policy with `every: 10`; for comparison, the same capture and alert on
+   one small gradient (`lm_head.bias`, `target: grad`).
 Timings are printed, never asserted.
 """
 
@@ -48,6 +49,11 @@ spec:
         - capture: {stats: [mean, max, nonfinite, numel]}
         - alert: {if: "nonfinite > 0", then: skip_step}
 """
+
+
+#: for comparison: the same two actions on one small gradient (lm_head's bias) instead of the loss
+GRAD_POLICY = POLICY.replace("match: {root: true}", "match: {modules: [lm_head], params: [bias]}").replace(
+    "target: loss", "target: grad")
 
 
 def per_call_us(call: Callable[[], object], calls: int = 20000, rounds: int = 7) -> float:
@@ -91,7 +97,7 @@ def steps(rounds: int = 100) -> None:
     registries: dict[str, CollectorRegistry] = {}
     for key, every, start, module_loss in (
             ("none", None, 0, False), ("not active", 1, 10**9, False), ("output", 1, 0, False),
-            ("module", 1, 0, True), ("output every 10", 10, 0, False)):
+            ("module", 1, 0, True), ("output every 10", 10, 0, False), ("grad, for comparison", 1, 0, False)):
         model = build_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         criterion = nn.CrossEntropyLoss()
@@ -109,7 +115,8 @@ def steps(rounds: int = 100) -> None:
 
         if every is not None:
             path = folder / f"{key.replace(' ', '-')}.yaml"
-            path.write_text(POLICY.replace("EVERY", str(every)).replace("FROM", str(start)))
+            text = GRAD_POLICY if key.startswith("grad") else POLICY
+            path.write_text(text.replace("EVERY", str(every)).replace("FROM", str(start)))
             registries[key] = CollectorRegistry()
             hookpolicy.load(path).attach(model, registry=registries[key])
         variants[key] = step
@@ -130,7 +137,7 @@ def steps(rounds: int = 100) -> None:
             seconds = registries[key].get_sample_value(
                 "hookpolicy_hook_seconds_total", {"policy": "bench", "rule": "loss", "model": "TinyGPT", "rank": "0"})
             inside = f"  inside hookpolicy's hooks and read-back: {(seconds or 0.0) / (rounds + 5) * 1e6:6.1f} us/step"
-        print(f"per step, {key:16s} {med * 1e3:7.2f} ms  x{med / base:.3f}{inside}")
+        print(f"per step, {key:20s} {med * 1e3:7.2f} ms  x{med / base:.3f}{inside}")
 
 
 if __name__ == "__main__":
