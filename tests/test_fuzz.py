@@ -501,18 +501,25 @@ def valid_rule(draw: st.DrawFn, name: str) -> dict[str, Any]:
             continue
         elif kind == "clip":
             clip_per = draw(st.sampled_from(["tensor", "module", "rule"] if at == "step" else ["tensor", "module"]))
-            actions.append({"clip": {"max_norm": draw(st.floats(1e-3, 1e3)), "norm_type": draw(st.sampled_from([1, 2, "inf"])),
-                                     "per": clip_per}})
+            threshold: Any = draw(st.one_of(st.floats(1e-3, 1e3), st.sampled_from(
+                ["ema(norm, 0.9) + 2 * ema_std(norm, 0.9)", "1.5 * prev(norm)", "mean(norm, 2) + std(norm, 2)"])))
+            clip: dict[str, Any] = {"max_norm": threshold, "norm_type": draw(st.sampled_from([1, 2, "inf"])), "per": clip_per}
+            if isinstance(threshold, str):
+                clip["warmup"] = draw(st.integers(0, 2))
+            actions.append({"clip": clip})
         elif kind == "clamp":
             actions.append({"clip": {"min": -draw(st.floats(0, 10)), "max": draw(st.floats(0, 10))}})
         elif kind == "scale":
             actions.append({"scale": {"factor": draw(st.floats(-2, 2))}})
         else:
-            condition = draw(st.sampled_from(["numel > 0", "nonfinite > 0", "l2_norm >= 0 and (mean < 1e9 or std != 0)"]))
-            actions.append({"alert": {"if": condition, "for": draw(st.integers(1, 2)),
+            condition = draw(st.sampled_from(["numel > 0", "nonfinite > 0", "l2_norm >= 0 and (mean < 1e9 or std != 0)",
+                                              "zscore(l2_norm, 3) > 2 or mean > 2 * ema(mean, 0.5) + 1",
+                                              "l2_norm - prev(l2_norm) > -1e9"]))
+            actions.append({"alert": {"if": condition, "for": draw(st.integers(1, 2)), "warmup": draw(st.integers(0, 2)),
                                       "then": draw(st.sampled_from(["log", "skip_step", "halt"])), "per": per,
                                       "severity": draw(st.sampled_from(["info", "warning", "critical"])),
-                                      "message": "{policy}/{rule} {module} {tensor} step {step}: {condition}"}})
+                                      "message": "{policy}/{rule} {module} {tensor} step {step}: {condition} "
+                                                 "{zscore(l2_norm, 3):.2f}"}})
     if not actions:
         actions = [{"capture": {"stats": stats}}]
     rule: dict[str, Any] = {"name": name, "match": match, "trigger": trigger, "target": target, "actions": actions,
