@@ -400,3 +400,25 @@ def test_no_host_sync_when_the_model_returns_its_loss(tmp_path: Path, monkeypatc
         assert registry.get_sample_value("hookpolicy_hook_errors_total", {"policy": "p", "rule": "loss",
                                                                          "model": "GPT", "rank": "0"}) == 0
         assert attached.last_values()["hookpolicy_loss_numel"][("p", "loss", "", "")] == 1
+
+
+def test_a_compiled_model_under_autocast_and_grad_scaler(tmp_path: Path, out: Path) -> None:
+    """torch.compile (no warning about the global hook of the first step), bf16 autocast, GradScaler: the unscaled loss."""
+    model, criterion = classifier(), nn.CrossEntropyLoss()
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    seen = []
+    with pytest.warns() as caught, load_policy(tmp_path, CAPTURE).attach(compiled, registry=CollectorRegistry()):
+        import warnings
+        warnings.warn("the test's own, so that pytest.warns has one", UserWarning)
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = criterion(compiled(torch.randn(8, 4)).float(), torch.randint(0, 3, (8,)))
+            seen.append(loss.item())
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert [str(w.message) for w in caught] == ["the test's own, so that pytest.warns has one"]
+    assert [r["mean"] for r in captured(out)] == pytest.approx(seen, rel=1e-6)
