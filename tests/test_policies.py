@@ -8,7 +8,9 @@ patterns are tested against the names they are written for.
 from __future__ import annotations
 
 import copy
+import math
 import re
+import statistics
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -22,6 +24,8 @@ import hookpolicy
 from conftest import metric
 
 from conftest import batch, lora, make_model, train_step, train_then_evaluate
+from test_agc import agc_reference
+from test_history import ZClipReference
 
 POLICIES = Path(__file__).resolve().parent.parent / "policies"
 LIBRARY = sorted(POLICIES.glob("*.y*ml"))
@@ -29,7 +33,7 @@ SCHEMA_LINE = "# yaml-language-server: $schema=../schemas/hookpolicy-v1.schema.j
 EXPECTED = {
     "nan-guard.yaml", "clip-per-layer.yaml", "clip-global.yaml", "gradient-monitor.yaml",
     "activation-sparsity.yaml", "feature-extraction.yaml", "explosion-guard.yaml", "freeze-embeddings.yaml",
-    "lora-gradient-health.yaml",
+    "lora-gradient-health.yaml", "loss-spike-guard.yaml", "zclip.yaml", "agc.yaml",
 }
 #: policies that bind only a PEFT adapter: run on the model with LoRA on c_attn (tests/test_peft.py
 #: checks their effects on a real GPT-2 fine-tune)
@@ -483,3 +487,138 @@ def test_every_rule_of_the_library_binds_in_a_bundled_example(path: Path) -> Non
     for model in bundled_models().values():
         unbound -= {row["rule"] for row in policies.plan(model).rows()}
     assert unbound == set(), f"{path.name}: rules binding in no bundled example: {sorted(unbound)}"
+
+
+# --------------------------------------------------------------------------- guardrails that learn the run
+
+
+def _loss_spike(loss: float, applied: list[float]) -> bool:
+    """loss-spike-guard.yaml's skip condition, from the losses of the steps that were applied."""
+    if not math.isfinite(loss):
+        return True
+    if len(applied) < 20:  # warmup: 20
+        return False
+    window = applied[-100:]
+    mean, std = statistics.fmean(window), statistics.pstdev(window)
+    z = (loss - mean) / std if std else math.copysign(math.inf, loss - mean)
+    return z > 6 and loss > 1.2 * mean
+
+
+def test_loss_spike_guard_skips_exactly_the_spikes_of_its_reference(workdir: Path) -> None:
+    """One batch learned by heart, so the loss settles; scrambled targets on three steps make
+    spikes. Each step is skipped (parameters and AdamW state bit for bit) exactly when the
+    policy's condition, computed here from the losses the script saw, says so."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx, targets = batch(0)
+    scrambled = batch(1)[1]
+    spikes = {120, 121, 135}
+    applied: list[float] = []
+    skipped: list[int] = []
+    reg = CollectorRegistry()
+    with load("loss-spike-guard.yaml").attach(model, registry=reg, rank=0):
+        for step in range(140):
+            _, loss = model(idx, scrambled if step in spikes else targets)
+            assert loss is not None
+            loss.backward()
+            params, state = snapshot(model), opt_state(opt)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            unchanged = all(torch.equal(params[n], p) for n, p in model.named_parameters())
+            spike = _loss_spike(loss.item(), applied)
+            assert unchanged == spike, f"step {step}: loss {loss.item()}"
+            if spike:
+                assert same_state(state, opt_state(opt))
+                skipped.append(step)
+            else:
+                applied.append(loss.item())
+        labels = {"policy": "loss-spike-guard", "rule": "loss-spike"}
+        assert stat(reg, "hookpolicy_loss_mean", **labels) == pytest.approx(applied[-1], rel=1e-6)
+    assert skipped == sorted(spikes)
+    assert counter(reg, "hookpolicy_skipped_steps_total", **labels) == len(spikes)
+
+
+def test_loss_spike_guard_halts_when_the_loss_moved_for_good(workdir: Path) -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx, targets = batch(0)
+    scrambled = batch(1)[1]
+    with load("loss-spike-guard.yaml").attach(model, registry=CollectorRegistry(), rank=0):
+        for step in range(100):
+            train_loss = model(idx, targets)[1]
+            assert train_loss is not None
+            train_loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for spike in range(1, 21):  # from now on every batch is "a spike": 19 skipped, the 20th halts
+            loss = model(idx, scrambled)[1]
+            assert loss is not None
+            loss.backward()
+            if spike < 20:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                continue
+            with pytest.raises(hookpolicy.Halt, match="loss-spike-guard/loss-spike"):
+                opt.step()
+
+
+def test_zclip_equals_zclips_update_equations(workdir: Path) -> None:
+    """The library policy on a GPT, against ZClip's equations on a twin (tests/test_history.py)."""
+    model = make_model()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05)
+    reference = ZClipReference(alpha=0.97, k=2.5, warmup=25)
+    used: list[list[torch.Tensor]] = []
+    opt.register_step_pre_hook(lambda o, a, k: used.append([p.grad.clone() for p in model.parameters()]))
+    clipped: list[int] = []
+    reg = CollectorRegistry()
+    with load("zclip.yaml").attach(model, registry=reg, rank=0):
+        for step in range(50):
+            scale = 30.0 if step in (35, 44) else 1.0  # two injected gradient spikes
+            for m in (model, twin):
+                loss = m(*batch(step))[1]
+                assert loss is not None
+                (loss * scale).backward()
+            opt.step()
+            if reference.step(list(twin.parameters()), apply=True):
+                clipped.append(step)
+            for got, want in zip(used[-1], [p.grad for p in twin.parameters()]):
+                torch.testing.assert_close(got, want, msg=lambda m: f"step {step}: {m}")
+            twin_opt.step()
+            opt.zero_grad()
+            twin_opt.zero_grad()
+    assert {35, 44} <= set(clipped) and min(clipped) >= 25, clipped
+    assert counter(reg, "hookpolicy_clipped_total", policy="zclip", rule="zclip", module="", mode="enforce") == len(clipped)
+
+
+def test_agc_equals_the_nfnets_equations_except_the_head(workdir: Path) -> None:
+    model = make_model()
+    twin = copy.deepcopy(model)
+    # every parameter but the classifier's; GPT's lm_head is tied to transformer.wte, which
+    # AGC clips under wte's name (a tied parameter belongs to the first module that has it)
+    selected = [(n, p) for n, p in twin.named_parameters() if not n.startswith("lm_head")]
+    assert any(n == "transformer.wte.weight" for n, _ in selected)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    used: list[list[torch.Tensor]] = []
+    opt.register_step_pre_hook(lambda o, a, k: used.append([p.grad.clone() for p in model.parameters()]))
+    reg = CollectorRegistry()
+    total = 0
+    with load("agc.yaml").attach(model, registry=reg, rank=0):
+        for step in range(4):
+            for m in (model, twin):
+                loss = m(*batch(step))[1]
+                assert loss is not None
+                loss.backward()
+            counts = agc_reference(selected, ratio=0.01, eps=1e-3)
+            assert 0 < sum(counts.values()), counts  # AGC acts on this model
+            total += sum(counts.values())
+            opt.step()
+            for got, want in zip(used[-1], [p.grad for p in twin.parameters()]):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+            twin_opt.step()
+            opt.zero_grad()
+            twin_opt.zero_grad()
+    clipped = [s.value for m in reg.collect() for s in m.samples if s.name == "hookpolicy_clipped_total"]
+    assert sum(clipped) == total
