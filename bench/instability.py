@@ -3,6 +3,7 @@
     python bench/instability.py                      # the runs and a table (about 2-4 minutes on 2 cores)
     python bench/instability.py --out docs/instability.md
     python bench/instability.py train [--corrupt]    # one run: the unmodified script the policies govern
+    python bench/instability.py overhead             # what the history functions cost per step
 
 The bundled tiny GPT (`examples.charlm.TinyGPT`) learns a seeded random bigram language
 (a Markov chain over 24 symbols with peaked transition rows: a loss floor the model reaches in a few hundred steps,
@@ -191,6 +192,140 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+#: the policies timed against each other: (key, label, policy text or None)
+FIXED_LOSS = """
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {name: fixed-loss}
+spec:
+  rules:
+    - name: loss-limit
+      match: {root: true}
+      trigger: {at: step}
+      target: loss
+      actions:
+        - capture: {stats: [mean, max, nonfinite], per: rule}
+        - alert: {if: "nonfinite > 0 or loss > 100", per: rule, then: skip_step}
+        - alert: {if: "loss > 100", for: 20, per: rule, then: halt}
+"""
+FIXED_CLIP = """
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {name: fixed-clip}
+spec:
+  rules:
+    - name: clip
+      match: {modules: ["**"]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - clip: {max_norm: 1.0, per: rule}
+        - capture: {stats: [l2_norm], per: rule}
+"""
+OVERHEAD = (
+    ("floor", "no policy", None),
+    ("fixed_loss", "loss rule, fixed thresholds", FIXED_LOSS),
+    ("spike_guard", "loss-spike-guard.yaml (zscore, mean)", "policies/loss-spike-guard.yaml"),
+    ("fixed_clip", "clip max_norm 1.0 per rule", FIXED_CLIP),
+    ("zclip", "zclip.yaml (ema, ema_std)", "policies/zclip.yaml"),
+)
+
+
+def overhead(rounds: int, seed: int) -> str:
+    """Interleaved step times (bench/timing.py) of the same loop under each policy of OVERHEAD."""
+    import copy
+    import tempfile
+
+    import hookpolicy
+    from prometheus_client import CollectorRegistry
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from timing import interleave, quantile
+    from variants import Variant
+
+    torch.set_num_threads(1)
+    data = corpus(seed)
+    torch.manual_seed(seed)
+    base = TinyGPT(SYMBOLS, context=CONTEXT)
+    x, y = windows(data, torch.arange(0, 16 * 97, 97))
+    variants, attachments = [], []
+    folder = Path(tempfile.mkdtemp())
+    for key, label, policy in OVERHEAD:
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        criterion = nn.CrossEntropyLoss()
+
+        def step(model: nn.Module = model, opt: torch.optim.Optimizer = opt, criterion: nn.Module = criterion) -> None:
+            logits, _ = model(x)
+            criterion(logits.reshape(-1, SYMBOLS), y.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        if policy is not None:
+            path = ROOT / policy if policy.endswith(".yaml") else folder / f"{key}.yaml"
+            if not policy.endswith(".yaml"):
+                path.write_text(policy)
+            attachments.append(hookpolicy.load(path).attach(model, registry=CollectorRegistry(), rank=0))
+        variants.append(Variant(key, label, step, lambda: None, model=model))
+    try:
+        samples = interleave(variants, rounds=rounds, warmup=30, cuda=False)
+    finally:
+        for a in attachments:
+            a.remove()
+    median = {k: quantile(s.times, 0.5) * 1e3 for k, s in samples.items()}
+    host = history_host_cost()
+    lines = ["| variant | median ms/step | vs no policy |", "|---|---|---|"]
+    for key, label, _ in OVERHEAD:
+        lines.append(f"| {label} | {median[key]:.3f} | {median[key] / median['floor']:.3f}x |")
+    lines.append("")
+    lines.append(f"History functions, per step: loss-spike-guard {1e3 * (median['spike_guard'] - median['fixed_loss']):+.0f} µs "
+                 f"against the same rule with fixed thresholds; zclip {1e3 * (median['zclip'] - median['fixed_clip']):+.0f} µs "
+                 f"against a fixed max_norm ({rounds} interleaved steps each, 1 thread).")
+    lines.append("")
+    lines.append("Host work of the history alone, per step (evaluation and append, timed over 20,000 steps "
+                 "with full windows): " + "; ".join(f"{name} {us:.1f} µs" for name, us in host.items()) + ".")
+    return "\n".join(lines)
+
+
+def history_host_cost(steps: int = 20_000) -> dict[str, float]:
+    """µs per step of what the read-back does for a policy's history: evaluate, then append."""
+    import math
+
+    import hookpolicy
+    from hookpolicy.engine.history import History, Observation, spec_for
+    from hookpolicy.policy.model import Alert, Clip
+
+    out: dict[str, float] = {}
+    for name in ("loss-spike-guard", "zclip"):
+        rule = hookpolicy.load(ROOT / "policies" / f"{name}.yaml").policies[0].rules[0]
+        history = History()
+        work = []
+        for index, action in enumerate(rule.actions):
+            key = ((name, rule.name), index, "", "")
+            if isinstance(action, Alert) and action.calls:
+                specs = {stat: spec_for(action.calls, stat, action.warmup) for stat in sorted(action.stats)}
+                work.append((key, specs, action.condition.evaluate))
+            elif isinstance(action, Clip) and action.adaptive is not None:
+                work.append((key, {"norm": spec_for(action.calls, "norm", action.warmup)}, action.adaptive.evaluate))
+
+        def step(i: int) -> None:
+            x = 1.2 + 0.01 * math.sin(i)
+            values = {"mean": x, "max": x, "nonfinite": 0.0, "norm": x}
+            observed = []
+            for key, specs, evaluate in work:
+                evaluate(values, history.past(key))
+                observed.append(Observation(key, {s: values[s] for s in specs}, specs))
+            history.commit(observed)
+
+        for i in range(200):  # fill the windows
+            step(i)
+        start = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        out[name] = (time.perf_counter() - start) / steps * 1e6
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command")
@@ -201,10 +336,16 @@ def main() -> None:
     t.add_argument("--corrupt", action="store_true", help="scramble the targets of batches 80-87 of every 100")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--batch", type=int, default=16)
+    o = sub.add_parser("overhead", help="what the history functions cost per step (interleaved timing)")
+    o.add_argument("--rounds", type=int, default=300)
+    o.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="also write the table as markdown here")
     args = p.parse_args()
     if args.command == "train":
         train(args)
+        return
+    if args.command == "overhead":
+        print(overhead(args.rounds, args.seed))
         return
     runs = []
     for name, policy, corrupt in RUNS:
