@@ -504,6 +504,7 @@ def _loss_spike(loss: float, applied: list[float]) -> bool:
     return z > 6 and loss > 1.2 * mean
 
 
+@pytest.mark.slow
 def test_loss_spike_guard_skips_exactly_the_spikes_of_its_reference(workdir: Path) -> None:
     """One batch learned by heart, so the loss settles; scrambled targets on three steps make
     spikes. Each step is skipped (parameters and AdamW state bit for bit) exactly when the
