@@ -242,3 +242,30 @@ def test_parameters_flattened_by_fsdp1_are_refused(tmp_path: Path, caplog: pytes
         opt.step()
     assert metric(reg, "hookpolicy_hook_errors_total", {"rule": "agc"}) == 1
     assert "head.weight is flattened by FSDP1 (FullyShardedDataParallel)" in caplog.text
+
+
+def test_a_capture_after_agc_sees_the_clipped_gradients(tmp_path: Path) -> None:
+    """Actions run in list order: statistics captured after the clip are those of the clipped gradients."""
+    pol = load_policy(tmp_path, """
+        - name: agc
+          match: {modules: [conv]}
+          trigger: {at: step}
+          actions:
+            - clip: {unitwise_ratio: 0.01}
+            - capture: {stats: [l2_norm, nonfinite], per: tensor}
+    """)
+    torch.manual_seed(0)
+    model = ConvNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = batches(1)[0]
+    seen: dict[str, torch.Tensor] = {}
+    opt.register_step_pre_hook(lambda o, a, k: seen.update(weight=model.conv.weight.grad.clone()))
+    with pol.attach(model) as attached:
+        loss(model, x, y).backward()
+        before = float(torch.linalg.vector_norm(model.conv.weight.grad))
+        opt.step()
+        published = [v for family, series in attached.last_values().items() if family.endswith("l2_norm")
+                     for (_, _, module, tensor), v in series.items() if (module, tensor) == ("conv", "weight")]
+    after = float(torch.linalg.vector_norm(seen["weight"]))
+    assert after < before
+    assert published == [pytest.approx(after, rel=1e-6)]
