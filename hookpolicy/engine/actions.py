@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -39,8 +40,9 @@ class StatsOp:
     #: the captures whose hooks keep a device copy of each tensor (tensor files, histograms)
     tensors: tuple[tuple[int, Capture], ...]
 
-    @property
+    @cached_property
     def stats(self) -> tuple[str, ...]:
+        """The statistics the pass finishes (computed once: the read-back asks every step)."""
         wanted: set[str] = set()
         for _, action in self.actions:
             wanted.update(action.stats)

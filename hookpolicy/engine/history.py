@@ -95,7 +95,7 @@ class Series:
                 m = alpha * state[0] + (1.0 - alpha) * x
                 self.emas[alpha] = (m, alpha * state[1] + (1.0 - alpha) * (x - m) ** 2)
             elif self.count == seed:  # the ring holds at least `seed` values (spec_for)
-                first = self._last(seed)
+                first = self._window(seed)
                 self.emas[alpha] = (float(first.mean()), float(first.var()))
 
     def aggregate(self, func: str, param: float) -> float:
@@ -110,17 +110,23 @@ class Series:
             return float(self._ring[(self._head - 1) % self.spec.size])
         cached = self._cache.get((func, param))
         if cached is None:
-            window = self._last(min(int(param), self._filled))
+            window = self._window(int(param))
             if func == "min":
                 cached = float(window.min())
             elif func == "max":
                 cached = float(window.max())
-            elif func == "mean":
-                cached = float(window.mean())
-            else:  # std: population (ddof 0), two passes (NumPy's var)
-                cached = float(window.std())
+            else:  # mean and std (population, ddof 0) together: two passes, the deviations' dot product
+                mean = float(window.sum()) / window.size
+                deviations = window - mean
+                self._cache[("mean", param)] = mean
+                self._cache[("std", param)] = math.sqrt(float(np.dot(deviations, deviations)) / window.size)
+                return self._cache[(func, param)]
             self._cache[(func, param)] = cached
         return cached
+
+    def _window(self, n: int) -> np.ndarray:
+        """The last `n` values in any order (all of them without a copy when `n` covers what is kept)."""
+        return self._ring[:self._filled] if n >= self._filled else self._last(n)
 
 
 class Past:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, Mapping, Optional, Union
 
 from .expr import Call, Condition, Value
@@ -184,9 +185,9 @@ class Alert:
     #: the message's fields that are expressions (`{zscore(loss, 100):.1f}`), parsed by the loader
     fields: tuple[tuple[str, Value], ...] = ()
 
-    @property
+    @cached_property
     def stats(self) -> frozenset[str]:
-        """The statistics the alert needs: its condition's and those its message names."""
+        """The statistics the alert needs: its condition's and those its message names (computed once)."""
         try:
             named = {name for _, name, _, _ in string.Formatter().parse(self.message) if name}
         except ValueError:  # a malformed template; the loader never builds one
@@ -194,12 +195,12 @@ class Alert:
         from_fields = (s for _, value in self.fields for s in value.stats)
         return self.condition.stats | frozenset(s for s in STATS if s in named) | frozenset(from_fields)
 
-    @property
+    @cached_property
     def calls(self) -> frozenset[Call]:
         """The history functions its condition and message call."""
         return self.condition.calls.union(*(value.calls for _, value in self.fields))
 
-    @property
+    @cached_property
     def remembers(self) -> bool:
         """Whether the alert keeps a history of its statistics (it calls functions, or waits for a warmup)."""
         return bool(self.calls) or self.warmup > 0
