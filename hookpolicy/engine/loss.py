@@ -19,10 +19,10 @@ the rule's tensor: `mean` is the step's average loss, `max` the worst micro-batc
 nothing and says so once (`LossTap.take`): never a silent no-op.
 
 Loss modules are found without a process-wide hook on every call: `LossModules` watches
-all module calls (PyTorch's global forward hook, about 2 us a call) only during the
-first step a loss rule is active, and hooks the loss modules it meets one by one; once
-the step has ended with its loss seen, the global hook comes off and only those
-instances carry a hook, and only while a loss rule is active. A script that builds its
+all module calls (PyTorch's global forward hook, 1-4 us a call) only during the first
+step a loss rule is active, and hooks the loss modules it meets one by one; when that
+step ends the global hook comes off and only those instances carry a hook, and only
+while a loss rule is active. A loss module first called later is not seen. A script that builds its
 criterion anew at each call (`nn.MSELoss()(out, y)`) is recognised when that instance is
 garbage-collected, and keeps the global hook while a loss rule is active.
 """
@@ -44,6 +44,7 @@ from ..plan.planner import LOSS_SOURCES
 __all__ = ["LossModules", "LossTap", "loss_in_output"]
 
 log = logging.getLogger("hookpolicy")
+
 
 def loss_in_output(output: Any) -> Optional[torch.Tensor]:
     """The loss a model's forward returned, if it returned one (see the module docstring)."""
