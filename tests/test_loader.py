@@ -189,6 +189,21 @@ def test_control_characters_are_refused_with_position() -> None:
     assert "U+0000" in problem.message
 
 
+@pytest.mark.parametrize("brk", ["\r", "\x85", "\u2028", "\u2029"], ids=["CR", "NEL", "LS", "PS"])
+def test_line_breaks_that_editors_do_not_count_are_refused_where_they_stand(brk: str) -> None:
+    """YAML counts them as line breaks; with one in the file, every later position would
+    name a line the user's editor does not have (the fuzz test found one past the end)."""
+    (problem,) = problems_of(f"a: 1\nb: [x,{brk}{brk}\nc: [\n")
+    assert (problem.line, problem.column) == (2, 7)
+    assert f"U+{ord(brk):04X}" in problem.message and "line break" in problem.message
+
+
+def test_windows_line_ends_are_allowed_and_counted_as_one() -> None:
+    assert parse_document(b"a: 1\r\nb: 2\r\n", "p.yaml").data == {"a": 1, "b": 2}
+    (problem,) = problems_of("a: 1\r\nb: [\r\nc: 1\r\n")
+    assert problem.line <= 4
+
+
 def test_a_byte_order_mark_is_allowed() -> None:
     assert parse_document("\ufeffa: 1\n".encode("utf-8"), "p.yaml").data == {"a": 1}
 

@@ -375,14 +375,20 @@ def _text(raw: bytes, file: str) -> str:
         ) from None
     text = text.removeprefix("\ufeff")
     special = Reader.NON_PRINTABLE.search(text)
-    if special is not None:
-        at = special.start()
-        line = text.count("\n", 0, at) + 1
-        column = at - (text.rfind("\n", 0, at) + 1) + 1
-        raise _file_problem(
-            file, f"the character U+{ord(special.group()):04X} is not allowed in YAML", line, column
-        )
+    odd_break = _ODD_BREAK.search(text)
+    for found, why in ((special, "is not allowed in YAML"), (odd_break, _ODD_BREAK_WHY)):
+        if found is not None:
+            at = found.start()
+            line = text.count("\n", 0, at) + 1
+            column = at - (text.rfind("\n", 0, at) + 1) + 1
+            raise _file_problem(file, f"the character U+{ord(found.group()):04X} {why}", line, column)
     return text
+
+
+#: Line breaks YAML counts but editors, grep and git do not (a lone CR, NEL, U+2028, U+2029):
+#: with one in the file, every position after it would name a line the user cannot find.
+_ODD_BREAK = re.compile("\r(?!\n)|[\x85\u2028\u2029]")
+_ODD_BREAK_WHY = "is a line break that YAML counts and editors do not; end lines with \\n (or \\r\\n)"
 
 
 def _compose(loader: _StrictLoader, text: str) -> Optional[Node]:
