@@ -422,3 +422,25 @@ def test_a_compiled_model_under_autocast_and_grad_scaler(tmp_path: Path, out: Pa
             opt.zero_grad()
     assert [str(w.message) for w in caught] == ["the test's own, so that pytest.warns has one"]
     assert [r["mean"] for r in captured(out)] == pytest.approx(seen, rel=1e-6)
+
+
+def test_a_loss_module_shared_by_two_governed_models_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A GAN-like pair: one criterion, two models with a loss rule; its value goes to both, and one line says so."""
+    loss_engine._MODULES._said_shared = False
+    policy = load_policy(tmp_path, CAPTURE.replace(", log: {path: loss.jsonl}", ""))
+    first, second, criterion = classifier(0), classifier(1), nn.CrossEntropyLoss()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (first, second)]
+    registry = CollectorRegistry()
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"), \
+            policy.attach(first, registry=registry), policy.attach(second, registry=registry):
+        for _ in range(2):
+            for model, opt in zip((first, second), optimizers):
+                criterion(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+                opt.step()
+                opt.zero_grad()
+    said = [r.getMessage() for r in caplog.records if "cannot tell whose loss it is" in r.getMessage()]
+    assert said == ["a CrossEntropyLoss's loss goes to every governed model with a loss rule active (Sequential, "
+                    "Sequential#2): hookpolicy cannot tell whose loss it is; return each model's loss from its "
+                    "forward to keep them apart"]

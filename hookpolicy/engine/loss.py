@@ -148,6 +148,7 @@ class LossModules:
         self._searching: set[int] = set()  # ids of joined taps whose first active step has not ended
         self._known: "weakref.WeakKeyDictionary[_Loss, _Hooked]" = weakref.WeakKeyDictionary()
         self._global: Optional[RemovableHandle] = None
+        self._said_shared = False  # a loss module's value went to several models (said once a process)
 
     @property
     def watching_every_call(self) -> bool:
@@ -201,6 +202,11 @@ class LossModules:
         if isinstance(output, torch.Tensor) and _scalar(output) and output.requires_grad and torch.is_grad_enabled():
             for tap in self._taps:
                 tap.module_loss(output)
+            if len(self._taps) > 1 and not self._said_shared:
+                self._said_shared = True
+                log.warning("a %s's loss goes to every governed model with a loss rule active (%s): hookpolicy "
+                            "cannot tell whose loss it is; return each model's loss from its forward to keep them "
+                            "apart", type(module).__name__, ", ".join(tap.model for tap in self._taps))
 
     def _collected(self, finders: list["weakref.ref[LossTap]"], hooked: "_Hooked") -> None:
         """A loss module is gone: the taps that found it have a script that makes a new one per call.
