@@ -24,8 +24,10 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hookpolicy  # noqa: E402
+from timing import step_table  # noqa: E402
 from examples.charlm import TEXT, build_model, vocabulary  # noqa: E402
 from hookpolicy.engine.actions import clip_unitwise  # noqa: E402
 
@@ -103,24 +105,9 @@ def steps(rounds: int = 100) -> None:
             registries[key] = CollectorRegistry()
             hookpolicy.load(path).attach(model, registry=registries[key])
         variants[key] = step
-    timed: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(rounds + 5):
-        order = list(variants.items())
-        order = order[r % len(order):] + order[:r % len(order)]
-        for key, step in order:
-            start = time.perf_counter()
-            step()
-            if r >= 5:
-                timed[key].append(time.perf_counter() - start)
-    base = statistics.median(timed["none"])
-    for key, samples in timed.items():
-        med = statistics.median(samples)
-        inside = ""
-        if key in registries:  # hookpolicy's own account of the time spent in its hooks and read-back
-            seconds = registries[key].get_sample_value(
-                "hookpolicy_hook_seconds_total", {"policy": "bench", "rule": "agc", "model": "TinyGPT", "rank": "0"})
-            inside = f"  inside hookpolicy's hooks and read-back: {(seconds or 0.0) / (rounds + 5) * 1e3:6.2f} ms/step"
-        print(f"per step, {key:16s} {med * 1e3:7.2f} ms  x{med / base:.3f}{inside}")
+    step_table(variants, rounds, lambda key: registries[key].get_sample_value(
+        "hookpolicy_hook_seconds_total", {"policy": "bench", "rule": "agc", "model": "TinyGPT", "rank": "0"}
+    ) if key in registries else None)
 
 
 if __name__ == "__main__":

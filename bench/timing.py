@@ -27,7 +27,9 @@ import torch
 
 from variants import Variant
 
-__all__ = ["Samples", "interleave", "quantile", "Summary", "summarize", "amortized", "count_syncs"]
+__all__ = [
+    "Samples", "interleave", "quantile", "Summary", "summarize", "amortized", "count_syncs", "step_table",
+]
 
 
 @dataclass
@@ -106,6 +108,19 @@ def interleave(variants: Sequence[Variant], rounds: int, warmup: int, cuda: bool
                 out[v.key].disturbed.append((busy1 - busy0) - (own1 - own0) >= FOREIGN_TICKS)
         r += 1
     return out
+
+
+def step_table(steps: dict[str, Callable[[], None]], rounds: int, seconds_inside: Callable[[str], Optional[float]],
+               warmup: int = 5, base: str = "none") -> None:
+    """Time `steps` interleaved (as `interleave` does) and print a line each: the median step,
+    its ratio to `base`, and hookpolicy's own account of its time per step
+    (`seconds_inside(key)`: the variant's hookpolicy_hook_seconds_total, None without a policy)."""
+    samples = interleave([Variant(key, key, step, lambda: None) for key, step in steps.items()], rounds, warmup, cuda=False)
+    medians = {key: quantile(s.times, 0.5) for key, s in samples.items()}
+    for key, median in medians.items():
+        seconds = seconds_inside(key)
+        inside = "" if seconds is None else f"  inside hookpolicy's hooks and read-back: {seconds / (rounds + warmup) * 1e6:7.1f} us/step"
+        print(f"per step, {key:20s} {median * 1e3:7.2f} ms  x{median / medians[base]:.3f}{inside}")
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
