@@ -211,11 +211,11 @@ def test_no_host_sync_inside_the_step_hook(tmp_path: Path, monkeypatch: pytest.M
         def forbidden(*a: Any, **k: Any) -> Any:
             raise AssertionError("host sync inside a hook")
 
-        def guarded(rules: Any, *loss: Any) -> None:
+        def guarded(rules: Any, *loss: Any, **kwargs: Any) -> None:
             with monkeypatch.context() as m:
                 for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__"):
                     m.setattr(torch.Tensor, name, forbidden)
-                run_step_rules(rules, *loss)
+                run_step_rules(rules, *loss, **kwargs)
 
         monkeypatch.setattr(executor, "run_step_rules", guarded)
         opt.step()

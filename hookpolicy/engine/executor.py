@@ -166,19 +166,22 @@ class Executor:
         new = self._execute(rs, b.target, rows, [t for _, t in named], inplace=False)
         return None if new is None else {name: t for (name, _), t in zip(named, new)}
 
-    def run_step_rules(self, rules: Sequence[RuleState], loss: Optional[torch.Tensor] = None) -> None:
+    def run_step_rules(
+        self, rules: Sequence[RuleState], loss: Optional[torch.Tensor] = None, left_out: frozenset[int] = frozenset(),
+    ) -> None:
         """Run `step` rules on their parameters' gradients or weights (in place), in order.
 
         `loss` is the step's micro-batch losses (`loss.LossTap.take`), the tensor of the
         `target: loss` rules; when None (none seen) those rules evaluate nothing.
+        `left_out`: ids of parameters another optimizer updates, not this step (`scopes`).
         """
         for rs in rules:
             if rs.rule.target != LOSS:
-                self.guarded(rs, self._run_step_rule, rs)
+                self.guarded(rs, self._run_step_rule, rs, left_out)
             elif loss is not None:
                 self.guarded(rs, self._execute, rs, LOSS, [("", "")], [loss], False)
 
-    def _run_step_rule(self, rs: RuleState) -> None:
+    def _run_step_rule(self, rs: RuleState, left_out: frozenset[int]) -> None:
         rows: list[tuple[str, str]] = []
         tensors: list[torch.Tensor] = []
         weights: list[torch.Tensor] = []  # AGC's: the weight of each gradient in `tensors`
@@ -186,6 +189,8 @@ class Executor:
         for b in rs.bindings:
             for pname, path in zip(b.params, b.paths()):
                 param = find_param(b.obj, path)
+                if left_out and id(param) in left_out:
+                    continue
                 t = param.grad if rs.rule.target == "grad" else param.detach()
                 if t is not None and t.numel() > 0:
                     rows.append((b.module, pname))

@@ -187,14 +187,15 @@ class Attached:
         return self._report.last_values()
 
     # -- step events (called by StepTracker) -------------------------------------------
-    def begin_step(self) -> bool:
-        """Run the step rules, read everything back, decide alerts; True to skip the step."""
+    def begin_step(self, left_out: frozenset[int] = frozenset()) -> bool:
+        """Run the step rules (on the parameters not in `left_out`), read everything back, decide alerts;
+        True to skip the step."""
         self._replan_if_changed()
         rules = self._installer.step_rules()
         loss = None
         if self._loss is not None:
             loss = self._loss.take(self.step, ["/".join(rs.key) for rs in rules if rs.rule.target == LOSS])
-        self._executor.run_step_rules(rules, loss)
+        self._executor.run_step_rules(rules, loss, left_out)
         return self._readback(decide=True)
 
     def end_step(self) -> None:

@@ -3,8 +3,10 @@
 A *step* is one `torch.optim` optimizer `step()` over the attached model's parameters.
 Several optimizers stepping the same model after one backward pass (one per parameter
 group, say) make one step, not several: a step is evaluated at the first optimizer step
-after a backward pass. A script that steps no optimizer (manual SGD) gets one step per
-backward pass, evaluated when the backward pass has finished.
+after a backward pass. Optimizers that step in turn, each after its own backward pass (a
+GAN), make one step each, and each step's rules see only the parameters it updates
+(`scopes`). A script that steps no optimizer (manual SGD) gets one step per backward
+pass, evaluated when the backward pass has finished.
 
 Traps this module handles:
 - `GradScaler.step` calls `optimizer.step()` only when the gradients are finite, after
@@ -31,6 +33,7 @@ import torch
 
 from . import heap, module_hooks, optimizer_hooks
 from .loss import LossTap
+from .scopes import Scopes
 from .structure import named_tensors
 
 __all__ = ["Phase", "StepEvents", "StepTracker", "recomputing"]
@@ -41,8 +44,9 @@ log = logging.getLogger("hookpolicy")
 class StepEvents(Protocol):
     """What a tracker calls back into (the runtime)."""
 
-    def begin_step(self) -> bool:
-        """Evaluate the step's rules before the update; True means skip this step."""
+    def begin_step(self, left_out: frozenset[int] = frozenset()) -> bool:
+        """Evaluate the step's rules before the update, leaving out the parameters with ids in `left_out`
+        (another optimizer's, see `scopes`); True means skip this step."""
 
     def end_step(self) -> None:
         """The update happened (or was skipped): move to the next step."""
@@ -93,6 +97,7 @@ class StepTracker:
         self._param_ids = {id(p) for p in model.parameters()}
         self._model_params = weakref.ref(model)
         self._owned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        self._scopes = Scopes()
         self.mode = "unknown"  # "optimizer" | "manual"
         self.backward_seq = 0
         self._evaluated_seq = -1
@@ -124,6 +129,7 @@ class StepTracker:
         """The model's parameters changed (a module or parameter replaced): whose optimizer is whose anew."""
         self._param_ids = self._current_param_ids()
         self._owned = weakref.WeakKeyDictionary()
+        self._scopes.reset()
 
     def _current_param_ids(self) -> set[int]:
         model = self._model_params()
@@ -243,7 +249,7 @@ class StepTracker:
         if torch._C._current_graph_task_id() != -1:
             self._report(f"{type(optimizer).__name__} steps inside the backward pass (an optimizer in backward), "
                          "before the step's gradients are final", refuse=True)
-        if self.backward_seq == 0 or self.backward_seq != self._evaluated_seq:
+        if self.backward_seq == 0 or self.backward_seq != self._evaluated_seq or self._scopes.rewritten(optimizer):
             if self.backward_seq > 0 and not any(
                     p.grad is not None for g in optimizer.param_groups for p in g["params"] if id(p) in self._param_ids):
                 self._report(f"{type(optimizer).__name__} steps its parameters after a backward pass, but none of "
@@ -251,7 +257,10 @@ class StepTracker:
             self._evaluated_seq = self.backward_seq
             self._ending = True
             self._skip = False
-            self._skip = self._events.begin_step()
+            self._skip = self._events.begin_step(self._scopes.evaluating(optimizer))
+            self._scopes.mark(optimizer)
+        else:
+            self._scopes.continuing(optimizer)
         if self._skip:
             self._hide_grads(optimizer)
 
