@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 import hookpolicy
 from hookpolicy.export.rules import exported_families, prometheus_rules
 from hookpolicy.export.grafana import grafana_dashboard
-from hookpolicy.export.metrics import ENGINE_FAMILIES
+from hookpolicy.export.metrics import ENGINE_FAMILIES, FAMILIES
 from hookpolicy.policy.model import Alert, Capture, Policy
 from conftest import lora, make_model, train_step
 
@@ -166,9 +166,9 @@ def test_grafana_dashboard(which: str, tmp_path: Path, monkeypatch: pytest.Monke
     assert 36 <= dashboard["schemaVersion"] <= 41
     assert [i["name"] for i in dashboard["__inputs"]] == ["DS_PROMETHEUS"]
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert {"DS_PROMETHEUS", "job", "rank"} <= set(variables)
+    assert {"DS_PROMETHEUS", "job", "rank", "model"} <= set(variables)
     assert variables["DS_PROMETHEUS"]["type"] == "datasource"
-    for name in ("job", "rank"):
+    for name in ("job", "rank", "model"):
         assert re.findall(r"hookpolicy_\w+", variables[name]["definition"]) == ["hookpolicy_steps_total"]
 
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
@@ -205,13 +205,21 @@ def test_grafana_dashboard(which: str, tmp_path: Path, monkeypatch: pytest.Monke
         assert names <= real, (expr, names - real)
         assert names <= set(exported_families(policies)), expr
         assert 'job=~"$job"' in expr and 'rank=~"$rank"' in expr
+        # a family with a model label is filtered by the $model variable; a process-wide one is not
+        # (a model filter would hide it: its series have no model label)
+        per_model = {n for n in names if n in PROCESS_WIDE} == set()
+        assert ('model=~"$model"' in expr) == per_model, expr
+
+
+#: the engine families without a model label (one series per process or policy)
+PROCESS_WIDE = {f"{f.name}_total" if f.kind == "counter" else f.name for f in FAMILIES if "model" not in f.labels}
 
 
 def test_grafana_legend_per_module_and_tensor() -> None:
     policies = list(hookpolicy.load(ROOT / "policies" / "gradient-monitor.yaml").policies)
     dashboard = json.loads(grafana_dashboard(policies))
     panel = next(p for p in dashboard["panels"] if p["title"] == "hookpolicy_grad_output_l2_norm")
-    assert panel["targets"][0]["legendFormat"] == "{{module}} rank {{rank}}"
+    assert panel["targets"][0]["legendFormat"] == "{{model}} {{module}} rank {{rank}}"
     assert 'policy=~"gradient-monitor"' in panel["targets"][0]["expr"]
 
 

@@ -31,8 +31,9 @@ def _regex_alternatives(values: Iterable[str]) -> str:
     return "|".join(escaped)
 
 
-def _filters(policy_regex: str | None = None) -> str:
-    parts = ['job=~"$job"', 'rank=~"$rank"']
+def _filters(policy_regex: str | None = None, per_model: bool = True) -> str:
+    """The dashboard's variables as a selector; `per_model`: the family has a `model` label."""
+    parts = ['job=~"$job"', 'rank=~"$rank"'] + (['model=~"$model"'] if per_model else [])
     if policy_regex is not None:
         parts.append(f"policy=~{promql_string(policy_regex)}")
     return ", ".join(parts)
@@ -102,16 +103,16 @@ def _timeseries(
 _COUNTER_PANELS: tuple[tuple[str, str, str, str, str], ...] = (
     ("Alert evaluations that fired",
      "increase(hookpolicy_alerts_total) per interval, by rule and severity.",
-     "hookpolicy_alerts_total", "policy, rule, severity", "{{policy}}/{{rule}} {{severity}}"),
+     "hookpolicy_alerts_total", "model, policy, rule, severity", "{{model}} {{policy}}/{{rule}} {{severity}}"),
     ("Skipped steps",
      "Optimizer steps not applied because of a skip_step alert.",
-     "hookpolicy_skipped_steps_total", "policy, rule, rank", "{{policy}}/{{rule}} rank {{rank}}"),
+     "hookpolicy_skipped_steps_total", "model, policy, rule, rank", "{{model}} {{policy}}/{{rule}} rank {{rank}}"),
     ("Clipped groups",
      "Groups (per: rule, module or tensor) a norm clip scaled down per interval; mode=audit: would have, nothing changed.",
-     "hookpolicy_clipped_total", "policy, rule, mode", "{{policy}}/{{rule}} {{mode}}"),
+     "hookpolicy_clipped_total", "model, policy, rule, mode", "{{model}} {{policy}}/{{rule}} {{mode}}"),
     ("Hook errors",
      "Errors raised inside hookpolicy's hooks; a rule is switched off after 3 (onError: continue).",
-     "hookpolicy_hook_errors_total", "policy, rule, rank", "{{policy}}/{{rule}} rank {{rank}}"),
+     "hookpolicy_hook_errors_total", "model, policy, rule, rank", "{{model}} {{policy}}/{{rule}} rank {{rank}}"),
     ("Series dropped (maxSeries)",
      "Statistic series not exported because spec.limits.maxSeries was reached.",
      "hookpolicy_series_dropped_total", "policy, rank", "{{policy}} rank {{rank}}"),
@@ -142,6 +143,7 @@ def _stat_panel(family: str, feeds: list[tuple[Policy, Rule, Capture]]) -> dict[
     if not legend:
         legend.append("{{rule}}")
     legend.append("rank {{rank}}")
+    legend.insert(0, "{{model}}")
     policies = _regex_alternatives(dict.fromkeys(p.name for p, _, _ in feeds))
     rules = _regex_alternatives(dict.fromkeys(r.name for _, r, _ in feeds))
     expr = f"{family}{{{_filters(policies)}, rule=~{promql_string(rules)}}}"
@@ -173,32 +175,33 @@ def grafana_dashboard(policies: Sequence[Policy]) -> str:
     """
     names = [p.name for p in policies]
     mine = _regex_alternatives(names) if names else "$^"
-    f_all, f_mine = _filters(), _filters(mine)
+    f_all, f_mine, f_process = _filters(), _filters(mine), _filters(mine, per_model=False)
     layout = _Layout()
 
     layout.row("Training")
     layout.add(_timeseries(
         "Steps per second", "Optimizer steps evaluated by hookpolicy per second, per rank.",
-        [_target(f"sum by (job, instance, rank) (rate(hookpolicy_steps_total{{{f_all}}}[5m]))", "{{instance}} rank {{rank}}")],
+        [_target(f"sum by (job, instance, rank, model) (rate(hookpolicy_steps_total{{{f_all}}}[5m]))",
+                 "{{instance}} rank {{rank}} {{model}}")],
         unit="short", min_zero=True))
     layout.add(_timeseries(
         "Seconds since the last step",
         f"Rises linearly while a run is stalled; the HookpolicyTrainingStalled alert fires above {STALL_SECONDS}s.",
-        [_target(f"time() - hookpolicy_last_step_timestamp_seconds{{{f_all}}}", "{{instance}} rank {{rank}}")],
+        [_target(f"time() - hookpolicy_last_step_timestamp_seconds{{{f_all}}}", "{{instance}} rank {{rank}} {{model}}")],
         unit="s", min_zero=True))
     layout.add(_timeseries(
         "hookpolicy seconds per step",
         "Time spent inside hookpolicy's hooks per optimizer step, by rule: the overhead the policies add.",
         [_target(
-            f"sum by (job, instance, rank, policy, rule) (rate(hookpolicy_hook_seconds_total{{{f_mine}}}[5m]))"
-            f" / on (job, instance, rank) group_left sum by (job, instance, rank) "
+            f"sum by (job, instance, rank, model, policy, rule) (rate(hookpolicy_hook_seconds_total{{{f_mine}}}[5m]))"
+            f" / on (job, instance, rank, model) group_left sum by (job, instance, rank, model) "
             f"(rate(hookpolicy_steps_total{{{f_all}}}[5m]))",
-            "{{policy}}/{{rule}} rank {{rank}}")],
+            "{{model}} {{policy}}/{{rule}} rank {{rank}}")],
         unit="s", min_zero=True))
     layout.add(_timeseries(
         "Actions per second", "Actions run by rule, action and mode (audit actions change nothing).",
-        [_target(f"sum by (policy, rule, action, mode) (rate(hookpolicy_actions_total{{{f_mine}}}[5m]))",
-                 "{{policy}}/{{rule}} {{action}} ({{mode}})")],
+        [_target(f"sum by (model, policy, rule, action, mode) (rate(hookpolicy_actions_total{{{f_mine}}}[5m]))",
+                 "{{model}} {{policy}}/{{rule}} {{action}} ({{mode}})")],
         unit="short", min_zero=True))
 
     layout.row("Alerts")
@@ -206,8 +209,8 @@ def grafana_dashboard(policies: Sequence[Policy]) -> str:
         "type": "state-timeline", "title": "Alerts firing",
         "description": "hookpolicy_alert_firing: 1 while an alert's condition holds (after its for: count).",
         "datasource": dict(_DATASOURCE),
-        "targets": [_target(f"max by (policy, rule, severity, rank) (hookpolicy_alert_firing{{{f_mine}}})",
-                            "{{policy}}/{{rule}} {{severity}} rank {{rank}}")],
+        "targets": [_target(f"max by (model, policy, rule, severity, rank) (hookpolicy_alert_firing{{{f_mine}}})",
+                            "{{model}} {{policy}}/{{rule}} {{severity}} rank {{rank}}")],
         "fieldConfig": {"defaults": {
             "min": 0, "max": 1, "unit": "none",
             "color": {"mode": "thresholds"},
@@ -218,13 +221,13 @@ def grafana_dashboard(policies: Sequence[Policy]) -> str:
                     "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True}},
     })
     for title, description, metric, by, legend in _COUNTER_PANELS:
-        layout.add(_increase_panel(title, description, metric, by, legend, f_mine))
+        layout.add(_increase_panel(title, description, metric, by, legend, f_mine if "model" in by else f_process))
     layout.add({
         "type": "table", "title": "Applied policies",
         "description": "hookpolicy_policy_info: the live revision (content hash) of each policy, and whether a reload failed.",
         "datasource": dict(_DATASOURCE),
         "targets": [
-            _target(f"max by (instance, rank, policy, revision, mode) (hookpolicy_policy_info{{{f_mine}}})", "",
+            _target(f"max by (instance, rank, policy, revision, mode) (hookpolicy_policy_info{{{f_process}}})", "",
                     ref="A", instant=True, fmt="table"),
         ],
         "fieldConfig": {"defaults": {}, "overrides": []},
@@ -276,6 +279,7 @@ def grafana_dashboard(policies: Sequence[Policy]) -> str:
              "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
             _variable("job", "Job", "label_values(hookpolicy_steps_total, job)"),
             _variable("rank", "Rank", 'label_values(hookpolicy_steps_total{job=~"$job"}, rank)'),
+            _variable("model", "Model", 'label_values(hookpolicy_steps_total{job=~"$job"}, model)'),
         ]},
         "panels": layout.panels,
     }

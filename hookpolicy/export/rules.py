@@ -128,9 +128,10 @@ def _summary(alert: Alert, policy: Policy, rule: Rule) -> str:
     known = {
         "policy": _go_literal(policy.name), "rule": _go_literal(rule.name),
         "severity": alert.severity, "target": rule.target, "condition": _go_literal(alert.source),
-        "rank": "{{ $labels.rank }}",
+        "rank": "{{ $labels.rank }}", "model": "{{ $labels.model }}",
     }
-    fallback = f"{_go_literal(policy.name)}/{_go_literal(rule.name)}: {_go_literal(alert.source)} on rank {{{{ $labels.rank }}}}"
+    fallback = (f"{_go_literal(policy.name)}/{_go_literal(rule.name)}: {_go_literal(alert.source)} "
+                "on {{ $labels.model }} rank {{ $labels.rank }}")
     try:
         parts = list(string.Formatter().parse(alert.message))
     except ValueError:
@@ -222,7 +223,7 @@ def _alerting_rule(group: _AlertGroup, several_severities: bool) -> dict[str, An
     summary = "; ".join(dict.fromkeys(_summary(a, policy, rule) for a in group.alerts))
     description = (
         f"Rule {rule.name} of hookpolicy policy {policy.name} ({_trigger_text(rule)}) {when} on "
-        "job {{ $labels.job }}, instance {{ $labels.instance }}, rank {{ $labels.rank }}: "
+        "job {{ $labels.job }}, instance {{ $labels.instance }}, rank {{ $labels.rank }}, model {{ $labels.model }}: "
         + "; ".join(group.describe(a) for a in group.alerts)
         + ". The module, step and statistics are in the run's alert log "
         "(JSON lines with \"event\": \"alert\", on stderr)."
@@ -253,7 +254,7 @@ def _policy_group(policy: Policy) -> dict[str, Any]:
             "description": (
                 f"A hook of rule {{{{ $labels.rule }}}} (policy {_go_literal(policy.name)}, onError: "
                 f"{policy.on_error}) raised within the last {ALERT_WINDOW} on job {{{{ $labels.job }}}}, "
-                "instance {{ $labels.instance }}, rank {{ $labels.rank }}. The traceback is in the run's "
+                "instance {{ $labels.instance }}, rank {{ $labels.rank }}, model {{ $labels.model }}. The traceback is in the run's "
                 "log; a rule is switched off after 3 errors."
             ),
             **_runbook(policy),
