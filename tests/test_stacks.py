@@ -405,6 +405,30 @@ def test_lightning(tmp_path: Path, free_port: int, flags: list[str]) -> None:
     assert "hookpolicy: governing Regressor " in stack.stderr
 
 
+@pytest.mark.slow
+def test_lightning_gan_steps_each_optimizer_on_its_own(tmp_path: Path, free_port: int) -> None:
+    """Manual optimization with `opt_g, opt_d = self.optimizers()`: every optimizer step is a step, guarded alone.
+
+    The discriminator's NaN loss (global_step 3) skips its step only: the generator's next
+    step, with the NaN still on the discriminator's gradients, is taken. The clip at each
+    step bounds only that optimizer's gradients, measured on them alone.
+    """
+    stack = run_stack(tmp_path, free_port, "lightning_gan.py", "--steps", "8", "--nan-at", "3")
+    generator, discriminator = stack.probe("generator"), stack.probe("discriminator")
+    assert stack.value("hookpolicy_steps_total", model="GAN") == stack.out["framework_steps"] == 8
+    assert len(generator["norms"]) == len(discriminator["norms"]) == 4, stack.stderr
+    assert not any(generator["unchanged"]), stack.stderr
+    assert discriminator["unchanged"] == [False, True, False, False], stack.stderr
+    assert stack.value("hookpolicy_skipped_steps_total", model="GAN", rule="nan") == 1
+    applied = [n for n in generator["norms"] + discriminator["norms"] if n is not None and n == n]
+    assert len(applied) == 7 and all(n <= MAX_NORM * (1 + 1e-5) for n in applied), applied
+    # the last step is the discriminator's: its pre-clip norm is over its own gradients
+    exported = stack.value("hookpolicy_grad_l2_norm", model="GAN", rule="clip")
+    assert discriminator["norms"][-1] == pytest.approx(min(exported, MAX_NORM), rel=1e-4)
+    assert stack.out["finite"]
+    assert "Traceback" not in stack.stderr, stack.stderr
+
+
 # -- transformers Trainer (accelerate underneath) ------------------------------------------
 
 @pytest.mark.slow

@@ -97,7 +97,7 @@ class StepTracker:
         self._param_ids = {id(p) for p in model.parameters()}
         self._model_params = weakref.ref(model)
         self._owned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
-        self._scopes = Scopes()
+        self._scopes = Scopes(self._parameters)
         self.mode = "unknown"  # "optimizer" | "manual"
         self.backward_seq = 0
         self._evaluated_seq = -1
@@ -130,6 +130,10 @@ class StepTracker:
         self._param_ids = self._current_param_ids()
         self._owned = weakref.WeakKeyDictionary()
         self._scopes.reset()
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        model = self._model_params()
+        return [] if model is None else list(model.parameters())
 
     def _current_param_ids(self) -> set[int]:
         model = self._model_params()
