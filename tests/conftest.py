@@ -434,6 +434,26 @@ def torchrun() -> list[str]:
     return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
 
 
+#: the Tensor methods that read a value back to the host (a host-device sync on CUDA)
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Inside, reading a tensor's value on the host raises, as no hookpolicy hook may do.
+
+    A hook that did would raise inside the hook, where onError contains it: a test using
+    this also checks that no hook error was counted, or it could not fail.
+    """
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("host sync inside a hook")
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, forbidden)
+        yield
+
+
 def metric(registry: CollectorRegistry, name: str, labels: dict[str, str]) -> Optional[float]:
     """The one sample of `name` whose labels include `labels` (None if there is none).
 
