@@ -44,7 +44,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from examples.charlm import TinyGPT  # noqa: E402
+from examples.charlm import TinyGPT, batch  # noqa: E402
 
 SYMBOLS = 24
 CONTEXT = 32
@@ -64,12 +64,6 @@ def corpus(seed: int, length: int = 30_000) -> torch.Tensor:
     for i in range(1, length):
         out[i] = min(int(torch.searchsorted(cdf[out[i - 1]], draws[i])), SYMBOLS - 1)
     return out
-
-
-def windows(data: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.stack([data[s:s + CONTEXT] for s in starts])
-    y = torch.stack([data[s + 1:s + CONTEXT + 1] for s in starts])
-    return x, y
 
 
 def train(args: argparse.Namespace) -> None:
@@ -92,7 +86,7 @@ def train(args: argparse.Namespace) -> None:
     optimizer.register_step_pre_hook(update_norm)
     probe = model.lm_head.weight
     for step in range(args.steps):
-        x, y = windows(data, torch.randint(0, split - CONTEXT - 1, (args.batch,), generator=batches))
+        x, y = batch(data, torch.randint(0, split - CONTEXT - 1, (args.batch,), generator=batches), CONTEXT)
         scrambled = torch.randint(0, SYMBOLS, y.shape, generator=scrambles)
         corrupt = args.corrupt and step % EPOCH in CORRUPT
         if corrupt:
@@ -111,7 +105,7 @@ def train(args: argparse.Namespace) -> None:
         }), flush=True)
     model.eval()
     with torch.no_grad():
-        vx, vy = windows(data, torch.arange(split, len(data) - CONTEXT - 1, 97))
+        vx, vy = batch(data, torch.arange(split, len(data) - CONTEXT - 1, 97), CONTEXT)
         val = criterion(model(vx)[0].reshape(-1, SYMBOLS), vy.reshape(-1)).item()
     print(json.dumps({"final": True, "val_loss": val}), flush=True)
 
@@ -247,7 +241,7 @@ def overhead(rounds: int, seed: int) -> str:
     data = corpus(seed)
     torch.manual_seed(seed)
     base = TinyGPT(SYMBOLS, context=CONTEXT)
-    x, y = windows(data, torch.arange(0, 16 * 97, 97))
+    x, y = batch(data, torch.arange(0, 16 * 97, 97), CONTEXT)
     variants, attachments = [], []
     folder = Path(tempfile.mkdtemp())
     for key, label, policy in OVERHEAD:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hookpolicy  # noqa: E402
 from timing import step_table  # noqa: E402
-from examples.charlm import TEXT, build_model, vocabulary  # noqa: E402
+from examples.charlm import batch, build_model, encode  # noqa: E402
 from hookpolicy.engine import module_hooks  # noqa: E402
 from hookpolicy.engine.loss import LossModules  # noqa: E402
 
@@ -88,11 +88,8 @@ def calls() -> None:
 
 def steps(rounds: int = 100) -> None:
     torch.manual_seed(0)
-    stoi = {c: i for i, c in enumerate(vocabulary())}
-    data = torch.tensor([stoi[c] for c in TEXT])
-    starts = torch.randint(0, len(data) - 33, (16,))
-    x = torch.stack([data[s:s + 32] for s in starts])
-    y = torch.stack([data[s + 1:s + 33] for s in starts])
+    data = encode()
+    x, y = batch(data, torch.randint(0, len(data) - 33, (16,)), 32)
     folder = Path(tempfile.mkdtemp())
     variants: dict[str, Callable[[], None]] = {}
     registries: dict[str, CollectorRegistry] = {}

@@ -92,3 +92,16 @@ def vocabulary() -> list[str]:
 def build_model() -> TinyGPT:
     """The model `hookpolicy explain --model examples.charlm:build_model` compiles against."""
     return TinyGPT(len(vocabulary()))
+
+
+def encode(text: str = TEXT) -> torch.Tensor:
+    """`text` as indices into `vocabulary()`."""
+    stoi = {c: i for i, c in enumerate(vocabulary())}
+    return torch.tensor([stoi[c] for c in text])
+
+
+def batch(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-character targets of the windows starting at `starts`."""
+    x = torch.stack([data[s:s + context] for s in starts])
+    y = torch.stack([data[s + 1:s + context + 1] for s in starts])
+    return x, y

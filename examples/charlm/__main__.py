@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from . import TEXT, build_model, vocabulary
+from . import batch, build_model, encode
 
 
 def main() -> None:
@@ -29,8 +29,7 @@ def main() -> None:
     args = p.parse_args()
 
     torch.manual_seed(args.seed)
-    stoi = {c: i for i, c in enumerate(vocabulary())}
-    data = torch.tensor([stoi[c] for c in TEXT])
+    data = encode()
     model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     val_x, val_y = batch(data, torch.arange(0, len(data) - args.context - 1, args.context), args.context)
@@ -59,12 +58,6 @@ def main() -> None:
         while not os.path.exists(args.hold_file) and time.monotonic() < deadline:
             time.sleep(0.05)
 
-
-def batch(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-character targets of the windows starting at `starts`."""
-    x = torch.stack([data[s:s + context] for s in starts])
-    y = torch.stack([data[s + 1:s + context + 1] for s in starts])
-    return x, y
 
 
 if __name__ == "__main__":
