@@ -8,6 +8,7 @@ process, at the end, where a model's shape is easy to vary.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -538,6 +539,40 @@ def test_discovery_under_manual_sgd_keeps_watching(discovery: Discovery) -> None
     [governed] = discovery.governed
     assert governed.attached.step == 3
     assert discovery.watching_calls
+
+
+def test_discovery_after_a_detached_run_governs_manual_sgd() -> None:
+    """A model attached, trained and detached earlier in the process leaves no optimizer behind.
+
+    Discovery governs a model trained without an optimizer only when no optimizer exists;
+    one that survived the earlier run in a reference cycle (detaching once kept its
+    caller's frames, and their optimizer, until a full garbage collection) made it leave
+    the manual-SGD model alone. The collector is off: the earlier run is gone by
+    reference counting, as in a process where no full collection happened yet.
+    """
+    def earlier_run() -> None:
+        model = tiny(out=1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with hookpolicy.load(MONITOR).attach(model, registry=CollectorRegistry()):
+            _train_step(model, opt)
+
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))])  # the process's first optimizer imports torch._dynamo,
+    gc.collect()  # whose import frames hold it in a cycle; collected here with what other tests left
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        earlier_run()
+        d = Discovery(hookpolicy.load(MONITOR), registry=CollectorRegistry(), rank=0)
+        d.install()
+        try:
+            model = tiny(out=1)
+            model(torch.randn(5, 4)).pow(2).mean().backward()
+            assert [g.model for g in d.governed] == [model]
+        finally:
+            d.remove()
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @pytest.mark.parametrize("watching", [False, True], ids=["hook-retired", "hook-installed"])

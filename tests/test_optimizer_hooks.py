@@ -7,6 +7,8 @@ pre-hooks and before the global post-hooks.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -84,3 +86,34 @@ def test_a_subscriber_removed_during_a_step_is_not_called_again() -> None:
     # ... until the next subscribe or remove outside a step.
     first.remove()
     assert global_counts() == baseline
+
+
+def test_taking_the_hooks_off_keeps_no_caller_alive() -> None:
+    """The last `remove()` walks every thread's frames and must leave no reference cycle behind.
+
+    `sys._current_frames()` includes the walking frame itself. Kept, it made a cycle that
+    held every frame of the caller's stack, with the script's locals (its model, its
+    optimizer), until the next full garbage collection; `apply`'s discovery, which looks
+    for optimizers on the heap, then refused to govern a later model trained by hand
+    because a dead optimizer "existed". With the collector off, what is freed here is
+    freed by reference counting alone.
+    """
+    class Local:
+        pass
+
+    def detach() -> "weakref.ref[Local]":
+        local = Local()  # a local of the script's frame, like its optimizer
+        baseline = global_counts()
+        subscription = optimizer_hooks.subscribe(Recorder("tracking", []), optimizer_hooks.STEP_TRACKING)
+        assert global_counts() == (baseline[0] + 1, baseline[1] + 1)
+        subscription.remove()
+        assert global_counts() == baseline  # the hooks came off: the frames were walked
+        return weakref.ref(local)
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        assert detach()() is None
+    finally:
+        if was_enabled:
+            gc.enable()

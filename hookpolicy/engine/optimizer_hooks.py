@@ -203,13 +203,28 @@ _STEP_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *a, **k: None).__
 
 
 def _inside_optimizer_step() -> bool:
-    """Whether some thread is inside an optimizer step (iterating the global hook dicts)."""
-    for top in sys._current_frames().values():
-        frame: Optional[FrameType] = top
-        while frame is not None:
-            if frame.f_code is _STEP_WRAPPER:
-                return True
-            frame = frame.f_back
+    """Whether some thread is inside an optimizer step (iterating the global hook dicts).
+
+    The trap: `sys._current_frames()` holds this very frame (the calling thread's top
+    one). A local of ours still naming it when we return (the dict, a loop variable)
+    makes the frame refer to itself, and that cycle keeps every caller's frame and its
+    locals (the script's model, optimizer, tensors) alive until the next full garbage
+    collection; `apply`'s discovery then takes the dead optimizer for a live one. So the
+    dict is emptied on the way out and the walk has its own frame.
+    """
+    frames = sys._current_frames()
+    try:
+        return any(_runs_a_step(top) for top in frames.values())
+    finally:
+        frames.clear()
+
+
+def _runs_a_step(frame: Optional[FrameType]) -> bool:
+    """Whether `frame` or one of its callers is PyTorch's wrapper around `Optimizer.step`."""
+    while frame is not None:
+        if frame.f_code is _STEP_WRAPPER:
+            return True
+        frame = frame.f_back
     return False
 
 
