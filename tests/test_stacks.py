@@ -31,6 +31,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 import hookpolicy
 from conftest import REPO, metric
@@ -348,6 +349,8 @@ def test_an_update_without_step_hooks_is_detected_and_guarded_per_backward_pass(
 
 def test_an_optimizer_stepping_inside_backward_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Per-parameter optimizers stepped from post-accumulate-grad hooks: no step has final gradients."""
+    handles: list[RemovableHandle] = []
+
     def in_backward(model: nn.Module) -> None:
         for p in model.parameters():
             inner = torch.optim.SGD([p], lr=0.1)
@@ -355,9 +358,13 @@ def test_an_optimizer_stepping_inside_backward_is_refused(tmp_path: Path, caplog
             def update(p: torch.Tensor, inner: torch.optim.Optimizer = inner) -> None:
                 inner.step()
                 inner.zero_grad()
-            p.register_post_accumulate_grad_hook(update)
+            handles.append(p.register_post_accumulate_grad_hook(update))
 
-    _, registry = _guard_run(tmp_path, lambda m, opt: None, caplog, setup=in_backward)
+    try:
+        _, registry = _guard_run(tmp_path, lambda m, opt: None, caplog, setup=in_backward)
+    finally:  # p -> its hook -> inner -> p is a cycle through PyTorch's C++ hook list that gc never frees:
+        for handle in handles:  # the four optimizers would stay alive for the rest of the process
+            handle.remove()
     said = [r.getMessage() for r in caplog.records if "inside the backward pass" in r.getMessage()]
     assert len(said) == 1 and said[0].endswith("refused: p/nan, p/clip")
     assert metric(registry, "hookpolicy_actions_total", {"rule": "clip", "action": "clip"}) in (None, 0)  # never ran
