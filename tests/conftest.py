@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -272,6 +273,40 @@ def global_hook_counts() -> tuple[int, ...]:
         len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks),
         len(module_hooks._global_backward_hooks), len(module_hooks._global_backward_pre_hooks),
     )
+
+
+def process_wide_state() -> dict[str, object]:
+    """Everything of the process hookpolicy may change while attached, and must give back.
+
+    PyTorch's process-wide hooks (call, registration, optimizer step), hookpolicy's own
+    step subscribers, its `nn.Module.__reduce_ex__` (in place while it holds a module hook)
+    and its threads.
+    """
+    from hookpolicy.engine import optimizer_hooks as step_owner
+
+    return {
+        "global hooks": global_hook_counts(),
+        "registration hooks": (
+            len(module_hooks._global_module_registration_hooks), len(module_hooks._global_parameter_registration_hooks),
+            len(module_hooks._global_buffer_registration_hooks),
+        ),
+        "step subscribers": len(step_owner._OWNER._subscriptions),
+        "nn.Module.__reduce_ex__": nn.Module.__dict__.get("__reduce_ex__"),
+        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("hookpolicy")),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _process_left_as_found() -> Iterator[None]:
+    """Every test leaves the process as it found it, so no test depends on which ran before it.
+
+    A test that detaches everything it attached passes this; one that leaves a hook, a
+    subscriber or a thread behind fails here, not in whichever test happens to run next.
+    """
+    before = process_wide_state()
+    yield
+    after = process_wide_state()
+    assert after == before, f"process-wide state left behind: {before} -> {after}"
 
 
 # --------------------------------------------------------------------------- outputs
