@@ -993,6 +993,26 @@ def _scraper(port: int, deadline: float, latencies: list[float], errors: list[st
             errors.append("a scrape without hookpolicy_policy_info{policy='scraped'}: another process's port?")
 
 
+def test_a_shutdown_before_the_exporter_thread_runs_stops_it(free_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`shutdown()` right after `serve()`, before the exporter's thread reached its loop (a busy machine).
+
+    It used to find no stop event yet, signal nothing, wait out its 5 s join and leave the
+    thread serving for the rest of the process. The thread is held back here on purpose.
+    """
+    from hookpolicy.export.exporter import Exporter
+
+    run = Exporter._run
+
+    def late(self: Exporter) -> None:
+        time.sleep(0.3)
+        run(self)
+
+    monkeypatch.setattr(Exporter, "_run", late)
+    with served(CollectorRegistry(), free_port) as server:
+        pass
+    assert not server._thread.is_alive()
+
+
 def test_the_exporter_listens_with_room_for_fifty_simultaneous_connections(free_port: int) -> None:
 
     with served(CollectorRegistry(), free_port) as server:

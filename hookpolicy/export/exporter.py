@@ -136,15 +136,20 @@ class Exporter:
         self._loop = asyncio.new_event_loop()
         self._open: dict[asyncio.StreamWriter, None] = {}  # oldest first
         self._next_answer = 0.0
-        self._stopped: Optional[asyncio.Event] = None
+        # made here, not on the exporter thread: a shutdown() that comes before that thread
+        # reaches its loop (a script that ends at once, a busy machine) must still stop it
+        self._stopped = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="hookpolicy-exporter", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def shutdown(self) -> None:
-        if self._stopped is not None:
-            self._loop.call_soon_threadsafe(self._stopped.set)
+        if self._thread.is_alive():
+            try:  # queued on the loop, also one not running yet: its first turn sets the event
+                self._loop.call_soon_threadsafe(self._stopped.set)
+            except RuntimeError:  # the loop closed meanwhile: the thread is ending on its own
+                pass
         self._thread.join(timeout=5)
 
     def server_close(self) -> None:
@@ -157,7 +162,6 @@ class Exporter:
             self._loop.close()
 
     async def _main(self) -> None:
-        self._stopped = asyncio.Event()
         server = await asyncio.start_server(self._client, sock=self._sock, limit=MAX_REQUEST_BYTES)
         async with server:
             await self._stopped.wait()
