@@ -278,7 +278,9 @@ x = torch.arange(n).reshape(1, n) if kind == "tokens" else torch.linspace(-1, 1,
 for path in sys.argv[4:]:
     model = torch.load(path, weights_only=False)
     with torch.no_grad():
-        print(repr(model(x.to(next(model.parameters()).dtype) if x.is_floating_point() else x).flatten().tolist()))
+        out = model(x.to(next(model.parameters()).dtype) if x.is_floating_point() else x)
+    out = out[0] if isinstance(out, tuple) else out  # nanoGPT-style models return (logits, loss)
+    print(repr(out.flatten().tolist()))
 """
 
 
