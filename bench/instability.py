@@ -247,11 +247,12 @@ def overhead(rounds: int, seed: int) -> str:
     for key, label, policy in OVERHEAD:
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        criterion = nn.CrossEntropyLoss()
 
-        def step(model: nn.Module = model, opt: torch.optim.Optimizer = opt, criterion: nn.Module = criterion) -> None:
-            logits, _ = model(x)
-            criterion(logits.reshape(-1, SYMBOLS), y.reshape(-1)).backward()
+        def step(model: nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
+            # the model returns its loss (each model's own: a criterion module would be
+            # shared by the loss rules of every model stepped in turn here)
+            _, loss = model(x, y)
+            loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
