@@ -186,41 +186,12 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-#: the policies timed against each other: (key, label, policy text or None)
-FIXED_LOSS = """
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata: {name: fixed-loss}
-spec:
-  rules:
-    - name: loss-limit
-      match: {root: true}
-      trigger: {at: step}
-      target: loss
-      actions:
-        - capture: {stats: [mean, max, nonfinite], per: rule}
-        - alert: {if: "nonfinite > 0 or loss > 100", per: rule, then: skip_step}
-        - alert: {if: "loss > 100", for: 20, per: rule, then: halt}
-"""
-FIXED_CLIP = """
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata: {name: fixed-clip}
-spec:
-  rules:
-    - name: clip
-      match: {modules: ["**"]}
-      trigger: {at: step}
-      target: grad
-      actions:
-        - clip: {max_norm: 1.0, per: rule}
-        - capture: {stats: [l2_norm], per: rule}
-"""
+#: the policies timed against each other: (key, label, policy file or None)
 OVERHEAD = (
     ("floor", "no policy", None),
-    ("fixed_loss", "loss rule, fixed thresholds", FIXED_LOSS),
+    ("fixed_loss", "loss rule, fixed thresholds", "bench/policies/fixed-loss.yaml"),
     ("spike_guard", "loss-spike-guard.yaml (zscore, mean)", "policies/loss-spike-guard.yaml"),
-    ("fixed_clip", "clip max_norm 1.0 per rule", FIXED_CLIP),
+    ("fixed_clip", "clip max_norm 1.0 per rule", "bench/policies/fixed-clip.yaml"),
     ("zclip", "zclip.yaml (ema, ema_std)", "policies/zclip.yaml"),
 )
 
@@ -228,7 +199,6 @@ OVERHEAD = (
 def overhead(rounds: int, seed: int) -> str:
     """Interleaved step times (bench/timing.py) of the same loop under each policy of OVERHEAD."""
     import copy
-    import tempfile
 
     import hookpolicy
     from prometheus_client import CollectorRegistry
@@ -243,7 +213,6 @@ def overhead(rounds: int, seed: int) -> str:
     base = TinyGPT(SYMBOLS, context=CONTEXT)
     x, y = batch(data, torch.arange(0, 16 * 97, 97), CONTEXT)
     variants, attachments = [], []
-    folder = Path(tempfile.mkdtemp())
     for key, label, policy in OVERHEAD:
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -257,10 +226,7 @@ def overhead(rounds: int, seed: int) -> str:
             opt.zero_grad(set_to_none=True)
 
         if policy is not None:
-            path = ROOT / policy if policy.endswith(".yaml") else folder / f"{key}.yaml"
-            if not policy.endswith(".yaml"):
-                path.write_text(policy)
-            attachments.append(hookpolicy.load(path).attach(model, registry=CollectorRegistry(), rank=0))
+            attachments.append(hookpolicy.load(ROOT / policy).attach(model, registry=CollectorRegistry(), rank=0))
         variants.append(Variant(key, label, step, lambda: None, model=model))
     try:
         samples = interleave(variants, rounds=rounds, warmup=30, cuda=False)
