@@ -15,15 +15,11 @@ from torch import nn
 
 import hookpolicy
 from hookpolicy.export.tensorboard import MISSING_TENSORBOARD
+from conftest import write_policy
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
-POLICY = """\
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata: {name: tb}
-spec:
-  rules:
+RULES = """
     - name: grads
       match: {types: [Linear]}
       trigger: {at: step}
@@ -47,7 +43,7 @@ STEPS = 6
 def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, registry: CollectorRegistry) -> dict[int, dict[str, torch.Tensor]]:
     """A few SGD steps under the policy; returns the gradients each step applied, as the test saw them."""
     monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path))
-    (tmp_path / "tb.yaml").write_text(POLICY)
+    path = write_policy(tmp_path, RULES, name="tb")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -55,7 +51,7 @@ def train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, registry: CollectorRe
     names = {id(p): n for n, p in model.named_parameters()}
     opt.register_step_pre_hook(lambda o, a, k: seen.__setitem__(len(seen), {
         names[id(p)]: p.grad.detach().clone() for g in o.param_groups for p in g["params"] if p.grad is not None}))
-    with hookpolicy.load(str(tmp_path / "tb.yaml")).attach(model, registry=registry, rank=0):
+    with hookpolicy.load(path).attach(model, registry=registry, rank=0):
         for _ in range(STEPS):
             model(torch.randn(5, 4)).pow(2).sum().backward()
             opt.step()
