@@ -21,7 +21,11 @@ import torch
 from prometheus_client import CollectorRegistry
 from torch import nn
 
-from conftest import load_policy, metric, no_host_sync
+import hookpolicy
+from click.testing import CliRunner
+from conftest import REPO, load_policy, metric, no_host_sync
+from hookpolicy.cli import cli
+from stacks.timm_like import BUILDERS, CLASSIFIER
 
 
 class ConvNet(nn.Module):
@@ -264,3 +268,91 @@ def test_a_capture_after_agc_sees_the_clipped_gradients(tmp_path: Path) -> None:
     after = float(torch.linalg.vector_norm(seen["weight"]))
     assert after < before
     assert published == [pytest.approx(after, rel=1e-6)]
+
+
+# --------------------------------------------------------------------------- the shipped policy on timm-style models
+
+AGC_YAML = REPO / "policies" / "agc.yaml"
+TIMM_LIKE = REPO / "tests" / "stacks" / "timm_like.py"
+
+
+def image_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_the_shipped_policy_clips_all_but_the_classifier_of_timm_style_models(arch: str, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """policies/agc.yaml against the NFNets equations on every parameter but the final linear
+    layer's (timm's `head.fc`, ResNet's `fc`, ViT's `head`, Hugging Face's `classifier`), whose
+    gradients the optimizer must use exactly as backward left them."""
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = BUILDERS[arch]()
+    twin = copy.deepcopy(model)
+    head = CLASSIFIER[arch] + "."
+    selected = [(n, p) for n, p in twin.named_parameters() if not n.startswith(head)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.5)
+    used: list[dict[str, torch.Tensor]] = []
+    opt.register_step_pre_hook(lambda o, a, k: used.append({n: p.grad.clone() for n, p in model.named_parameters()}))
+    reg = CollectorRegistry()
+    total, head_would = 0, 0
+    with hookpolicy.load(AGC_YAML).attach(model, registry=reg, rank=0):
+        for step, (x, y) in enumerate(image_batches(3)):
+            for m, o in ((model, opt), (twin, twin_opt)):
+                o.zero_grad()
+                nn.functional.cross_entropy(m(x), y).backward()
+            unclipped = {n: p.grad.clone() for n, p in twin.named_parameters() if n.startswith(head)}
+            head_would += sum(agc_reference([(n, p) for n, p in twin.named_parameters() if n.startswith(head)],
+                                            0.01, 1e-3, apply=False).values())
+            total += sum(agc_reference(selected, ratio=0.01, eps=1e-3).values())
+            opt.step()
+            for name, p in twin.named_parameters():
+                if name in unclipped:  # bit for bit what backward wrote
+                    assert torch.equal(used[-1][name], unclipped[name]), (step, name)
+                else:
+                    torch.testing.assert_close(used[-1][name], p.grad, rtol=1e-6, atol=1e-9,
+                                               msg=lambda m: f"step {step} {name}: {m}")
+            twin_opt.step()
+    assert head_would > 0  # AGC would have clipped the classifier: leaving it alone is a choice
+    assert total > 0
+    assert sum(s.value for m in reg.collect() for s in m.samples if s.name == "hookpolicy_clipped_total") == total
+
+
+def test_an_exclude_glob_naming_a_container_warns_at_plan_attach_and_explain(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The old agc.yaml (`exclude: [head]`) on an NF-RegNet: `head` has no parameters, its `fc` stays clipped."""
+    old = AGC_YAML.read_text().replace('"head", "head.fc", ', '"head", ')
+    assert old != AGC_YAML.read_text()
+    path = tmp_path / "agc.yaml"
+    path.write_text(old)
+    wanted = ("agc/agc: exclude glob 'head' names head, which has no parameters of its own; globs match whole "
+              "names, so the parameters of head.fc stay selected: did you mean 'head.**'?")
+    policies = hookpolicy.load(path)
+    assert wanted in policies.plan(BUILDERS["nf_regnet"]()).warnings
+    with policies.attach(BUILDERS["nf_regnet"](), registry=CollectorRegistry(), rank=0):
+        assert wanted in caplog.text
+    shown = CliRunner().invoke(cli, ["explain", str(path), "--model", f"{TIMM_LIKE}:build_nf_regnet"])
+    assert f"warning: {wanted}" in shown.output
+    # ConvNeXt's head.norm stays clipped by design: head.fc being excluded, `head` did what it could
+    for arch, build in BUILDERS.items():
+        warnings = hookpolicy.load(AGC_YAML).plan(build()).warnings
+        assert not [w for w in warnings if "no parameters of its own" in w], (arch, warnings)
+
+
+def test_a_modules_glob_naming_a_container_warns(tmp_path: Path) -> None:
+    policies = load_policy(tmp_path, """
+        - {name: grads, match: {modules: [head, stages]}, trigger: {at: step}, actions: [{capture: {stats: [l2_norm]}}]}
+        - {name: outputs, match: {modules: [head]}, trigger: {at: forward}, actions: [{capture: {stats: [l2_norm]}}]}
+        - {name: fine, match: {modules: ["head.**"]}, trigger: {at: step}, actions: [{capture: {stats: [l2_norm]}}]}
+    """)
+    warnings = [w for w in policies.plan(BUILDERS["nf_regnet"]()).warnings if "no parameters of" in w]
+    assert warnings == [
+        "p/grads: modules glob 'head' names head, which has no parameters of its own; globs match whole names, "
+        "so the parameters of head.fc are not selected: did you mean 'head.**'?",
+        "p/grads: modules glob 'stages' names stages, which has no parameters of its own; globs match whole names, "
+        "so the parameters of stages.0.0, stages.0.0.conv1, stages.0.0.conv2, ... are not selected: "
+        "did you mean 'stages.**'?",
+    ]  # a forward rule on `head` reads its output: nothing to say

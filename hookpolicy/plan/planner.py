@@ -3,17 +3,20 @@
 `build_plan(policies, model)` is a pure function: it walks the model once, matches every
 rule, and returns bindings ordered by (priority, policy order, rule order, module order),
 plus the warnings a user should see before training (a rule that matches nothing, a
-`grad_input` rule on a module whose inputs are indices, a `grad` rule's frozen parameters). The runtime installs exactly
+`grad_input` rule on a module whose inputs are indices, a `grad` rule's frozen parameters,
+an `exclude` or `modules` glob that names a container whose parameters are its children's).
+The runtime installs exactly
 what the plan lists and nothing else; `explain` prints it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from .matcher import Matcher, ModuleEntry, Target, iter_modules
 from ..errors import Problem
+from ..policy.patterns import compile_glob
 from ..policy.model import LOSS, PARAM_TARGETS, Action, Alert, Capture, Clip, Policy, Rule, Scale
 
 __all__ = ["LOSS_SOURCES", "Binding", "Plan", "build_plan", "describe_action", "param"]
@@ -176,6 +179,8 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
         if not found:
             selects_nothing(policy, rule, f"matches no module of {type(model).__name__}")
             continue
+        if rule.target in PARAM_TARGETS:
+            warnings.extend(f"{where}: {w}" for w in _bare_containers(rule, matcher, entries))
         targets = [(entry, t) for entry in found for t in matcher.targets(entry, rule.target in PARAM_TARGETS)]
         if not targets:
             selects_nothing(policy, rule, f"none of the {len(found)} matched modules is an adapted layer "
@@ -207,6 +212,59 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
             what = "trainable parameters" if frozen else "parameters"
             selects_nothing(policy, rule, f"the matched modules have no {what} matching {list(rule.match.params) or '*'}")
     return Plan(tuple(bindings), tuple(warnings), tuple(unmatched), tuple(notes))
+
+
+#: how many module names a warning lists before "..."
+_SHOWN = 3
+
+
+def _bare_containers(rule: Rule, matcher: Matcher, entries: list[ModuleEntry]) -> list[str]:
+    """The globs of a parameter rule that name a module with no parameters of its own, to no effect.
+
+    Globs match whole names, so `exclude: [head]` excludes `head`, not `head.fc`: on a
+    timm model, where `head` only holds `head.fc`, the classifier stays selected. Said
+    for an `exclude` glob when a container it names has selected parameters below it and
+    none of them excluded; for a `modules` glob when no `modules` glob names any of them.
+    """
+    holders = [e for e in entries if e.name and _has_own_params(e.module)]
+    below_selected = _ancestors(e.name for e in holders if matcher.matches(e.name, e.typed, False))
+    below_any = _ancestors(e.name for e in holders)
+    excludes = tuple(compile_glob(g) for g in rule.match.exclude)
+    below_excluded = _ancestors(e.name for e in holders if any(g.fullmatch(e.name) for g in excludes))
+    named = tuple(compile_glob(g) for g in rule.match.modules)
+    below_named = _ancestors(e.name for e in holders if any(g.fullmatch(e.name) for g in named))
+    #: per field, the containers whose parameters the glob meant and missed
+    missed = {"exclude": below_selected - below_excluded, "modules": below_any - below_named}
+    found: list[str] = []
+    for field, globs in (("exclude", rule.match.exclude), ("modules", rule.match.modules)):
+        for glob in globs:
+            pattern = compile_glob(glob)
+            bare = [e for e in entries if e.name in missed[field] and pattern.fullmatch(e.name)
+                    and not _has_own_params(e.module)]
+            if not bare:
+                continue
+            children = [h.name for h in holders if any(h.name.startswith(e.name + ".") for e in bare)]
+            shown = ", ".join(children[:_SHOWN]) + (", ..." if len(children) > _SHOWN else "")
+            what = ("stay selected" if field == "exclude" else "are not selected")
+            hint = f"did you mean {glob + '.**'!r}?" if not glob.startswith("re:") else "name them too."
+            one = len(bare) == 1
+            found.append(f"{field} glob {glob!r} names {', '.join(e.name for e in bare[:_SHOWN])}, which "
+                         f"{'has' if one else 'have'} no parameters of {'its' if one else 'their'} "
+                         f"own; globs match whole names, so the parameters of {shown} {what}: {hint}")
+    return found
+
+
+def _has_own_params(module: Any) -> bool:
+    return next(iter(module.named_parameters(recurse=False)), None) is not None
+
+
+def _ancestors(names: Iterable[str]) -> set[str]:
+    """Every proper dotted prefix of each of `names` (`a` and `a.b` for `a.b.c`)."""
+    out: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return out
 
 
 def _binding(policy: Policy, rule: Rule, entry: ModuleEntry, target: Target,
