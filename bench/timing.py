@@ -184,26 +184,26 @@ def count_syncs(v: Variant, steps: int = 3) -> tuple[float, float]:
     """CUDA only: host-device syncs per step, total and inside hookpolicy's once-a-step readback.
 
     Uses `torch.cuda.set_sync_debug_mode("warn")`, which warns at every synchronizing
-    call; the readback's share is counted by wrapping the attached policy's `_readback`
-    on this instance for the duration of the count.
+    call; the readback's share is counted by wrapping the attached policy's step cycle's
+    `_read_back` on that instance for the duration of the count.
     """
     in_readback = 0
     original = None
     if v.attached is not None:
-        attached = v.attached
-        original = attached._readback
+        cycle = v.attached._cycle
+        original = cycle._read_back
 
-        def counted(final: bool = False) -> bool:
+        def counted(final: bool = False, decide: bool = False) -> bool:
             nonlocal in_readback
             with warnings.catch_warnings(record=True) as inner:
                 warnings.simplefilter("always")
-                result = original(final)
+                result = original(final, decide)
             in_readback += sum("synchroniz" in str(w.message) for w in inner)
             for w in inner:  # hand them on to the outer recorder
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             return result
 
-        attached._readback = counted  # type: ignore[method-assign]
+        cycle._read_back = counted  # type: ignore[method-assign]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -215,5 +215,5 @@ def count_syncs(v: Variant, steps: int = 3) -> tuple[float, float]:
     finally:
         torch.cuda.set_sync_debug_mode("default")
         if original is not None and v.attached is not None:
-            del v.attached._readback  # back to the class's method
+            del v.attached._cycle._read_back  # back to the class's method
     return total / steps, in_readback / steps

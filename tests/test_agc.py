@@ -209,7 +209,7 @@ def test_no_host_sync_inside_the_step_hook(tmp_path: Path, monkeypatch: pytest.M
         loss(m, x, y).backward()
     agc_reference(list(ref.named_parameters()), 0.02, 1e-3)
     with pol.attach(model, registry=reg) as attached:
-        executor = attached._executor
+        executor = attached._cycle.executor
         run_step_rules = executor.run_step_rules
 
         def guarded(rules: Any, *loss: Any, **kwargs: Any) -> None:

@@ -277,7 +277,7 @@ def test_no_host_sync_in_the_loss_hooks(tmp_path: Path) -> None:
 
             with no_host_sync():
                 closure()  # an accumulated micro-batch outside step(): the criterion's hook
-                assert attached._loss is not None and attached._loss._sources[2]
+                assert attached._cycle._loss is not None and attached._cycle._loss._sources[2]
             opt.step(closure)
         assert registry.get_sample_value("hookpolicy_hook_errors_total", {"policy": "p", "rule": "loss",
                                                                          "model": "Sequential", "rank": "0"}) == 0

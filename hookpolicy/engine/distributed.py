@@ -1,4 +1,4 @@
-"""Distributed training: statistics of sharded tensors (FSDP2, DTensor), and one decision on every rank.
+"""Distributed training: statistics of sharded tensors (FSDP2, DTensor).
 
 **Sharded tensors.** Under FSDP2 (`fully_shard`) parameters and gradients are `DTensor`s,
 each rank holding a shard; tensor-parallel layers may return `DTensor` activations. A
@@ -19,18 +19,7 @@ this cancels only when the mean is 10**8 times the standard deviation or more. N
 minimum or maximum is carried by a count of its own (a MAX reduction need not propagate
 NaN), and comes back as NaN.
 
-**One decision on every rank.** A `skip_step` or `halt` decided on one rank (its own
-activations, its own gradient before DDP's all-reduce, a NaN injected into its shard)
-must be taken by every rank in the same step, or the ranks' parameters part ways (and
-FSDP's next collective waits forever for a rank that halted). `agree` does one
-`all_reduce(MAX)` of two integers over the default process group at each step decision,
-only when the attached policies hold an enforced `skip_step` or `halt` and a process group
-is initialised (and, once it did, for the rest of the process: see `_AGREED`). Every rank of the group must then step its optimizer together (which
-DDP and FSDP require anyway). Decisions taken during evaluation forwards (a halt at a
-per-batch readback) are not agreed on: a rank may evaluate alone.
-
-The process-wide side of this: these collectives are issued from the optimizer step
-pre-hook, where every rank of a DDP or FSDP job is at the same point of the same step.
+The rank agreement on a step's decision lives in `agreement`.
 """
 
 from __future__ import annotations
@@ -47,7 +36,7 @@ if TYPE_CHECKING:
 
 from .stats import tensor_partials
 
-__all__ = ["Shards", "Units", "full_value", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards", "agreeing", "agree", "encode", "decode"]
+__all__ = ["Shards", "Units", "full_value", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards"]
 
 #: What an empty shard contributes to each partial.
 _IDENTITY = {"sumsq": 0.0, "sum": 0.0, "m2": 0.0, "min": math.inf, "max": -math.inf, "nonzero": 0.0, "finite": 0.0}
@@ -316,60 +305,3 @@ def _restore(s: torch.Tensor, m: torch.Tensor, kinds: Sequence[str], numels: Seq
             col = -m[:, 0] if kind == "min" else m[:, 1]
             cols.append(col.masked_fill(nan, math.nan))
     return torch.stack(cols, dim=1)
-
-
-# -- one decision on every rank ----------------------------------------------------------
-
-
-#: Set at the first agreement: from then on this process agrees at every step decision,
-#: whatever its policies, because a reload that takes the last skip/halt rule out is swapped
-#: in at a different step on each rank, and a rank that stopped agreeing first would leave
-#: the others' collective unanswered.
-_AGREED = False
-
-
-def agreeing(decides: bool) -> bool:
-    """Whether to agree on this step's decision: a process group is up (it may start late) and
-    the policies can skip or halt (`decides`), or this process agreed before."""
-    import torch.distributed as dist
-    return (decides or _AGREED) and dist.is_available() and dist.is_initialized()
-
-
-def agree(skip: int, halt: int) -> tuple[int, int]:
-    """The largest `skip` and `halt` codes over the default process group (0: no rank decided that).
-
-    A code is `1 + what * world_size + rank` (see `encode`), so the reduced code names one
-    rank that decided and what it decided.
-    """
-    import torch.distributed as dist
-    global _AGREED
-    _AGREED = True
-    flags = torch.tensor([skip, halt], dtype=torch.int64, device=_collective_device())
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    got = flags.tolist()
-    return int(got[0]), int(got[1])
-
-
-def encode(what: Optional[int]) -> int:
-    """A decision's code for `agree`: `what` (an index the same on every rank) and this rank; 0 for none."""
-    if what is None:
-        return 0
-    import torch.distributed as dist
-    return 1 + what * dist.get_world_size() + dist.get_rank()
-
-
-def decode(code: int) -> Optional[tuple[int, int]]:
-    """(what, rank) of a code; None for 0."""
-    if code == 0:
-        return None
-    import torch.distributed as dist
-    return divmod(code - 1, dist.get_world_size())
-
-
-def _collective_device() -> torch.device:
-    """CPU when the default group has a CPU backend (gloo), else this rank's current accelerator."""
-    import torch.distributed as dist
-    backend = str(dist.get_backend()).lower()
-    if "gloo" in backend or "cpu" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())

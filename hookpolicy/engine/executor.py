@@ -2,38 +2,31 @@
 
 `Executor` is what the installed hooks call (`pre_hook`, `post_hook`, and through them
 tensor hooks on gradients) and what step tracking calls for `step` rules
-(`run_step_rules`). A statistics pass leaves an `Entry` (device-side partials) in
-`buffer` for the read-back; a clip or scale returns replacement tensors (or changes
-parameter gradients in place at `step`). `ran` (which action ran on which module) and
-`seconds` accumulate `hookpolicy_actions_total` and `hookpolicy_hook_seconds_total` until
-the coordinator flushes them once per step: an action counts once per step and binding,
-however many calls or micro-batches the step had.
-
-Error containment (`fail`): an exception in a rule's hook body is counted, logged once,
-and switches the rule off after `MAX_ERRORS`; with `onError: halt` it becomes a `Halt`.
+(`run_step_rules`). Everything it records goes to the step's `Ledger`, which the step
+cycle owns: a statistics pass appends an `Entry` (device-side partials), a clip a
+`ClipEntry`, every action the module it ran on; a clip or scale returns replacement
+tensors (or changes parameter gradients in place at `step`). A hook body runs under
+`Faults.guarded`: its exception is a fault of its rule, its time goes to the ledger.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import time
-import traceback
-from collections import defaultdict
-from typing import Any, Callable, Optional, Sequence, Union, cast
+from typing import Any, Optional, Sequence, cast
 
 import torch
 
 from .actions import MutateOp, StatsOp, clip_norm, clip_unitwise, mutate
-from ..errors import Halt
-from ..export.metrics import HOOK_ERRORS, ModelMetrics
 from ..plan.planner import Binding, param as find_param
 from ..policy.expr import Value
 from ..policy.model import LOSS, Clip, Rule
 from .distributed import Shards, local_shards, sum_over_groups, shard_name, shard_partials, unit_shards
+from .faults import Faults
 from .history import History
-from .readback import ClipEntry, Entry, group_key
-from .rulestate import MAX_ERRORS, RuleState
+from .ledger import ClipEntry, Entry, Ledger
+from .readback import group_key
+from .rulestate import RuleState
 from .stats import tensor_partials
 from .steps import Phase, recomputing
 from .structure import named_tensors, replace_tensors, selector
@@ -46,26 +39,18 @@ Named = list[tuple[str, torch.Tensor]]
 
 
 class Executor:
-    """Runs the rules of one attachment inside hooks; see the module docstring.
-
-    `step()` is the step being evaluated (for messages and halts); `halting(halt)` tells
-    the attachment's `on_halt` before a `Halt` propagates.
-    """
+    """Runs the rules of one attachment inside hooks, recording into `ledger`; see the module docstring."""
 
     def __init__(
-        self, rules: dict[tuple[str, str], RuleState], phase: Phase, store: ModelMetrics,
-        step: Callable[[], int], halting: Callable[[Halt], Halt], history: History,
+        self, rules: dict[tuple[str, str], RuleState], phase: Phase, ledger: Ledger, faults: Faults,
+        history: History,
     ) -> None:
         self.rules = rules
         self.history = history
-        self.buffer: list[Union[Entry, ClipEntry]] = []
-        #: (hookpolicy_actions_total labels, module) of every action that ran this step
-        self.ran: set[tuple[tuple[str, ...], str]] = set()
-        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self._ledger = ledger
+        self._faults = faults
+        self.guarded = faults.guarded
         self._phase = phase
-        self._store = store
-        self._step = step
-        self._halting = halting
         self.rules_changed()
         self._versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self._warned_inplace: set[tuple[str, ...]] = set()
@@ -219,18 +204,18 @@ class Executor:
                     matrix = tensor_partials(tensors, op.kinds, defer_counts=True)
                 else:
                     matrix = tensor_partials(tensors, op.kinds)
-                self.buffer.append(Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies,
+                self._ledger.entries.append(Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies,
                                          list(tensors) if deferred else None,
                                          None if sharded is None else sharded[1]))
-                self.ran.update((key, module) for key in count_keys for module in modules)
+                self._ledger.ran.update((key, module) for key in count_keys for module in modules)
             elif op.unitwise:
-                self.ran.update((count_keys[0], module) for module in modules)
+                self._ledger.ran.update((count_keys[0], module) for module in modules)
                 counts = self._clip_units(rs, op, rows, tensors, list(weights))
                 # what it clipped (audit: would have) goes to the read-back; AGC measures no group norm
                 report = torch.stack([torch.full_like(counts, math.nan), counts], dim=1)
-                self.buffer.append(ClipEntry(rs, op.index, list(rows), report, [None] * len(rows)))
+                self._ledger.entries.append(ClipEntry(rs, op.index, list(rows), report, [None] * len(rows)))
             else:
-                self.ran.update((count_keys[0], module) for module in modules)
+                self._ledger.ran.update((count_keys[0], module) for module in modules)
                 action = op.action
                 if isinstance(action, Clip) and action.max_norm is not None:
                     tensors, clipped = self._clip(rs, op.index, action, rows, tensors, inplace)
@@ -273,7 +258,7 @@ class Executor:
         keys = [group_key(rows, group, action.per) for group in groups]
         limits = self._limits(rs, index, action, keys)
         new, report = clip_norm(list(tensors), limits, action.norm_type, groups, inplace, apply=rs.enforce)
-        self.buffer.append(ClipEntry(rs, index, keys, report, limits))
+        self._ledger.entries.append(ClipEntry(rs, index, keys, report, limits))
         applied = rs.enforce and any(limit is not None for limit in limits)
         return (new, True) if applied else (tensors, False)
 
@@ -296,42 +281,10 @@ class Executor:
             if limit <= 0 and (rs.key, index) not in self._warned_limits:
                 self._warned_limits.add((rs.key, index))
                 log.warning("%s/%s: max_norm %s is %g at step %d for %s, which clips nothing; a threshold that is "
-                            "not positive never clips (said once)", *rs.key, expression, limit, self._step(),
+                            "not positive never clips (said once)", *rs.key, expression, limit, self._faults.step(),
                             module or "<root>")
             limits.append(limit if limit > 0 else None)  # NaN > 0 is False: no history, no clip
         return limits
-
-    # -- error containment -------------------------------------------------------------
-    def guarded(self, rs: RuleState, fn: Any, *args: Any) -> Any:
-        """Call a hook body, timing it; an exception is contained per the policy's onError."""
-        start = time.perf_counter()
-        try:
-            return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - containment is the point
-            self.fail(rs, exc)
-            return None
-        finally:
-            self.seconds[rs.key] += time.perf_counter() - start
-
-    def fail(self, rs: RuleState, exc: BaseException) -> None:
-        """Count an error of `rs`; raise `Halt` (onError: halt) or log it and maybe switch the rule off."""
-        rs.errors += 1
-        self._store.inc(HOOK_ERRORS, rs.key)
-        step = self._step()
-        if rs.policy.on_error == "halt":
-            raise self._halting(
-                Halt(rs.policy.name, rs.rule.name, step, f"hook error: {type(exc).__name__}: {exc}")
-            ) from exc
-        if rs.errors == 1 and isinstance(exc, OSError):  # a sink that cannot write: the message says it all
-            log.error("hookpolicy: %s/%s raised at step %d: %s (logged once; the rule is switched off after %d errors)",
-                      *rs.key, step, exc, MAX_ERRORS)
-        elif rs.errors == 1:
-            log.error(
-                "hookpolicy: %s/%s raised at step %d (logged once; the rule is switched off after %d errors):\n%s",
-                *rs.key, step, MAX_ERRORS, "".join(traceback.format_exception(exc)).rstrip(),
-            )
-        if rs.errors == MAX_ERRORS:
-            log.error("hookpolicy: %s/%s switched off after %d errors", *rs.key, MAX_ERRORS)
 
 
 def _input_tensors(inputs: tuple[Any, Any], keep: Any) -> Named:

@@ -1,13 +1,13 @@
 """The once-per-step readback: buffered device partials in, statistics and decisions out.
 
-The runtime's hooks leave `Entry` objects (small partial matrices, still on the device)
-in a buffer. At a step boundary `Readback.run` fetches all of them with one transfer per
+The hook bodies leave `Entry` objects (small partial matrices, still on the device) in
+the step's ledger. At a step boundary `Readback.run` fetches all of them with one transfer per
 device, finishes the statistics per group (`per: tensor | module | rule`), publishes
 them to the metrics store, writes the JSON-lines and tensor-file sinks, evaluates the
 alerts with their `for:` streaks, and returns the step's decision: skip it, halt, or go
 on. Nothing here runs inside a hook, and nothing here calls back into the runtime: the
 outcome is a `StepReport` (skip? halt? which rules' sinks failed? time spent per rule)
-that the coordinator acts on. The read-back owns the log and tensor-file sinks.
+that the step cycle acts on. The read-back owns the log and tensor-file sinks.
 """
 
 from __future__ import annotations
@@ -31,49 +31,14 @@ from ..policy.model import Alert, Board, Capture, Clip, LogSink, Policy
 from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
 from ..export.tensorboard import Boards, histogram_tag, scalar_tag
 from .rulestate import MAX_ERRORS, RuleState
-from .distributed import Shards, reduce_shards
+from .distributed import reduce_shards
 from .history import History, Observation, SeriesSpec, spec_for
+from .ledger import ClipEntry, Entry
 from .stats import combine, finish, resolve_counts
 
-__all__ = ["ClipEntry", "Entry", "Readback", "StepReport", "group_key"]
+__all__ = ["Readback", "StepReport", "group_key"]
 
 log = logging.getLogger("hookpolicy")
-
-@dataclass
-class Entry:
-    """The device-side statistics of one execution of a statistics pass."""
-
-    rule: RuleState
-    op: StatsOp
-    target: str
-    rows: list[tuple[str, str]]  # (module, tensor) per matrix row
-    numels: list[int]
-    matrix: torch.Tensor
-    copies: list[tuple[int, str, str, torch.Tensor]]  # (action index, module, tensor, copy)
-    #: step targets whose `finite` counts wait for the readback (stats.resolve_counts)
-    deferred: Optional[list[torch.Tensor]] = None
-    #: rows of DTensor shards, reduced over their mesh before the readback (distributed.reduce_shards)
-    shards: Optional[Shards] = None
-
-
-@dataclass
-class ClipEntry:
-    """What one execution of a clip did (enforce) or would have done (audit), still on the device.
-
-    One row per group the clip measured (`rows`: its (module, tensor) key, see `group_key`)
-    or per unit row of a unit-wise clip; `matrix` is `[len(rows), 2]` float64 on the
-    device: the measured norm (NaN where there is none), and how many groups or units were
-    clipped. `limits` are the thresholds used (None: not clipped this time). The read-back
-    adds the counts to `hookpolicy_clipped_total` and, for a `max_norm` expression, appends
-    `min(norm, limit)` (the norm as it left the clip) to the clip's history.
-    """
-
-    rule: RuleState
-    index: int
-    rows: list[tuple[str, str]]
-    matrix: torch.Tensor
-    limits: list[Optional[float]]
-
 
 def group_key(rows: Sequence[tuple[str, str]], group: Sequence[int], per: str) -> tuple[str, str]:
     """The (module, tensor) a group of `per` is reported under: both, the module and "", or ("", "")."""

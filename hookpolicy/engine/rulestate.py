@@ -8,14 +8,17 @@ containment (`Executor.fail`), so "is this rule switched off?" has one answer.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .actions import Program, StatsOp, compile_rule
 from ..plan.planner import Binding, Plan
-from ..policy.model import Capture, Policy, Rule
+from ..policy.model import Alert, Capture, Clip, Policy, Rule, Scale
 
-__all__ = ["MAX_ERRORS", "RuleState", "rebind", "rule_states"]
+__all__ = ["MAX_ERRORS", "RuleState", "rebind", "refuse", "rule_states"]
+
+log = logging.getLogger("hookpolicy")
 
 #: A rule that raised this many times is switched off (`onError: continue`).
 MAX_ERRORS = 3
@@ -45,7 +48,7 @@ class RuleState:
             for op in self.program
         ]
 
-    #: why the rule cannot take effect on this model (`steps.StepEvents.unguardable`): it is off
+    #: why the rule cannot take effect on this model (`refuse`): it is off
     refused: Optional[str] = None
 
     @property
@@ -78,3 +81,25 @@ def rebind(rules: dict[tuple[str, str], RuleState], plan: Plan, audit: bool) -> 
             new.append(rs)
         rs.bindings.append(b)
     return new
+
+
+def refuse(rules: dict[tuple[str, str], RuleState], model: str, reason: str, refused: bool) -> None:
+    """Say that the step rules of `model` cannot act as written here; with `refused`, switch off those that would change anything.
+
+    A rule that would clip, scale, skip or halt in enforce mode is refused rather than
+    run as a no-op or on partial gradients; audit and capture-only rules keep running
+    and their numbers come with this warning.
+    """
+    step_rules = [rs for rs in rules.values() if rs.rule.trigger.at == "step"]
+    if not step_rules:
+        return
+    off = [rs for rs in step_rules if refused and rs.enforce and not rs.off and _acts(rs.rule)]
+    for rs in off:
+        rs.refused = reason
+    tail = f"; refused: {', '.join('/'.join(rs.key) for rs in off)}" if off else ""
+    log.warning("%s: %s%s", model, reason, tail)
+
+
+def _acts(rule: Rule) -> bool:
+    """Whether a rule changes training: a clip or scale, or an alert that skips the step or halts."""
+    return any(isinstance(a, (Clip, Scale)) or (isinstance(a, Alert) and a.then != "log") for a in rule.actions)

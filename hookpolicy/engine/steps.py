@@ -16,52 +16,30 @@ Traps this module handles:
 - `skip_step` cannot stop `optimizer.step()` from running; it hides the gradients
   (`p.grad = None`, which every torch optimizer skips without touching its state) and
   puts them back in the post-hook.
-- The root module carries two small hooks, installed here: the pre-hook decides the
-  phase (train/eval) once per forward (`Phase`), the post-hook marks backward passes
-  with a tensor hook on each output. Both skip a forward that activation checkpointing
-  re-runs inside the backward pass (`recomputing()`). They go through `module_hooks`, so
-  copies and saves of the model never carry them.
+- The root module's two small hooks (installed by the step cycle, `cycle`) ask here:
+  the pre-hook decides the phase (train/eval) once per forward (`Phase`), the post-hook
+  marks backward passes with a tensor hook on each output. Both skip a forward that
+  activation checkpointing re-runs inside the backward pass (`recomputing()`).
+
+`StepTracker` only answers and keeps count; it calls nothing back. The step cycle asks it
+at each event (`update_starts`, `backward_done`, ...) and does the step's work itself.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import torch
 
-from . import heap, module_hooks, optimizer_hooks
-from .loss import LossTap
+from . import heap
+from .rulestate import RuleState, refuse
 from .scopes import Scopes
-from .structure import named_tensors
 
-__all__ = ["Phase", "StepEvents", "StepTracker", "recomputing"]
+__all__ = ["Phase", "StepTracker", "recomputing"]
 
 log = logging.getLogger("hookpolicy")
-
-
-class StepEvents(Protocol):
-    """What a tracker calls back into (the runtime)."""
-
-    def begin_step(self, left_out: frozenset[int] = frozenset()) -> bool:
-        """Evaluate the step's rules before the update, leaving out the parameters with ids in `left_out`
-        (another optimizer's, see `scopes`); True means skip this step."""
-
-    def end_step(self) -> None:
-        """The update happened (or was skipped): move to the next step."""
-
-    def discard_step(self) -> None:
-        """A step that no optimizer took (GradScaler found inf): forget its statistics."""
-
-    def eval_forward_done(self) -> None:
-        """A forward of the root outside training ended (an evaluation loop steps no optimizer)."""
-
-    def training_forward(self) -> None:
-        """A training forward of the root is about to run (its modules' hooks have not run yet)."""
-
-    def unguardable(self, reason: str, refuse: bool) -> None:
-        """Step rules cannot act as written on this model (`reason`); `refuse`: switch them off."""
 
 
 class Phase:
@@ -84,16 +62,18 @@ def recomputing() -> bool:
 
 
 class StepTracker:
-    """Counts the steps of one model; see the module docstring for what a step is.
+    """Tells where the steps of one model begin and end; see the module docstring for what a step is.
 
-    Installs the root module's two hooks and subscribes to every optimizer step
-    (`optimizer_hooks`); `remove()` takes both off. `phase` is written by the root's
-    pre-hook and read by the hook bodies.
+    `phase` is written at the root's forward and read by the hook bodies. A step rule that
+    cannot act as written on this model (an optimizer in backward, gradients kept elsewhere)
+    is refused in `rules` (`rulestate.refuse`), said once per reason.
     """
 
-    def __init__(self, model: torch.nn.Module, events: StepEvents, phase: Phase) -> None:
-        self._events = events
+    def __init__(self, model: torch.nn.Module, phase: Phase, rules: dict[tuple[str, str], RuleState],
+                 name: str) -> None:
         self.phase = phase
+        self._rules = rules
+        self._name = name
         self._param_ids = {id(p) for p in model.parameters()}
         self._model_params = weakref.ref(model)
         self._owned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
@@ -102,7 +82,8 @@ class StepTracker:
         self.backward_seq = 0
         self._evaluated_seq = -1
         self._in_backward = False
-        self._skip = False
+        #: the step being evaluated is skipped: its optimizers' updates get no gradients
+        self.skipping = False
         self._stash: dict[int, tuple[list[Optional[torch.Tensor]], dict[Any, dict[str, Any]]]] = {}
         self._ending = False
         self._probe: Optional[torch.nn.Parameter] = None
@@ -110,20 +91,7 @@ class StepTracker:
         self._stepping = False  # between before_update and after_update: updates are the optimizer's
         self._last_backward: Optional[tuple[torch.nn.Parameter, int, int]] = None  # probe, its version, _hooked_steps
         self._reported: set[str] = set()
-        #: where the model's training outputs and closure returns go when a loss rule exists (`target: loss`)
-        self.loss_tap: Optional[LossTap] = None
         self._grad_before: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None  # (a parameter, its .grad)
-        self._subscription = optimizer_hooks.subscribe(self, optimizer_hooks.STEP_TRACKING)
-        self._root_handles = [
-            module_hooks.forward_pre_hook(model, self._root_pre),
-            module_hooks.forward_hook(model, self._root_post, always_call=True),
-        ]
-
-    def remove(self) -> None:
-        for handle in self._root_handles:
-            handle.remove()
-        self._root_handles.clear()
-        self._subscription.remove()
 
     def refresh(self) -> None:
         """The model's parameters changed (a module or parameter replaced): whose optimizer is whose anew."""
@@ -140,39 +108,44 @@ class StepTracker:
         return self._param_ids if model is None else {id(p) for p in model.parameters()}
 
     # -- the root's forward ------------------------------------------------------------
-    def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
+    def forward_starts(self, module: torch.nn.Module) -> bool:
+        """The root's forward begins: decide the phase; True when it is a training forward (not nested, not recomputed)."""
         phase = self.phase
         phase.depth += 1
         if phase.depth > 1 or recomputing():
-            return
+            return False
         phase.train = module.training and torch.is_grad_enabled()
-        if phase.train:
-            self.check_forward()
-            self._events.training_forward()
+        return phase.train
 
-    def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def forward_ends(self) -> Optional[bool]:
+        """The root's forward ended: False for an evaluation forward, True for a training one under grad, else None."""
         phase = self.phase
         phase.depth = max(0, phase.depth - 1)
         if phase.depth or recomputing():
-            return
+            return None
         if not phase.train:
-            self._events.eval_forward_done()
-        elif torch.is_grad_enabled():
-            if self.loss_tap is not None:
-                self.loss_tap.model_output(output)
-            for _, t in named_tensors(output, lambda name: True):
-                if t.requires_grad:
-                    t.register_hook(self.output_grad_hook)  # type: ignore[no-untyped-call]
+            return False
+        return True if torch.is_grad_enabled() else None
+
+    def dropped(self) -> bool:
+        """At a training forward: whether the step before was never taken (GradScaler found inf), once."""
+        if (self.mode == "optimizer" and self.backward_seq > self._evaluated_seq
+                and self._probe is not None and self._probe.grad is None and not self._in_backward):
+            self._evaluated_seq = self.backward_seq
+            return True
+        return False
 
     # -- backward passes ---------------------------------------------------------------
-    def output_grad_hook(self, grad: torch.Tensor) -> None:
-        """Registered on the root's outputs: the first one to fire marks a backward pass."""
-        if not self._in_backward:
-            self._in_backward = True
-            self.backward_seq += 1
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+    def backward_starts(self) -> bool:
+        """A gradient reached a root output: True for the first of a backward pass."""
+        if self._in_backward:
+            return False
+        self._in_backward = True
+        self.backward_seq += 1
+        return True
 
-    def _backward_done(self) -> None:
+    def backward_done(self) -> bool:
+        """A backward pass ended; True when no optimizer steps this model, so this backward pass is a step."""
         self._in_backward = False
         model = self._model_params()
         if model is not None:
@@ -183,9 +156,8 @@ class StepTracker:
             log.debug("step mode: %s", self.mode)
         if self.mode == "manual":
             self._evaluated_seq = self.backward_seq
-            if self._events.begin_step():
-                self._zero_grads()
-            self._events.end_step()
+            return True
+        return False
 
     def _check_hookless_update(self) -> None:
         """Parameters changed since the last backward pass, yet no optimizer step hook fired?
@@ -204,33 +176,28 @@ class StepTracker:
         self.mode = "manual"
         self._report("its parameters changed between two backward passes without an optimizer step hook "
                      "firing, so optimizer steps cannot be seen; steps are counted per backward pass from here "
-                     "on, evaluated when it ends (before such an update)", refuse=False)
+                     "on, evaluated when it ends (before such an update)", refused=False)
 
-    def _report(self, reason: str, refuse: bool) -> None:
+    def _report(self, reason: str, refused: bool) -> None:
         if reason not in self._reported:
             self._reported.add(reason)
-            self._events.unguardable(reason, refuse)
+            refuse(self._rules, self._name, reason, refused)
 
     def _optimizer_exists(self) -> bool:
         """Whether some optimizer holds this model's parameters (a one-time scan of the heap)."""
-        return any(self._owns(o) for o in heap.live_optimizers())
+        return any(self.owns(o) for o in heap.live_optimizers())
 
-    def _zero_grads(self) -> None:
+    def zero_grads(self) -> None:
+        """Skip a step counted per backward pass: zero the gradients no optimizer step will see."""
         model = self._model_params()
         if model is not None:
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.zero_()
 
-    def check_forward(self) -> None:
-        """Called at each training forward of the root: drop a step GradScaler skipped."""
-        if (self.mode == "optimizer" and self.backward_seq > self._evaluated_seq
-                and self._probe is not None and self._probe.grad is None and not self._in_backward):
-            self._evaluated_seq = self.backward_seq
-            self._events.discard_step()
-
     # -- optimizer steps ---------------------------------------------------------------
-    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer` holds some of this model's parameters (asked once per optimizer)."""
         owned = self._owned.get(optimizer)
         if owned is None:
             owned = any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
@@ -240,10 +207,9 @@ class StepTracker:
             self._owned[optimizer] = owned
         return owned
 
-    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
-        """`optimizer_hooks` subscriber: evaluate the step at its first optimizer step."""
-        if not self._owns(optimizer):
-            return
+    def update_starts(self, optimizer: torch.optim.Optimizer) -> Optional[frozenset[int]]:
+        """Before this model's `optimizer` updates: the ids of the parameters to leave out of a step to
+        evaluate now (another optimizer's, see `scopes`), or None when the update continues a step evaluated."""
         if self.mode != "optimizer":
             if self.mode == "manual":
                 log.info("an optimizer now steps this model: counting optimizer steps from here on")
@@ -252,46 +218,45 @@ class StepTracker:
         self._stepping = True
         if torch._C._current_graph_task_id() != -1:
             self._report(f"{type(optimizer).__name__} steps inside the backward pass (an optimizer in backward), "
-                         "before the step's gradients are final", refuse=True)
-        if self.backward_seq == 0 or self.backward_seq != self._evaluated_seq or self._scopes.rewritten(optimizer):
-            if self.backward_seq > 0 and not any(
-                    p.grad is not None for g in optimizer.param_groups for p in g["params"] if id(p) in self._param_ids):
-                self._report(f"{type(optimizer).__name__} steps its parameters after a backward pass, but none of "
-                             "them has a .grad (a wrapper keeps the gradients elsewhere)", refuse=True)
-            self._evaluated_seq = self.backward_seq
-            self._ending = True
-            self._skip = False
-            self._skip = self._events.begin_step(self._scopes.evaluating(optimizer))
-            self._scopes.mark(optimizer)
-        else:
+                         "before the step's gradients are final", refused=True)
+        if not (self.backward_seq == 0 or self.backward_seq != self._evaluated_seq
+                or self._scopes.rewritten(optimizer)):
             self._scopes.continuing(optimizer)
-        if self._skip:
-            self._hide_grads(optimizer)
+            return None
+        if self.backward_seq > 0 and not any(
+                p.grad is not None for g in optimizer.param_groups for p in g["params"] if id(p) in self._param_ids):
+            self._report(f"{type(optimizer).__name__} steps its parameters after a backward pass, but none of "
+                         "them has a .grad (a wrapper keeps the gradients elsewhere)", refused=True)
+        self._evaluated_seq = self.backward_seq
+        self._ending = True
+        self.skipping = False
+        return self._scopes.evaluating(optimizer)
 
-    def closure_starting(self, optimizer: torch.optim.Optimizer) -> None:
-        """`optimizer_hooks` subscriber: note a gradient before the step's closure runs (for `closure_returned`)."""
+    def evaluated(self, optimizer: torch.optim.Optimizer, skip: bool) -> None:
+        """The step `optimizer` began was evaluated: `skip` it or not."""
+        self.skipping = skip
+        self._scopes.mark(optimizer)
+
+    def grad_before_closure(self, optimizer: torch.optim.Optimizer) -> None:
+        """Note a gradient before the step's closure runs (for `closure_accumulated`)."""
         self._grad_before = None
-        if self.loss_tap is not None and self.loss_tap.active and self._owns(optimizer):
+        if self.owns(optimizer):
             param = next((p for g in optimizer.param_groups for p in g["params"] if id(p) in self._param_ids), None)
             if param is not None:
                 self._grad_before = (param, param.grad)
 
-    def closure_returned(self, optimizer: torch.optim.Optimizer, loss: Any) -> None:
-        """`optimizer_hooks` subscriber: the first closure call of a step returned `loss`.
+    def closure_accumulated(self, optimizer: torch.optim.Optimizer) -> Optional[bool]:
+        """After the first closure call of `optimizer`'s step: whether it added its gradients to ones already
+        there (the same `.grad` tensor before and after it); None when it is not this model's optimizer."""
+        if not self.owns(optimizer):
+            return None
+        before, self._grad_before = self._grad_before, None
+        return before is not None and before[1] is not None and before[0].grad is before[1]
 
-        A closure that added its gradients to ones already there (the same `.grad` tensor
-        before and after it) ran after micro-batches accumulated outside `step()`, whose
-        losses it does not return: the tap says so once.
-        """
-        if self.loss_tap is not None and self._owns(optimizer):
-            before, self._grad_before = self._grad_before, None
-            accumulated = before is not None and before[1] is not None and before[0].grad is before[1]
-            self.loss_tap.closure_loss(loss, accumulated)
-
-    def after_update(self, optimizer: torch.optim.Optimizer) -> None:
-        """`optimizer_hooks` subscriber: put hidden gradients and the optimizer's state back, end the step."""
-        if not self._owns(optimizer):
-            return
+    def update_ends(self, optimizer: torch.optim.Optimizer) -> bool:
+        """After `optimizer`'s update: put hidden gradients and its state back; True when the step ends."""
+        if not self.owns(optimizer):
+            return False
         self._stepping = False
         self._hooked_steps += 1  # an update that ended after the last backward pass is an optimizer's too
         stash = self._stash.pop(id(optimizer), None)
@@ -303,11 +268,10 @@ class StepTracker:
             for p in [p for p in optimizer.state if p not in state]:
                 del optimizer.state[p]
             optimizer.state.update(state)
-        if self._ending:
-            self._ending = False
-            self._events.end_step()
+        ending, self._ending = self._ending, False
+        return ending
 
-    def _hide_grads(self, optimizer: torch.optim.Optimizer) -> None:
+    def hide_grads(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip the step: no gradient for the optimizer, and its state as it is now restored afterwards.
 
         Every torch optimizer leaves a parameter without `.grad` alone, but not all of its

@@ -1,0 +1,316 @@
+"""The step cycle: what happens at one step of one attached model, in the order it happens.
+
+Before the update (`before_update`, the optimizer step pre-hook; or, for a script that
+steps no optimizer, the end of its backward pass):
+
+    scope -> active rules -> loss -> execute -> read back -> decide -> agree
+          -> commit history -> hide gradients
+
+After it (`after_update`): restore the hidden gradients -> count the step -> activate the
+next step's rules.
+
+The parts below the cycle do one job each and return what they found; none calls the
+cycle back. `steps.StepTracker` tells where steps begin and end (and which parameters a
+step covers, `scopes`); `installer.HookInstaller` says which rules are active; the hook
+bodies (`executor.Executor`) append to the step's `Ledger`, which the cycle owns; the
+read-back (`readback.Readback`) reads the ledger's entries and returns a decision (skip,
+halt, faults of sinks, time); `agreement.Agreement` makes that decision every rank's;
+`history.History.commit` keeps what a step that happened saw. The cycle also installs the
+root module's two hooks (the phase of each forward, backward passes) and re-binds the rules
+when the model's tree changes, at a step boundary only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..errors import Halt
+from ..export.metrics import (
+    ACTIONS, ALERT_FIRING, ALERTS, HOOK_ERRORS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, SKIPPED_STEPS, STEPS, ModelMetrics,
+)
+from ..export.sinks import output_root
+from ..plan.planner import Plan, build_plan
+from ..policy.model import LOSS, Alert, Policy
+from . import module_hooks, optimizer_hooks
+from .agreement import Agreement
+from .executor import Executor
+from .faults import Faults
+from .history import History
+from .installer import HookInstaller
+from .ledger import Ledger
+from .loss import LossTap
+from .readback import Readback
+from .rulestate import RuleState, rebind, rule_states
+from .steps import Phase, StepTracker
+from .structure import named_tensors
+
+__all__ = ["StepCycle", "publish_rule_series"]
+
+log = logging.getLogger("hookpolicy")
+
+
+class StepCycle:
+    """The steps of one attached model; see the module docstring.
+
+    Built before anything is installed (nothing here raises once `start()` ran);
+    `remove()` takes every hook off and publishes what is left.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, policies: Sequence[Policy], plan: Plan, store: ModelMetrics, rank: int,
+        audit: bool, start_step: int, halting: Callable[[Halt], Halt],
+    ) -> None:
+        self.model = model
+        self.policies = policies
+        self.plan = plan
+        self.store = store
+        #: the step the next update belongs to
+        self.step = start_step
+        self._audit = audit
+        self._halting = halting
+        self.rules = rule_states(plan, audit)
+        #: the past values of the series that history functions read (alerts, adaptive clips)
+        self.history = History()
+        self.ledger = Ledger()
+        self._faults = Faults(store, lambda: self.step, halting, self.ledger)
+        phase = Phase()
+        self.executor = Executor(self.rules, phase, self.ledger, self._faults, self.history)
+        self.installer = HookInstaller(plan, self.rules, self.executor)
+        self.readback = Readback(store, policies, output_root(), rank, self.history)
+        self._agreement = Agreement(self.rules, store)
+        self._steps = StepTracker(model, phase, self.rules, store.model)
+        self._loss: Optional[LossTap] = None
+        if any(rule.target == LOSS for policy in policies for rule in policy.rules):
+            self._loss = LossTap(store.model)
+        self._stale = False  # the model's tree changed since the plan was built
+        self._forwarded = False  # a training forward ran in this step
+        self._removed = False
+        self._handles: list[Any] = []
+        self._watching: Optional[module_hooks.Watching] = None
+
+    def start(self) -> None:
+        """Subscribe to optimizer steps, hook the root, watch the tree; activate the first step's rules."""
+        self._handles = [
+            optimizer_hooks.subscribe(self, optimizer_hooks.STEP_TRACKING),
+            module_hooks.forward_pre_hook(self.model, self._root_pre),
+            module_hooks.forward_hook(self.model, self._root_post, always_call=True),
+        ]
+        self._watching = module_hooks.watch(self.model, self)
+        _warn_self_reducing(self.model, self.plan)
+        self._activate()
+
+    def remove(self) -> None:
+        """Every hook off, then the last read-back (no decision), then the sinks closed; never raises."""
+        self._removed = True
+        if self._watching is not None:
+            self._watching.remove()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.installer.remove()
+        if self._loss is not None:
+            self._loss.remove()
+        try:
+            self._read_back(final=True)
+        except Halt:
+            pass
+        finally:
+            self.readback.close()
+
+    # -- the step --------------------------------------------------------------------------
+    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer_hooks` subscriber: evaluate the step at its first update; hide the gradients to skip it."""
+        if not self._steps.owns(optimizer):
+            return
+        left_out = self._steps.update_starts(optimizer)  # scope: None when this update continues the step
+        if left_out is not None:
+            skip = self._evaluate(left_out)
+            self._steps.evaluated(optimizer, skip)
+        if self._steps.skipping:
+            self._steps.hide_grads(optimizer)
+
+    def _evaluate(self, left_out: frozenset[int]) -> bool:
+        """Run the step's rules on the parameters not in `left_out`, read back, decide; True to skip the step."""
+        self._replan_if_changed()
+        rules = self.installer.step_rules()
+        loss = self._take_loss(rules)
+        self.executor.run_step_rules(rules, loss, left_out)
+        return self._read_back(decide=True)
+
+    def _take_loss(self, rules: Sequence[RuleState]) -> Optional[torch.Tensor]:
+        if self._loss is None:
+            return None
+        return self._loss.take(self.step, ["/".join(rs.key) for rs in rules if rs.rule.target == LOSS])
+
+    def _read_back(self, final: bool = False, decide: bool = False) -> bool:
+        """Report what the ledger holds (one transfer) and decide the step; True to skip it.
+
+        `final` (at `remove()`) publishes what is left but takes no skip or halt decision;
+        `decide` (at a step, not at an evaluation forward) makes the decision every rank's.
+        A sink that failed is a fault of its rule (`Faults.fail`: counted, maybe a Halt).
+        """
+        done = self.ledger.close()
+        decision = self.readback.run(done.entries, self.step, final)
+        self._count(done, decision.seconds)
+        for rs, exc in decision.errors:
+            self._faults.fail(rs, exc)
+        if decide:
+            self._agreement.agree(decision, self.step)
+        if not decision.skip and not final:  # a skipped step did not happen: its values never become the baseline
+            self.history.commit(decision.observed)
+        if decision.halt is not None:
+            raise self._halting(decision.halt)
+        return decision.skip
+
+    def _count(self, done: Ledger, seconds: dict[tuple[str, str], float]) -> None:
+        """`hookpolicy_actions_total` (once per step and binding) and `hookpolicy_hook_seconds_total`."""
+        counts: dict[tuple[str, ...], int] = defaultdict(int)
+        for labels, _ in done.ran:
+            counts[labels] += 1
+        for labels, count in counts.items():
+            self.store.inc(ACTIONS, labels, count)
+        for key, spent in seconds.items():
+            done.seconds[key] += spent
+        for key, spent in done.seconds.items():
+            self.store.inc(HOOK_SECONDS, key, spent)
+
+    def after_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer_hooks` subscriber: restore hidden gradients and state; at the step's end, count and activate."""
+        if self._steps.update_ends(optimizer):
+            self._end_step()
+
+    def _end_step(self) -> None:
+        self.step += 1
+        self.store.raise_to(STEPS, (), self.step)
+        self.store.set(LAST_STEP_TIMESTAMP, (), time.time())
+        self._forwarded = False
+        self._replan_if_changed()
+        self._activate()
+
+    def _activate(self) -> None:
+        """The hooks of the rules active on this step; the loss looked for only if a loss rule is among them."""
+        self.installer.activate(self.step)
+        if self._loss is not None:
+            self._loss.set_active(any(rs.rule.target == LOSS for rs in self.installer.step_rules()))
+
+    def closure_starting(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer_hooks` subscriber: before the step's closure, note a gradient (for `closure_returned`)."""
+        if self._loss is not None and self._loss.active:
+            self._steps.grad_before_closure(optimizer)
+
+    def closure_returned(self, optimizer: torch.optim.Optimizer, loss: Any) -> None:
+        """`optimizer_hooks` subscriber: the first closure call of a step returned `loss`.
+
+        A closure that added its gradients to ones already there ran after micro-batches
+        accumulated outside `step()`, whose losses it does not return: the tap says so once.
+        """
+        if self._loss is not None:
+            accumulated = self._steps.closure_accumulated(optimizer)
+            if accumulated is not None:
+                self._loss.closure_loss(loss, accumulated)
+
+    # -- the root's forward and backward passes ---------------------------------------------
+    def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._steps.forward_starts(module):
+            return
+        if self._steps.dropped():  # GradScaler found inf: no optimizer took the step before
+            self.ledger.discard()
+            if self._loss is not None:
+                self._loss.clear()
+            self._forwarded = False
+        if self._stale and not self._forwarded:
+            self._replan_if_changed()
+        self._forwarded = True
+
+    def _root_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        training = self._steps.forward_ends()
+        if training is False:
+            if self.ledger.entries:
+                self._read_back()  # an evaluation loop steps no optimizer: read back per batch
+        elif training:
+            if self._loss is not None:
+                self._loss.model_output(output)
+            for _, t in named_tensors(output, lambda name: True):
+                if t.requires_grad:
+                    t.register_hook(self._output_grad)  # type: ignore[no-untyped-call]
+
+    def _output_grad(self, grad: torch.Tensor) -> None:
+        """On the root's outputs: the first one to fire marks a backward pass."""
+        if self._steps.backward_starts():
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        if self._steps.backward_done():  # no optimizer steps this model: the backward pass is the step
+            if self._evaluate(frozenset()):
+                self._steps.zero_grads()
+            self._end_step()
+
+    # -- the model's tree changes (a `module_hooks.watch` subscriber) -------------------------
+    def tree_changed(self, parent: torch.nn.Module, name: str, value: object) -> None:
+        """`parent.name = value` is about to land inside the model: re-plan at the next step boundary."""
+        if parent._modules.get(name, parent._parameters.get(name)) is not value:
+            self._stale = True
+
+    def _replan_if_changed(self) -> None:
+        """Bind the rules anew to the model as it is now, if its tree changed since the plan.
+
+        Called where no step is half-governed: before a step's first training forward,
+        before its step rules, after its update. The new hooks go in at the installer's
+        next `activate`; series of modules no longer bound are removed.
+        """
+        if not self._stale or self._removed:
+            return
+        self._stale = False
+        try:
+            plan = build_plan(self.policies, self.model)
+        except Exception as exc:  # noqa: BLE001 - a guardrail that cannot re-plan must not stop training
+            log.warning("the model changed at step %d and cannot be planned again (%s: %s); "
+                        "the policies stay bound to the modules they had", self.step, type(exc).__name__, exc)
+            return
+        gone = {b.module for b in self.plan.bindings} - {b.module for b in plan.bindings}
+        self.plan = plan
+        for rs in rebind(self.rules, plan, self._audit):
+            publish_rule_series(self.store, rs)
+        self.executor.rules_changed()
+        self.installer.rebind(plan)
+        self._activate()
+        self._steps.refresh()
+        if self._watching is not None:
+            self._watching.update(list(self.model.modules()))
+        _warn_self_reducing(self.model, plan)
+        for warning in plan.warnings:
+            log.warning("%s", warning)
+        for policy in self.policies:
+            self.store.forget_modules(policy.name, gone)
+        log.info("the model changed at step %d: %d binding(s) now", self.step, len(plan.bindings))
+
+
+def publish_rule_series(store: ModelMetrics, rs: RuleState) -> None:
+    """Create a rule's counters at 0, so `increase()` sees its first event."""
+    store.inc(HOOK_ERRORS, rs.key, 0)
+    for action in rs.rule.actions:
+        if isinstance(action, Alert):
+            store.inc(ALERTS, (*rs.key, action.severity), 0)
+            store.set(ALERT_FIRING, (*rs.key, action.severity), 0.0)
+            if action.then == "skip_step":
+                store.inc(SKIPPED_STEPS, rs.key, 0)
+
+
+#: module classes `_warn_self_reducing` has looked at
+_CHECKED_CLASSES: set[type] = set()
+
+
+def _warn_self_reducing(model: torch.nn.Module, plan: Plan) -> None:
+    """Say once per class when its copies would carry hookpolicy's hooks (it reduces itself)."""
+    hooked = {type(model), *(type(b.obj) for b in plan.bindings if b.hook != "step")}
+    for cls in hooked - _CHECKED_CLASSES:
+        _CHECKED_CLASSES.add(cls)
+        if module_hooks.reduces_itself(cls):
+            log.warning("%s defines its own __reduce_ex__/__reduce__, so a copy, pickle or "
+                        "torch.save of it would carry hookpolicy's hooks; remove() the policy before copying it",
+                        cls.__qualname__)
