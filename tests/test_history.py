@@ -196,7 +196,7 @@ WATCH = """
     - alert:
         if: "numel > 0"
         severity: info
-        message: "{mean:.17g}|{prev(mean):.17g}|{ema(mean, 0.8):.17g}|{ema_std(mean, 0.8):.17g}|{mean(mean, 4):.17g}|{std(mean, 4):.17g}|{min(mean, 4):.17g}|{max(mean, 4):.17g}|{zscore(mean, 4):.17g}"
+        message: "{mean:.17g}|{prev(mean):.17g}|{ema(mean, 0.8):.17g}|{ema_std(mean, 0.8):.17g}|{mean(mean, 4):.17g}|{std(mean, 4):.17g}|{min(mean, 4):.17g}|{max(mean, 4):.17g}|{zscore(mean, 4):.17g}|{count(mean):.17g}"
     - alert: {if: "zscore(mean, 4) > 3", warmup: 3, severity: critical}
 - name: guard
   match: {types: [Linear]}
@@ -246,7 +246,7 @@ def _alerts(text: str) -> list[dict[str, Any]]:
 def test_history_functions_in_conditions_and_messages_match_a_reference(
     tmp_path: Path, out: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """prev, ema, ema_std, mean, std, min, max, zscore against plain Python over the fed values;
+    """prev, ema, ema_std, mean, std, min, max, zscore, count against plain Python over the fed values;
     a skipped step's value never enters the history; warmup holds the alert back."""
     policy = load_policy(tmp_path, WATCH)
     torch.manual_seed(0)
@@ -262,7 +262,7 @@ def test_history_functions_in_conditions_and_messages_match_a_reference(
     shown = [r for r in records if r["rule"] == "watch" and r["severity"] == "info"]
     reference = _reference(values)
     assert len(shown) == len(values)
-    names = ["x", "prev", "ema", "ema_std", "mean", "std", "min", "max", "zscore"]
+    names = ["x", "prev", "ema", "ema_std", "mean", "std", "min", "max", "zscore", "count"]
     for step, (record, want) in enumerate(zip(shown, reference)):
         got = [float(part) for part in record["message"].split("|")]
         assert got == pytest.approx([want[n] for n in names], rel=1e-12, abs=1e-12, nan_ok=True), step

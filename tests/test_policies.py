@@ -8,6 +8,7 @@ patterns are tested against the names they are written for.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 import statistics
@@ -561,6 +562,50 @@ def test_loss_spike_guard_halts_when_the_loss_moved_for_good(workdir: Path) -> N
                 continue
             with pytest.raises(hookpolicy.Halt, match="loss-spike-guard/loss-spike"):
                 opt.step()
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bit for bit, NaN included (torch.equal says NaN != NaN)."""
+    return a.keys() == b.keys() and all(torch.equal(a[n].view(torch.int32), b[n].view(torch.int32)) for n in a)
+
+
+@pytest.mark.parametrize("clean", [0, 5, 40], ids=["from-the-first-step", "short-history", "settled"])
+def test_loss_spike_guard_halts_at_the_20th_step_of_a_loss_that_stays_nan(
+        workdir: Path, clean: int, capsys: pytest.CaptureFixture[str]) -> None:
+    """The header: a NaN loss is never applied, from the first step on, and 20 steps in a row
+    that are spikes or not finite halt the run at the 20th. A NaN weight makes every later
+    loss NaN (a skipped step cannot repair it), after `clean` applied steps of history."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx, targets = batch(0)
+    with load("loss-spike-guard.yaml").attach(model, registry=CollectorRegistry(), rank=0):
+        for _ in range(clean):
+            loss = model(idx, targets)[1]
+            assert loss is not None
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
+        for nan_step in range(1, 21):
+            loss = model(idx, targets)[1]
+            assert loss is not None and loss.isnan()
+            loss.backward()
+            params, state = snapshot(model), opt_state(opt)
+            if nan_step < 20:
+                opt.step()
+                assert _same(params, snapshot(model)) and same_state(state, opt_state(opt)), nan_step
+                opt.zero_grad(set_to_none=True)
+                continue
+            with pytest.raises(hookpolicy.Halt) as halted:
+                opt.step()
+    assert (halted.value.policy, halted.value.rule, halted.value.step) == ("loss-spike-guard", "loss-spike", clean + 19)
+    assert halted.value.message == (f"the loss was not finite or a spike for 20 steps in a row (the last: nan at step "
+                                    f"{clean + 19}): it moved for good, stopping the run")
+    alerts = [json.loads(line) for line in capsys.readouterr().err.splitlines()
+              if line.startswith("{") and '"event": "alert"' in line]
+    skipped = [a["message"] for a in alerts if a["severity"] == "warning"]
+    assert skipped == [f"loss nan at step {clean + i} is not finite; step skipped" for i in range(20)]
 
 
 def test_zclip_equals_zclips_update_equations(workdir: Path) -> None:

@@ -44,7 +44,8 @@ def spec_for(calls: Iterable[Call], series: str, warmup: int) -> SeriesSpec:
     """The spec of `series` for the functions `calls` (of all series) and an action's `warmup`."""
     mine = [c for c in calls if c.series == series]
     alphas = tuple(sorted({c.param for c in mine if c.func in ("ema", "ema_std")}))
-    size = max((1 if c.func == "prev" else int(c.param) for c in mine if c.func not in ("ema", "ema_std")), default=0)
+    size = max((1 if c.func == "prev" else int(c.param) for c in mine if c.func not in ("ema", "ema_std", "count")),
+               default=0)
     if alphas:
         size = max(size, warmup, 1)  # the first values seed the emas
     return SeriesSpec(size, alphas, warmup)
@@ -99,6 +100,8 @@ class Series:
                 self.emas[alpha] = (float(first.mean()), float(first.var()))
 
     def aggregate(self, func: str, param: float) -> float:
+        if func == "count":
+            return float(self.count)
         if func in ("ema", "ema_std"):
             state = self.emas.get(param)
             if state is None:
@@ -137,7 +140,9 @@ class Past:
 
     def aggregate(self, func: str, series: str, param: float) -> float:
         found = self.history.series.get((*self.key, series))
-        return math.nan if found is None else found.aggregate(func, param)
+        if found is None:
+            return 0.0 if func == "count" else math.nan
+        return found.aggregate(func, param)
 
 
 @dataclass

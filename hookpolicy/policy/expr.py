@@ -14,7 +14,8 @@ Grammar (`and` binds tighter than `or`; `*` `/` tighter than `+` `-`)::
 A NAME is a statistic (`l2_norm`, `mean`, ...) or an alias a caller passes in (`norm` for
 a clip's own norm, `loss` for `target: loss`): its **current** value. A FUNC reads the
 **past** values of the same series (never the current one), kept by
-`hookpolicy.engine.history`: `prev(x)`, `ema(x, alpha)`, `ema_std(x, alpha)`,
+`hookpolicy.engine.history`: `prev(x)`, `count(x)` (how many values it has had),
+`ema(x, alpha)`, `ema_std(x, alpha)`,
 `mean(x, W)`, `std(x, W)`, `min(x, W)`, `max(x, W)`, and `zscore(x, W)`, which is
 `(x - mean(x, W)) / std(x, W)` with `x` the current value. `mean`, `std`, `min` and `max`
 are statistics when bare and functions when followed by `(`.
@@ -56,7 +57,7 @@ _STAT_TABLE: Mapping[str, str] = {name: name for name in STAT_NAMES}
 
 #: function -> what its second argument is ("" for none).
 FUNCTIONS: Mapping[str, str] = {
-    "prev": "", "ema": "alpha", "ema_std": "alpha",
+    "prev": "", "count": "", "ema": "alpha", "ema_std": "alpha",
     "mean": "window", "std": "window", "min": "window", "max": "window", "zscore": "window",
 }
 
@@ -83,12 +84,12 @@ class Past(Protocol):
     """The past values of the series an expression is evaluated for (`hookpolicy.engine.history`)."""
 
     def aggregate(self, func: str, series: str, param: float) -> float:
-        """`func` (prev, ema, ema_std, mean, std, min or max) over the past of `series`; nan with none."""
+        """`func` (one of FUNCTIONS but zscore) over the past of `series`; nan with none (count: 0)."""
 
 
 class _NoPast:
     def aggregate(self, func: str, series: str, param: float) -> float:
-        return math.nan
+        return 0.0 if func == "count" else math.nan
 
 
 #: The past of a series that has none: every function is nan.
@@ -153,7 +154,7 @@ class Call:
         return past.aggregate(self.func, self.series, self.param)
 
     def __str__(self) -> str:
-        return f"{self.func}({self.text})" if self.func == "prev" else f"{self.func}({self.text}, {self.param:g})"
+        return f"{self.func}({self.text})" if not FUNCTIONS[self.func] else f"{self.func}({self.text}, {self.param:g})"
 
 
 @dataclass(frozen=True)
