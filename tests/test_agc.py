@@ -23,7 +23,11 @@ from torch import nn
 
 import hookpolicy
 from click.testing import CliRunner
-from conftest import REPO, load_policy, metric, no_host_sync
+from helpers import REPO
+from helpers.hooks import no_host_sync
+from helpers.outputs import metric
+from helpers.policies import load_policy
+from helpers.references import agc_reference
 from hookpolicy.cli import cli
 from stacks.timm_like import BUILDERS, CLASSIFIER
 
@@ -44,32 +48,6 @@ class ConvNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.conv(x)) * self.gain[:, None, None]
         return self.head(h.flatten(1))
-
-
-def unit_norm(x: torch.Tensor) -> torch.Tensor:
-    """||x_i|| over all dims but the first, keeping them for broadcasting; of the whole tensor for ndim <= 1."""
-    if x.ndim <= 1:
-        return torch.linalg.vector_norm(x)
-    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True)
-
-
-def agc_reference(params: list[tuple[str, nn.Parameter]], ratio: float, eps: float, apply: bool = True,
-                  ) -> dict[str, int]:
-    """Clip each unit's gradient as NFNets does (unless not `apply`); returns how many units were
-    (or would have been) clipped per module."""
-    clipped: dict[str, int] = {}
-    with torch.no_grad():
-        for name, p in params:
-            if p.grad is None:
-                continue
-            bound = unit_norm(p).clamp(min=eps) * ratio
-            g_norm = unit_norm(p.grad)
-            over = g_norm > bound
-            if apply:
-                p.grad.copy_(torch.where(over, p.grad * (bound / g_norm.clamp(min=1e-6)), p.grad))
-            module = name.rpartition(".")[0]
-            clipped[module] = clipped.get(module, 0) + int(over.sum())
-    return clipped
 
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -27,9 +27,12 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
-from conftest import (  # noqa: F401 - apply is a fixture; the others were defined here before
-    REPO, Run, Samples, apply, child_env, global_hook_counts, labels_of, losses, scrape, steps_are, tiny, torchrun,
-    metric, value, wait_metrics,
+from helpers import REPO
+from helpers.hooks import global_hook_counts
+from helpers.models import tiny
+from helpers.outputs import metric
+from helpers.processes import (
+    Run, Samples, child_env, labels_of, losses, scrape, steps_are, torchrun, value, wait_metrics,
 )
 from hookpolicy.apply.discovery import Discovery
 from hookpolicy.apply.reload import Reloader
@@ -37,7 +40,7 @@ from hookpolicy.environment import ChildConfig
 from hookpolicy.export.metrics import RELOAD_GAUGE
 from hookpolicy.export.exporter import RENDER_INTERVAL
 from hookpolicy.apply.launch import BOOTSTRAP_DIR
-from child_scripts import HOOK_REPORT
+from helpers.child_scripts import HOOK_REPORT
 
 MONITOR = str(REPO / "policies" / "example-monitor.yaml")
 TRAIN = str(REPO / "examples" / "train_mlp.py")

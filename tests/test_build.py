@@ -15,7 +15,7 @@ from hookpolicy.policy.model import (
     Alert, Capture, Clip, LogSink, Match, Policy, Rule, Scale, TensorFiles, Trigger,
 )
 
-from conftest import SPEC_EXAMPLE, policy_text
+from helpers.policies import SPEC_EXAMPLE, policy_text
 
 
 def policy_of(rules: str, spec: str = "", name: str = "p") -> Policy:

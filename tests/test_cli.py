@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from conftest import REPO
+from helpers import REPO
 from hookpolicy import __version__
 from hookpolicy.cli import cli
 from hookpolicy.policy.schema import schema_json

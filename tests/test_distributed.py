@@ -28,7 +28,9 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
-from conftest import REPO, Run, labels_of, losses, torchrun, value, wait_metrics, write_policy
+from helpers import REPO
+from helpers.policies import write_policy
+from helpers.processes import Run, labels_of, losses, torchrun, value, wait_metrics
 
 sys.path.insert(0, str(REPO / "examples"))
 from train_ddp import leave  # noqa: E402

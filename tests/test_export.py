@@ -20,7 +20,7 @@ from hookpolicy.export.rules import exported_families, prometheus_rules
 from hookpolicy.export.grafana import grafana_dashboard
 from hookpolicy.export.metrics import ENGINE_FAMILIES, FAMILIES
 from hookpolicy.policy.model import Alert, Capture, Policy
-from conftest import lora, make_model, train_step
+from helpers.models import lora, make_model, train_step
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = sorted((ROOT / "policies").glob("*.y*ml"))

@@ -38,18 +38,19 @@ from hookpolicy.policy import patterns
 from hookpolicy.policy.linear import compile_linear
 from hookpolicy.policy.loader import MAX_BYTES, MAX_DEPTH
 
-from conftest import SPEC_EXAMPLE as SPEC, global_hook_counts, module_hook_count
+from helpers.hooks import global_hook_counts, module_hook_count
+from helpers.policies import SPEC_EXAMPLE as SPEC
 
 # --------------------------------------------------------------------------- seeds
 
-#: The spec's example (conftest's, which test_build checks), with a real runbook and a steps window that
+#: The spec's example (helpers.policies', which test_build checks), with a real runbook and a steps window that
 #: opens at step 0, so the few training steps of a fuzz run evaluate its rule.
 SPEC_EXAMPLE = (
     SPEC
     .replace('annotations: {runbook: "..."}', 'annotations: {runbook: "https://example.org/runbook"}')
     .replace("steps: {from: 100, until: 5000}", "steps: {from: 0, until: 5000}")
 )
-assert "example.org" in SPEC_EXAMPLE and "from: 0," in SPEC_EXAMPLE, "conftest's example changed"
+assert "example.org" in SPEC_EXAMPLE and "from: 0," in SPEC_EXAMPLE, "helpers.policies' example changed"
 
 #: Forward, backward and step rules, tuple selection, files and logs, clamping, scaling.
 EVERY_HOOK = """\

@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 from prometheus_client import CollectorRegistry
 
-from conftest import load_policy, metric
+from helpers.outputs import metric
+from helpers.policies import load_policy
 
 NAN_GUARD = """
     - name: nan

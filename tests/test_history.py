@@ -20,44 +20,13 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
-from conftest import load_policy, metric, no_host_sync, policy_text, write_policy
+from helpers.hooks import no_host_sync
+from helpers.outputs import metric
+from helpers.policies import load_policy, policy_text, write_policy
+from helpers.references import ZClipReference
 from hookpolicy.api import PolicySet
 
 # --------------------------------------------------------------------------- ZClip
-
-
-class ZClipReference:
-    """ZClip's update equations, step by step, on the gradients of `params`."""
-
-    def __init__(self, alpha: float = 0.97, k: float = 2.5, warmup: int = 25) -> None:
-        self.alpha, self.k, self.warmup = alpha, k, warmup
-        self.buffer: list[float] = []
-        self.mu: Optional[float] = None
-        self.var = 0.0
-
-    def step(self, params: list[nn.Parameter], apply: bool) -> bool:
-        """Clip the gradients (when `apply`) as ZClip would; True when it clips (or would)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-        g = total.item()
-        if self.mu is None:  # warm-up: collect, then start from the buffer's mean and population variance
-            self.buffer.append(g)
-            if len(self.buffer) == self.warmup:
-                self.mu = statistics.fmean(self.buffer)
-                self.var = statistics.pvariance(self.buffer, self.mu)
-            return False
-        sigma = math.sqrt(self.var)
-        z = (g - self.mu) / (sigma + 1e-6)
-        clipped = z > self.k
-        effective = g
-        if clipped:
-            threshold = self.mu + self.k * sigma
-            if apply:
-                torch._foreach_mul_(grads, torch.clamp(threshold / (total + 1e-6), max=1.0))
-            effective = threshold
-        self.mu = self.alpha * self.mu + (1 - self.alpha) * effective
-        self.var = self.alpha * self.var + (1 - self.alpha) * (effective - self.mu) ** 2
-        return clipped
 
 
 ZCLIP = """

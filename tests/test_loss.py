@@ -20,9 +20,10 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
-from conftest import (
-    batch, global_hook_counts, json_lines, load_policy, make_model, module_hook_count, no_host_sync, policy_text,
-)
+from helpers.hooks import global_hook_counts, module_hook_count, no_host_sync
+from helpers.models import batch, make_model
+from helpers.outputs import json_lines
+from helpers.policies import load_policy, policy_text
 from hookpolicy.engine import loss as loss_engine
 from hookpolicy.errors import PolicyError
 

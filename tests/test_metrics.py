@@ -14,7 +14,7 @@ import torch.nn as nn
 from prometheus_client import CollectorRegistry, Counter
 
 import hookpolicy
-from conftest import metric
+from helpers.outputs import metric
 from hookpolicy.export.metrics import FAMILIES, HOOK_ERRORS, STEPS, Family, MetricsStore, stat_family, store_for
 
 POLICY = """\

@@ -21,7 +21,8 @@ import torch.nn as nn
 from prometheus_client import CollectorRegistry, generate_latest
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from conftest import load_policy, metric
+from helpers.outputs import metric
+from helpers.policies import load_policy
 
 RULES = """
 - name: act

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import pytest
 
-from conftest import REPO, Run, child_env
+from helpers import REPO
+from helpers.processes import Run, child_env
 
 POLICY = """\
 apiVersion: hookpolicy/v1

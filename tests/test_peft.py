@@ -10,7 +10,6 @@ parameters' own `.grad`.
 from __future__ import annotations
 
 import textwrap
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,36 +19,12 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry
 
 import hookpolicy
-from conftest import metric
+from helpers.gpt2 import BLOCK, VOCAB, base_model, lora_model
+from helpers.outputs import metric
 from hookpolicy.cli import cli
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
-
-VOCAB, BLOCK = 64, 8
-
-
-def base_model(seed: int = 0) -> Any:
-    torch.manual_seed(seed)
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=BLOCK,
-        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )
-    return transformers.GPT2LMHeadModel(config)
-
-
-def lora_model(seed: int = 0) -> Any:
-    """The tiny GPT-2 with LoRA on c_attn; B starts at zero in PEFT, so it is randomised here
-    to give the adapter an output and A a gradient from the first step."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # peft's fan_in_fan_out notice for GPT-2's Conv1D
-        model = peft.get_peft_model(base_model(seed), peft.LoraConfig(r=4, target_modules=["c_attn"]))
-    torch.manual_seed(seed + 1)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.1)
-    return model
-
 
 def batch(seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, BLOCK), generator=torch.Generator().manual_seed(seed))
@@ -247,7 +222,7 @@ def test_explain_shows_the_adapted_layer_and_the_adapter_pieces(tmp_path: Path) 
     policy(tmp_path, ADAPTER_POLICY + BASE_POLICY)
     (tmp_path / "peft_model.py").write_text(
         "import sys\nsys.path.insert(0, " + repr(str(Path(__file__).parent)) + ")\n"
-        "from test_peft import lora_model as build\n")
+        "from helpers.gpt2 import lora_model as build\n")
     result = CliRunner().invoke(cli, ["explain", str(tmp_path / "p.yaml"), "--model", f"{tmp_path / 'peft_model.py'}:build"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()

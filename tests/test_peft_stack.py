@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import REPO
+from helpers import REPO
 
 pytest.importorskip("peft")
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from hookpolicy.errors import PolicyError
 from hookpolicy.plan.planner import build_plan
 
-from conftest import load_policy
+from helpers.policies import load_policy
 
 
 class Tied(nn.Module):

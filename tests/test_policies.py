@@ -1,7 +1,7 @@
 """Every policy of the library in `policies/`: loaded, compiled against a GPT-like model,
 run for a few steps, and checked for its intended effect against PyTorch's own reference.
 
-The model (conftest's `GPT`) uses the conventional GPT-2/nanoGPT names, so the library's
+The model (helpers.models' `GPT`) uses the conventional GPT-2/nanoGPT names, so the library's
 patterns are tested against the names they are written for.
 """
 
@@ -22,11 +22,10 @@ import torch.nn.functional as F
 from prometheus_client import CollectorRegistry
 
 import hookpolicy
-from conftest import metric
+from helpers.outputs import metric
 
-from conftest import batch, lora, make_model, train_step, train_then_evaluate
-from test_agc import agc_reference
-from test_history import ZClipReference
+from helpers.models import batch, lora, make_model, train_step, train_then_evaluate
+from helpers.references import ZClipReference, agc_reference
 
 POLICIES = Path(__file__).resolve().parent.parent / "policies"
 LIBRARY = sorted(POLICIES.glob("*.y*ml"))

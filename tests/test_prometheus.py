@@ -20,9 +20,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 import hookpolicy
-from conftest import metric
+from helpers.outputs import metric
 from hookpolicy.export.rules import prometheus_rules
-from conftest import make_model, train_then_evaluate
+from helpers.models import make_model, train_then_evaluate
 
 TESTS = Path(__file__).resolve().parent
 PROMTOOL = shutil.which("promtool")
@@ -140,7 +140,7 @@ TRAIN = """\
 import sys, time
 import torch
 sys.path.insert(0, {tests!r})
-from conftest import make_model, train_step
+from helpers.models import make_model, train_step
 
 model = make_model()
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)

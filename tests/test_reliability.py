@@ -42,11 +42,13 @@ from hookpolicy.export import sinks
 from hookpolicy.policy.model import LogSink
 from hookpolicy.engine.runtime import MAX_ERRORS
 
-from conftest import (
-    metric,
-    REPO, global_hook_counts, json_lines, load_policy, module_hook_count, policy_text, served, tiny, write_policy,
-)
-from child_scripts import HOOK_REPORT
+from helpers import REPO
+from helpers.hooks import global_hook_counts, module_hook_count
+from helpers.models import tiny
+from helpers.outputs import json_lines, metric, served
+from helpers.policies import load_policy, policy_text, write_policy
+from helpers.child_scripts import HOOK_REPORT
+
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: int = 6) -> float:
     loss = model(torch.randn(batch, 4)).pow(2).mean()

@@ -14,13 +14,14 @@ from prometheus_client import CollectorRegistry
 from torch.utils.checkpoint import checkpoint
 
 import hookpolicy
-from conftest import metric
+from helpers.outputs import metric
 from hookpolicy.export import sinks
 from hookpolicy import Halt
 from hookpolicy.engine.runtime import Attached
 from hookpolicy.export.metrics import split_family
 
-from conftest import load_policy, module_hook_count, no_host_sync
+from helpers.hooks import module_hook_count, no_host_sync
+from helpers.policies import load_policy
 
 
 class Block(nn.Module):

@@ -38,7 +38,9 @@ from hookpolicy.policy.build import MAX_FIELD_WIDTH
 from hookpolicy.policy.model import Alert, TensorFiles
 from hookpolicy.policy.patterns import compile_glob
 
-from conftest import REPO, metric, served, tiny
+from helpers import REPO
+from helpers.models import tiny
+from helpers.outputs import metric, served
 
 POLICY = """\
 apiVersion: hookpolicy/v1

@@ -20,7 +20,9 @@ import torch
 from prometheus_client import CollectorRegistry
 from torch import nn
 
-from conftest import global_hook_counts, json_lines, load_policy, module_hook_count, metric
+from helpers.hooks import global_hook_counts, module_hook_count
+from helpers.outputs import json_lines, metric
+from helpers.policies import load_policy
 
 LONG_RUN_POLICY = """\
 - name: grads

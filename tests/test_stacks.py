@@ -34,7 +34,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import hookpolicy
-from conftest import REPO, metric
+from helpers import REPO
+from helpers.outputs import metric
 from hookpolicy.export.metrics import store_for
 
 STACKS = REPO / "tests" / "stacks"

@@ -15,7 +15,7 @@ from torch import nn
 
 import hookpolicy
 from hookpolicy.export.tensorboard import MISSING_TENSORBOARD
-from conftest import write_policy
+from helpers.policies import write_policy
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

@@ -1,0 +1,73 @@
+"""PyTorch's hook tables counted (0 once hookpolicy let go), the process-wide state
+hookpolicy must give back, and a guard that no hook reads a tensor back to the host."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.nn.modules.module as module_hooks
+import torch.optim.optimizer as optimizer_hooks
+from torch import nn
+
+
+def module_hook_count(model: nn.Module) -> int:
+    """Every hook on every module of `model` (0 once hookpolicy let go of it)."""
+    return sum(
+        len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) + len(m._backward_pre_hooks)
+        + len(m._forward_hooks_always_called) + len(m._forward_hooks_with_kwargs)
+        for m in model.modules()
+    )
+
+
+def global_hook_counts() -> tuple[int, ...]:
+    """PyTorch's process-wide hooks: optimizer step pre/post, module forward pre/post, backward."""
+    return (
+        len(optimizer_hooks._global_optimizer_pre_hooks), len(optimizer_hooks._global_optimizer_post_hooks),
+        len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks),
+        len(module_hooks._global_backward_hooks), len(module_hooks._global_backward_pre_hooks),
+    )
+
+
+def process_wide_state() -> dict[str, object]:
+    """Everything of the process hookpolicy may change while attached, and must give back.
+
+    PyTorch's process-wide hooks (call, registration, optimizer step), hookpolicy's own
+    step subscribers, its `nn.Module.__reduce_ex__` (in place while it holds a module hook)
+    and its threads.
+    """
+    from hookpolicy.engine import optimizer_hooks as step_owner
+
+    return {
+        "global hooks": global_hook_counts(),
+        "registration hooks": (
+            len(module_hooks._global_module_registration_hooks), len(module_hooks._global_parameter_registration_hooks),
+            len(module_hooks._global_buffer_registration_hooks),
+        ),
+        "step subscribers": len(step_owner._OWNER._subscriptions),
+        "nn.Module.__reduce_ex__": nn.Module.__dict__.get("__reduce_ex__"),
+        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("hookpolicy")),
+    }
+
+
+#: the Tensor methods that read a value back to the host (a host-device sync on CUDA)
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Inside, reading a tensor's value on the host raises, as no hookpolicy hook may do.
+
+    A hook that did would raise inside the hook, where onError contains it: a test using
+    this also checks that no hook error was counted, or it could not fail.
+    """
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("host sync inside a hook")
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, forbidden)
+        yield

@@ -1,0 +1,70 @@
+"""Policies for a test: the user contract's example, and policies written on the fly."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import hookpolicy
+
+#: The example policy of the user contract (shared/policy-spec.md), field for field.
+SPEC_EXAMPLE = """\
+# yaml-language-server: $schema=../schemas/hookpolicy-v1.schema.json
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata:
+  name: llm-guardrails              # required: [a-z0-9]([a-z0-9-]*[a-z0-9])?, at most 63 chars
+  labels: {team: ml-platform}       # optional, string to string; shown in hookpolicy_policy_info
+  annotations: {runbook: "..."}     # optional, free text, never parsed
+spec:
+  mode: enforce                     # enforce (default) | audit
+  onError: continue                 # continue (default) | halt
+  limits:
+    maxSeries: 10000                # cap on the metric series this policy may create
+  rules:
+    - name: clip-attention-grads    # required, unique within the policy
+      mode: audit                   # optional, overrides spec.mode for this rule
+      priority: 50                  # optional int 0..100, lower runs first; ties keep file order
+      match:
+        modules: ["transformer.h.*.attn.*"]
+        types: [Linear]
+        exclude: ["**.c_proj"]
+        params: ["weight"]          # only for targets that are parameters (grad, weight)
+      trigger:
+        at: step                    # forward_pre | forward | backward | step
+        every: 1                    # evaluate on steps where step % every == 0
+        steps: {from: 100, until: 5000}   # optional window: from inclusive, until exclusive
+        phase: train                # train (default) | eval | any
+      target: grad                  # see the table in 3.
+      actions:
+        - capture: {stats: [l2_norm, abs_max, nonfinite]}
+        - clip: {max_norm: 1.0, norm_type: 2, per: rule}
+        - alert:
+            if: "nonfinite > 0"
+            for: 1
+            severity: critical
+            then: skip_step
+            message: "non-finite gradients in {module} at step {step}"
+"""
+
+
+
+def policy_text(rules: str, *, name: str = "p", spec: str = "") -> str:
+    """A policy named `name` with `rules` (a YAML list, indented as you like) and more `spec` keys."""
+    text = f"apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata:\n  name: {name}\nspec:\n"
+    text += textwrap.indent(textwrap.dedent(spec), "  ")
+    return text + "  rules:\n" + textwrap.indent(textwrap.dedent(rules), "    ")
+
+
+def write_policy(folder: Path, rules: str, *, name: str = "p", spec: str = "") -> Path:
+    """`policy_text(...)` written to `folder/<name>.yaml`."""
+    path = folder / f"{name}.yaml"
+    path.write_text(policy_text(rules, name=name, spec=spec))
+    return path
+
+
+def load_policy(folder: Path, rules: str, *, name: str = "p", spec: str = "") -> hookpolicy.PolicySet:
+    """`write_policy(...)`, loaded as users load it (`hookpolicy.load`)."""
+    return hookpolicy.load(write_policy(folder, rules, name=name, spec=spec))
+
+
