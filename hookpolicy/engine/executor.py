@@ -23,9 +23,8 @@ from ..policy.expr import Value
 from ..policy.model import LOSS, Clip, Rule
 from .distributed import Shards, local_shards, sum_over_groups, shard_name, shard_partials, unit_shards
 from .faults import Faults
-from .history import History
+from .history import History, group_key
 from .ledger import ClipEntry, Entry, Ledger
-from .readback import group_key
 from .rulestate import RuleState
 from .stats import tensor_partials
 from .steps import Phase, recomputing
@@ -255,7 +254,7 @@ class Executor:
     ) -> tuple[list[torch.Tensor], bool]:
         """A norm clip (in audit mode: its measurement only); what it did goes to the read-back as a `ClipEntry`."""
         groups = _groups(rows, action.per)
-        keys = [group_key(rows, group, action.per) for group in groups]
+        keys = [group_key(*rows[group[0]], action.per) for group in groups]
         limits = self._limits(rs, index, action, keys)
         new, report = clip_norm(list(tensors), limits, action.norm_type, groups, inplace, apply=rs.enforce)
         self._ledger.entries.append(ClipEntry(rs, index, keys, report, limits))
@@ -271,13 +270,13 @@ class Executor:
         if not isinstance(action.max_norm, Value):
             return [action.max_norm] * len(keys)
         expression = action.max_norm
+        tracked = self.history.tracking(rs.key, index, ("norm",), action.calls, action.warmup)
         limits: list[Optional[float]] = []
         for module, tensor in keys:
-            key = (rs.key, index, module, tensor)
-            if action.warmup and self.history.count(key, ("norm",)) < action.warmup:
+            if not tracked.ready(module, tensor):
                 limits.append(None)
                 continue
-            limit = expression.evaluate({}, self.history.past(key))
+            limit = tracked.threshold(expression, module, tensor)
             if limit <= 0 and (rs.key, index) not in self._warned_limits:
                 self._warned_limits.add((rs.key, index))
                 log.warning("%s/%s: max_norm %s is %g at step %d for %s, which clips nothing; a threshold that is "

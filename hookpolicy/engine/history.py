@@ -2,10 +2,13 @@
 
 A *series* is what one action sees of one statistic in one group of its `per`:
 `(policy, rule), action index, module, tensor, statistic` (a clip's own norm is the
-statistic `norm`). The read-back evaluates alerts and clips against `History.past(...)`,
-which holds only values from before the current evaluation, and hands what it evaluated
-to the coordinator as `Observation`s; the coordinator `commit`s them once it knows the
-step's decision, so a skipped step (which did not happen) never enters the history and
+statistic `norm`). An action that reads a history, an alert with history functions or a
+clip with a `max_norm` expression, reaches it through one `Tracked` (`History.tracking`):
+its group key (`group_key`), its series and how much of each to keep, its warm-up
+(`ready`), its threshold (`threshold`) and what it saw (`observe`), so alerts and adaptive
+clips share each of these rules. They are evaluated against the past, which holds only
+values from before the current evaluation; what they saw goes to the step cycle as
+`Observation`s, which it `commit`s once it knows the step's decision, so a skipped step (which did not happen) never enters the history and
 a spike cannot become the baseline. A non-finite value is never appended either.
 
 Memory is bounded per series: a ring of at most `max(largest window, warmup when an
@@ -23,12 +26,17 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..policy.expr import Call
+from ..policy.expr import Call, Value
 
-__all__ = ["GroupKey", "History", "Observation", "Past", "Series", "SeriesSpec", "spec_for"]
+__all__ = ["GroupKey", "History", "Observation", "Past", "Series", "SeriesSpec", "Tracked", "group_key", "spec_for"]
 
 #: (policy, rule), action index, module, tensor: one group of one action.
 GroupKey = tuple[tuple[str, str], int, str, str]
+
+
+def group_key(module: str, tensor: str, per: str) -> tuple[str, str]:
+    """The (module, tensor) a group of `per` holding this tensor is known by: both, the module and "", or ("", "")."""
+    return (module, tensor) if per == "tensor" else ((module, "") if per == "module" else ("", ""))
 
 
 @dataclass(frozen=True)
@@ -155,11 +163,62 @@ class Observation:
     specs: Mapping[str, SeriesSpec]
 
 
+class Tracked:
+    """One action that reads a history: its statistics' series per group, their specs, its warm-up.
+
+    `stats` are the statistics it keeps (an alert's, or `("norm",)` for a clip), `calls`
+    the history functions its expressions call, `warmup` how many values every series of
+    a group must hold before the action acts on that group.
+    """
+
+    def __init__(
+        self, history: "History", rule: tuple[str, str], index: int, stats: Iterable[str], calls: Iterable[Call],
+        warmup: int,
+    ) -> None:
+        self.history, self.rule, self.index, self.warmup = history, rule, index, warmup
+        calls = tuple(calls)
+        #: per statistic, how much of its series to keep
+        self.specs = {stat: spec_for(calls, stat, warmup) for stat in sorted(stats)}
+
+    def key(self, module: str, tensor: str) -> GroupKey:
+        """The group of this action that the series of (module, tensor) belong to (see `group_key`)."""
+        return (self.rule, self.index, module, tensor)
+
+    def ready(self, module: str, tensor: str) -> bool:
+        """Whether the group's warm-up is over: each of its series holds at least `warmup` values.
+
+        With `warmup: N` the group acts from its (N+1)-th evaluation on, the first one with N
+        values of past; with no warm-up, from the first.
+        """
+        return self.warmup == 0 or self.history.count(self.key(module, tensor), self.specs) >= self.warmup
+
+    def past(self, module: str, tensor: str) -> Past:
+        return Past(self.history, self.key(module, tensor))
+
+    def threshold(self, expression: Value, module: str, tensor: str) -> float:
+        """`expression` (a `max_norm`) evaluated on the group's past: NaN while a function has no past yet."""
+        return expression.evaluate({}, self.past(module, tensor))
+
+    def observe(self, module: str, tensor: str, values: Mapping[str, float]) -> Observation:
+        """What the group saw now (of `values`, the statistics it keeps), to commit once the step is decided."""
+        return Observation(self.key(module, tensor), {stat: values[stat] for stat in self.specs}, self.specs)
+
+
 @dataclass
 class History:
     """Every series of one attachment; carried over to the next one at a hot reload (`carry`)."""
 
     series: dict[tuple[tuple[str, str], int, str, str, str], Series] = field(default_factory=dict)
+    _tracked: dict[tuple[tuple[str, str], int], Tracked] = field(default_factory=dict, repr=False, compare=False)
+
+    def tracking(
+        self, rule: tuple[str, str], index: int, stats: Iterable[str], calls: Iterable[Call], warmup: int,
+    ) -> Tracked:
+        """The `Tracked` of action `index` of `rule` (made at its first evaluation, then kept)."""
+        tracked = self._tracked.get((rule, index))
+        if tracked is None:
+            tracked = self._tracked[(rule, index)] = Tracked(self, rule, index, stats, calls, warmup)
+        return tracked
 
     def past(self, key: GroupKey) -> Past:
         return Past(self, key)

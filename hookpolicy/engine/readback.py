@@ -32,19 +32,13 @@ from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
 from ..export.tensorboard import Boards, histogram_tag, scalar_tag
 from .rulestate import MAX_ERRORS, RuleState
 from .distributed import reduce_shards
-from .history import History, Observation, SeriesSpec, spec_for
+from .history import History, Observation, Tracked, group_key
 from .ledger import ClipEntry, Entry
 from .stats import combine, finish, resolve_counts
 
-__all__ = ["Readback", "StepReport", "group_key"]
+__all__ = ["Readback", "StepReport"]
 
 log = logging.getLogger("hookpolicy")
-
-def group_key(rows: Sequence[tuple[str, str]], group: Sequence[int], per: str) -> tuple[str, str]:
-    """The (module, tensor) a group of `per` is reported under: both, the module and "", or ("", "")."""
-    module, tensor = rows[group[0]]
-    return (module, tensor) if per == "tensor" else ((module, "") if per == "module" else ("", ""))
-
 
 @dataclass
 class StepReport:
@@ -82,7 +76,6 @@ class Readback:
         self.store = store
         self.rank = rank
         self.history = history
-        self._specs: dict[tuple[tuple[str, str], int], dict[str, SeriesSpec]] = {}
         self._root = root
         self._max_series = {p.name: p.max_series for p in policies}
         self._streaks: dict[tuple[Any, ...], int] = {}
@@ -189,8 +182,9 @@ class Readback:
                         boarded[index] += [(scalar_tag(*rs.key, p.target, s, module, tensor), stats[s])
                                            for s in action.stats]
                     continue
-                past = self._observe(rs, index, action, module, tensor, stats, report)
-                fired = self._evaluate_alert(rs, index, action, module, tensor, stats, past)
+                tracked = self._observe(rs, index, action, module, tensor, stats, report)
+                fired = self._evaluate_alert(rs, index, action, module, tensor, stats, tracked)
+                past = None if tracked is None else tracked.past(module, tensor)
                 firing[action.severity] = firing.get(action.severity, False) or fired
                 if not fired:
                     continue
@@ -226,40 +220,33 @@ class Readback:
         for (module, tensor), (norm, count), limit in zip(entry.rows, rows, entry.limits):
             clipped[module] += count
             if isinstance(action, Clip) and action.adaptive is not None:
-                specs = self._specs.get((rs.key, entry.index))
-                if specs is None:
-                    specs = self._specs[(rs.key, entry.index)] = {"norm": spec_for(action.calls, "norm", action.warmup)}
+                tracked = self.history.tracking(rs.key, entry.index, ("norm",), action.calls, action.warmup)
                 effective = norm if limit is None else min(norm, limit)
-                report.observed.append(Observation((rs.key, entry.index, module, tensor), {"norm": effective}, specs))
+                report.observed.append(tracked.observe(module, tensor, {"norm": effective}))
         for module, count in clipped.items():
             self.store.inc(CLIPPED, (*rs.key, module, rs.mode), count)
 
     def _observe(
         self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
         report: StepReport,
-    ) -> Optional[Past]:
-        """The past of an alert that keeps a history (None for one that does not), and its values to append."""
+    ) -> Optional[Tracked]:
+        """The history of an alert that keeps one (None for one that does not); its values go to `report`."""
         if not action.remembers:
             return None
-        specs = self._specs.get((rs.key, index))
-        if specs is None:
-            specs = self._specs[(rs.key, index)] = {
-                stat: spec_for(action.calls, stat, action.warmup) for stat in sorted(action.stats)}
-        key = (rs.key, index, module, tensor)
-        report.observed.append(Observation(key, {stat: stats[stat] for stat in specs}, specs))
-        return self.history.past(key)
+        tracked = self.history.tracking(rs.key, index, action.stats, action.calls, action.warmup)
+        report.observed.append(tracked.observe(module, tensor, stats))
+        return tracked
 
     def _evaluate_alert(
         self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
-        past: Optional[Past],
+        tracked: Optional[Tracked],
     ) -> bool:
         """Whether the alert fires: its condition held `for:` evaluations in a row, after its warmup."""
-        key = (rs.key, index, module, tensor)
-        if past is None:
+        if tracked is None:
             holds = action.condition.evaluate(stats)
         else:
-            ready = action.warmup == 0 or self.history.count(key, self._specs[(rs.key, index)]) >= action.warmup
-            holds = ready and action.condition.evaluate(stats, past)
+            holds = tracked.ready(module, tensor) and action.condition.evaluate(stats, tracked.past(module, tensor))
+        key = (rs.key, index, module, tensor)
         streak = self._streaks.get(key, 0) + 1 if holds else 0
         self._streaks[key] = streak
         return streak >= action.for_
@@ -424,8 +411,7 @@ class _Pass:
     def add(self, entry: Entry, rows: list[list[float]]) -> None:
         for (module, tensor), row, n in zip(entry.rows, rows, entry.numels):
             for per, groups in self._groups.items():
-                key = (module, tensor) if per == "tensor" else ((module, "") if per == "module" else ("", ""))
-                bucket = groups.setdefault(key, ([], []))
+                bucket = groups.setdefault(group_key(module, tensor, per), ([], []))
                 bucket[0].append(row)
                 bucket[1].append(n)
 
