@@ -44,6 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..api import PolicySet
 from ..errors import Halt, PolicyError
+from ..process import Once
 from ..engine import heap, module_hooks, optimizer_hooks
 from ..engine.runtime import Attached
 from . import say
@@ -79,7 +80,7 @@ class Discovery:
         self._rejected: dict[int, "weakref.ref[torch.nn.Module]"] = {}  # not stepped by any optimizer
         self._pending: list["weakref.ref[torch.nn.Module]"] = []  # found at a step, governed at the next call
         self._checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
-        self._warned_orphans = False
+        self._said_orphans = Once()
         self._forward: Optional[RemovableHandle] = None
         self._steps: Optional[optimizer_hooks.Subscription] = None
         self._watching = module_hooks.Watching(self)
@@ -217,8 +218,7 @@ class Discovery:
             return
         owners = _outermost_owners(params)
         owned = {id(p) for m in owners for p in m.parameters()}
-        if loose - owned and not self._warned_orphans:
-            self._warned_orphans = True
+        if loose - owned and self._said_orphans():
             say(
                 f"warning: {type(optimizer).__name__} steps {len(loose - owned)} parameter(s) that "
                 "belong to no nn.Module; hookpolicy cannot govern them"

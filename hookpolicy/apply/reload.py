@@ -40,6 +40,7 @@ from ..errors import PolicyError
 from ..export.metrics import store_for
 from ..policy.loader import MAX_BYTES
 from ..policy.sources import expand_sources
+from ..process import start_thread
 from .validate import load_elsewhere
 from . import say
 
@@ -159,7 +160,7 @@ class Reloader:
         self._requested = False
         self._files = files if files is not None else fingerprint(config.sources)
         self._trigger = self._read_trigger()
-        self._thread = threading.Thread(target=self._loop, name="hookpolicy-reload", daemon=True)
+        self._thread = start_thread("reload", self._loop)
 
     def start(self) -> None:
         self._thread.start()

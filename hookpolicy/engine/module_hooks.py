@@ -9,7 +9,8 @@ living there would travel into every copy and file, dragging the runtime (locks,
 along: a copy would keep feeding the original's metrics, and a save would fail with
 `cannot pickle '_thread.lock' object`.
 
-Two mechanisms, both here and nowhere else:
+Three mechanisms, all here and nowhere else (`hookpolicy/process.py` lists every
+process-wide change; the ones below are made and given back through its `Shared`):
 
 - **Per-module forward hooks**, registered through `forward_pre_hook` / `forward_hook`,
   which record the handle's id. While any is installed, `torch.nn.Module.__reduce_ex__`
@@ -29,6 +30,11 @@ Two mechanisms, both here and nowhere else:
   inside a governed model (`model.head = nn.Linear(...)`, LoRA injection, `load_state_dict
   (assign=True)`), through PyTorch's process-wide *registration* hooks (they run when a
   module's attribute is set, never on a call, and `torch.compile` ignores them).
+- **Hooks on every module call**, for the two users that must see modules no plan names:
+  `apply`'s discovery (`global_forward_pre_hook`, until it found the models) and the loss
+  search (`global_forward_hook`, until it found the loss module). One PyTorch hook per
+  kind, calling its subscribers by priority; while any is in, torch.compile's warning
+  about global hooks is filtered, and the filter comes out with the last of them.
 
 The subscriber contract, as a literal signature:
 
@@ -44,7 +50,6 @@ than a dict. Changes made behind `Module.__setattr__` (`model._modules[name] = m
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Protocol
@@ -55,6 +60,8 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 from torch.utils.hooks import RemovableHandle
+
+from .. import process
 
 __all__ = [
     "OwnHandle", "TreeSubscriber", "Watching", "reduces_itself", "forward_hook", "forward_pre_hook",
@@ -85,9 +92,10 @@ class OwnHandle:
     def remove(self) -> None:
         self._handle.remove()
         with _lock:
+            if self._handle.id not in _ours:
+                return
             _ours.discard(self._handle.id)
-            if not _ours and _saved:
-                _restore()
+        _REDUCE_EX.release()
 
 
 def forward_pre_hook(module: torch.nn.Module, hook: Callable[..., Any], *, with_kwargs: bool = False) -> OwnHandle:
@@ -102,34 +110,119 @@ def forward_hook(
     return _own(module.register_forward_hook(hook, with_kwargs=with_kwargs, always_call=always_call))
 
 
-def global_forward_pre_hook(hook: Callable[..., Any]) -> RemovableHandle:
-    """`register_module_forward_pre_hook`: before every module call of the process (discovery's)."""
-    _quiet_compile_warning()
-    return register_module_forward_pre_hook(hook)
+def global_forward_pre_hook(hook: Callable[..., Any], priority: int = 0) -> RemovableHandle:
+    """Before every module call of the process (discovery's): `hook(module, args) -> None or new args`."""
+    return _CALLS.add("pre", hook, priority)
 
 
-def global_forward_hook(hook: Callable[..., Any]) -> RemovableHandle:
-    """`register_module_forward_hook`: after every module call of the process (looking for loss modules)."""
-    _quiet_compile_warning()
-    return register_module_forward_hook(hook)
+def global_forward_hook(hook: Callable[..., Any], priority: int = 0) -> RemovableHandle:
+    """After every module call of the process (looking for loss modules): `hook(module, args, output) -> None or new output`."""
+    return _CALLS.add("post", hook, priority)
 
 
-def _quiet_compile_warning() -> None:
+class _CallHandle(RemovableHandle):
+    """A subscriber to the process-wide module call hooks; `remove()` is safe to call twice."""
+
+    def __init__(self, calls: "_Calls", kind: str, hook: Callable[..., Any], priority: int) -> None:
+        super().__init__(OrderedDict())
+        self.calls, self.kind, self.hook = calls, kind, hook
+        self.sort_key = (priority, self.id)
+
+    def remove(self) -> None:
+        self.calls.discard(self)
+
+
+class _Calls:
+    """The process-wide module call hooks: one PyTorch hook per kind, calling its subscribers in order.
+
+    Order: by `priority` (lower first), then by subscription. A kind with one subscriber
+    registers that subscriber's own function with PyTorch (no dispatch on every module
+    call of the process); with several, one function that calls them in turn, each
+    seeing what the previous one returned, as PyTorch chains its own hooks.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._subscribers: dict[str, tuple[_CallHandle, ...]] = {"pre": (), "post": ()}
+        self._torch: dict[str, Optional[RemovableHandle]] = {"pre": None, "post": None}
+
+    def add(self, kind: str, hook: Callable[..., Any], priority: int) -> _CallHandle:
+        handle = _CallHandle(self, kind, hook, priority)
+        _COMPILE_WARNING.acquire()
+        with self._lock:
+            self._subscribers[kind] = tuple(sorted((*self._subscribers[kind], handle), key=lambda h: h.sort_key))
+            self._register(kind)
+        return handle
+
+    def discard(self, handle: _CallHandle) -> None:
+        with self._lock:
+            if handle not in self._subscribers[handle.kind]:
+                return
+            self._subscribers[handle.kind] = tuple(h for h in self._subscribers[handle.kind] if h is not handle)
+            self._register(handle.kind)
+        _COMPILE_WARNING.release()
+
+    def _register(self, kind: str) -> None:
+        """Swap PyTorch's hook of `kind` for one that calls the subscribers now (safe inside a call: PyTorch iterates a copy)."""
+        previous = self._torch[kind]
+        if previous is not None:
+            previous.remove()
+        subscribers = self._subscribers[kind]
+        if not subscribers:
+            self._torch[kind] = None
+            return
+        hooks = tuple(h.hook for h in subscribers)
+        if kind == "pre":
+            self._torch[kind] = register_module_forward_pre_hook(hooks[0] if len(hooks) == 1 else _chain_pre(hooks))
+        else:
+            self._torch[kind] = register_module_forward_hook(hooks[0] if len(hooks) == 1 else _chain_post(hooks))
+
+
+def _chain_pre(hooks: tuple[Callable[..., Any], ...]) -> Callable[..., Any]:
+    def pre(module: torch.nn.Module, args: Any) -> Any:
+        changed = False
+        for hook in hooks:
+            result = hook(module, args)
+            if result is not None:
+                args, changed = (result if isinstance(result, tuple) else (result,)), True
+        return args if changed else None
+    return pre
+
+
+def _chain_post(hooks: tuple[Callable[..., Any], ...]) -> Callable[..., Any]:
+    def post(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        changed = False
+        for hook in hooks:
+            result = hook(module, args, output)
+            if result is not None:
+                output, changed = result, True
+        return output if changed else None
+    return post
+
+
+#: torch.compile's warning about global module hooks, silenced while ours are in (see `_quiet`).
+_COMPILE_FILTER = process.WarningFilter(r"Using `torch\.compile\(module\)` when there are global hooks", UserWarning)
+
+
+def _quiet() -> None:
     """Keep torch.compile from blaming the user's `model(x)` line for hookpolicy's global hooks.
 
     `OptimizedModule.__call__` warns whenever any global module hook exists, because such
     a hook fires once more for the wrapper. Ours handle the wrapper on purpose (discovery
     governs it; a compiled model is no loss module), so the warning would be hookpolicy's
     noise at the user's line. It is silenced only when the process has no global module
-    hooks of its own when the first of ours goes in.
+    hooks of its own when the first of ours goes in, and the filter comes out with the
+    last of ours.
     """
     from torch.nn.modules import module as hooks
 
     if not any((hooks._global_forward_pre_hooks, hooks._global_forward_hooks, hooks._global_backward_pre_hooks,
                 hooks._global_backward_hooks)):
-        warnings.filterwarnings(
-            "ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks", category=UserWarning,
-        )
+        _COMPILE_FILTER.install()
+
+
+_COMPILE_WARNING = process.Shared("torch.compile global-hook warning filter", _quiet, _COMPILE_FILTER.remove)
+_CALLS = _Calls()
 
 
 #: classes that reduce themselves without their own hook dicts: `torch.compile`'s wrapper is
@@ -148,12 +241,15 @@ def reduces_itself(cls: type) -> bool:
 
 
 def _own(handle: RemovableHandle) -> OwnHandle:
+    _REDUCE_EX.acquire()
     with _lock:
-        if not _saved:
-            _saved.append(torch.nn.Module.__dict__.get("__reduce_ex__"))
-            torch.nn.Module.__reduce_ex__ = _reduce_ex  # type: ignore[method-assign,assignment]
         _ours.add(handle.id)
     return OwnHandle(handle)
+
+
+def _patch() -> None:
+    _saved.append(torch.nn.Module.__dict__.get("__reduce_ex__"))
+    torch.nn.Module.__reduce_ex__ = _reduce_ex  # type: ignore[method-assign,assignment]
 
 
 def _restore() -> None:
@@ -162,6 +258,9 @@ def _restore() -> None:
         del torch.nn.Module.__reduce_ex__
     else:
         torch.nn.Module.__reduce_ex__ = previous  # type: ignore[method-assign]
+
+
+_REDUCE_EX = process.Shared("nn.Module.__reduce_ex__", _patch, _restore)
 
 
 def _reduce_ex(self: torch.nn.Module, protocol: Any) -> Any:

@@ -61,6 +61,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from .. import process
+
 __all__ = ["DISCOVERY", "STEP_TRACKING", "StepSubscriber", "Subscription", "subscribe"]
 
 log = logging.getLogger("hookpolicy")
@@ -107,24 +109,34 @@ class _Owner:
         #: replaced, never mutated, so a step in progress iterates a stable tuple
         self._subscriptions: tuple[Subscription, ...] = ()
         self._handles: list[RemovableHandle] = []
+        self._hooks = process.Shared("optimizer step hooks", self._register, self._unregister)
 
     def add(self, subscriber: StepSubscriber, priority: int) -> Subscription:
         subscription = Subscription(subscriber, priority, next(self._order))
         with self._lock:
             self._subscriptions = tuple(sorted((*self._subscriptions, subscription), key=lambda s: s.sort_key))
-            if not self._handles:
-                self._handles = [register_optimizer_step_pre_hook(self._pre),
-                                 register_optimizer_step_post_hook(self._post)]
+        self._hooks.acquire()
         return subscription
 
     def remove(self, subscription: Subscription) -> None:
-        subscription.removed = True
         with self._lock:
+            first = not subscription.removed
+            subscription.removed = True
             self._subscriptions = tuple(s for s in self._subscriptions if s is not subscription)
-            if not self._subscriptions and self._handles and not _inside_optimizer_step():
-                for handle in self._handles:
-                    handle.remove()
-                self._handles = []
+        if first:
+            self._hooks.release()
+        elif self._hooks.users == 0:
+            self._unregister()  # hooks left in by a remove() inside a step come off at a later one outside
+
+    def _register(self) -> None:
+        if not self._handles:  # else still in from a remove() inside a step
+            self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+
+    def _unregister(self) -> None:
+        if self._handles and not _inside_optimizer_step():
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Optional[tuple[Any, Any]]:
         """hook(optimizer, args, kwargs) -> None or (args, kwargs): `args[0]` is the optimizer itself."""
@@ -166,7 +178,7 @@ class _Owner:
 class _ClosureThenUpdate:
     """The closure `step()` gets in place of the script's: the script's closure, then `before_update`."""
 
-    _reported: set[tuple[str, int]] = set()  # (optimizer class, what): each said once per process
+    _said = process.Once()  # (optimizer class, what): each said once per process
 
     def __init__(self, owner: _Owner, optimizer: torch.optim.Optimizer, closure: Callable[..., Any]) -> None:
         self.owner, self.optimizer, self.closure = owner, optimizer, closure
@@ -186,9 +198,8 @@ class _ClosureThenUpdate:
         """After the step: say once if the closure ran several times, or never (the step was not seen)."""
         name = type(self.optimizer).__name__
         what = min(self.calls, 2)
-        if what == 1 or (name, what) in self._reported:
+        if what == 1 or not self._said((name, what)):
             return
-        self._reported.add((name, what))
         if what == 0:
             log.warning("%s.step() did not call the closure it was given: its steps are not evaluated "
                         "(no statistics, clip, skip or halt)", name)

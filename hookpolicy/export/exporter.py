@@ -31,6 +31,7 @@ from urllib.parse import unquote
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from ..process import Once, start_thread
 from ..say import say
 
 __all__ = [
@@ -69,7 +70,7 @@ class RenderCache:
         self._app, self._interval, self._clock = app, interval, clock
         self._lock = threading.Lock()
         self._answers: dict[tuple[str, ...], tuple[float, str, list[tuple[str, str]], bytes]] = {}
-        self._reported: set[str] = set()
+        self._said = Once(limit=self.MAX_KEYS)  # error texts said; clients choose them, so bounded
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> list[bytes]:
         key = tuple(str(environ.get(name, "")) for name in _REQUEST_KEY)
@@ -87,8 +88,7 @@ class RenderCache:
             body = b"".join(self._app(environ, lambda status, headers, exc_info=None: started.extend((status, headers))))
         except Exception as exc:  # noqa: BLE001 - a broken collector must not reach the script's stderr as a traceback
             reason = f"{type(exc).__name__}: {exc}"
-            if reason not in self._reported and len(self._reported) < self.MAX_KEYS:
-                self._reported.add(reason)
+            if self._said(reason):
                 say(f"cannot render metrics: {reason}", logging.ERROR)
             return (-float("inf"), "500 Internal Server Error", [("Content-Type", "text/plain; charset=utf-8")],
                     f"cannot render metrics: {reason}\n".encode())
@@ -139,7 +139,7 @@ class Exporter:
         # made here, not on the exporter thread: a shutdown() that comes before that thread
         # reaches its loop (a script that ends at once, a busy machine) must still stop it
         self._stopped = asyncio.Event()
-        self._thread = threading.Thread(target=self._run, name="hookpolicy-exporter", daemon=True)
+        self._thread = start_thread("exporter", self._run)
 
     def start(self) -> None:
         self._thread.start()

@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..policy.model import STATS, TARGETS
+from ..process import Once
 
 __all__ = [
     "ACTIONS", "ALERTS", "ALERT_FIRING", "CLIPPED", "ENGINE_FAMILIES", "FAMILIES", "Family", "HOOK_ERRORS", "HOOK_SECONDS",
@@ -160,7 +161,7 @@ class MetricsStore:
         # family -> labels -> value; family -> owner policy, for maxSeries accounting
         self._stats: dict[str, dict[Labels, float]] = defaultdict(dict)
         self._series: dict[str, int] = defaultdict(int)
-        self._warned: set[str] = set()
+        self._said_full = Once()  # policies told that they reached maxSeries, until forgotten
         self._models: "weakref.WeakKeyDictionary[object, str]" = weakref.WeakKeyDictionary()
         self._classes: dict[str, int] = {}
 
@@ -225,8 +226,7 @@ class MetricsStore:
                 series[labels] = value
         for policy, count in dropped.items():
             self.inc(SERIES_DROPPED, (policy,), count)
-            if policy not in self._warned:
-                self._warned.add(policy)
+            if self._said_full(policy):
                 log.warning(
                     "policy %s reached spec.limits.maxSeries=%d: further series are dropped "
                     "and counted in hookpolicy_series_dropped_total", policy, max_series.get(policy, 10000),
@@ -241,7 +241,7 @@ class MetricsStore:
                     self._series[policy] -= 1
             if self._series.get(policy, 0) <= 0:
                 self._series.pop(policy, None)
-                self._warned.discard(policy)
+                self._said_full.forget(policy)
 
     # -- models ------------------------------------------------------------------------
     def for_model(self, model: object, class_name: str) -> "ModelMetrics":

@@ -4,7 +4,6 @@ hookpolicy must give back, and a guard that no hook reads a tensor back to the h
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Iterator
 
 import pytest
@@ -35,22 +34,14 @@ def global_hook_counts() -> tuple[int, ...]:
 def process_wide_state() -> dict[str, object]:
     """Everything of the process hookpolicy may change while attached, and must give back.
 
-    PyTorch's process-wide hooks (call, registration, optimizer step), hookpolicy's own
-    step subscribers, its `nn.Module.__reduce_ex__` (in place while it holds a module hook)
-    and its threads.
+    The one list is `hookpolicy.process.snapshot()`: PyTorch's process-wide hooks (call,
+    registration, optimizer step), the users of each of hookpolicy's shared changes (step
+    subscribers, module call hooks, `nn.Module.__reduce_ex__`), hookpolicy's entries in
+    `warnings.filters` and its threads.
     """
-    from hookpolicy.engine import optimizer_hooks as step_owner
+    from hookpolicy import process
 
-    return {
-        "global hooks": global_hook_counts(),
-        "registration hooks": (
-            len(module_hooks._global_module_registration_hooks), len(module_hooks._global_parameter_registration_hooks),
-            len(module_hooks._global_buffer_registration_hooks),
-        ),
-        "step subscribers": len(step_owner._OWNER._subscriptions),
-        "nn.Module.__reduce_ex__": nn.Module.__dict__.get("__reduce_ex__"),
-        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("hookpolicy")),
-    }
+    return process.snapshot()
 
 
 #: the Tensor methods that read a value back to the host (a host-device sync on CUDA)

@@ -1,0 +1,159 @@
+"""Everything hookpolicy changes in the process outside the models it governs: one list, one way back.
+
+A governed model is the user's; the process around it is shared with the user's code,
+PyTorch and every other library. What hookpolicy changes there, and who gives it back:
+
+| change                                            | made by (the one owner)            | given back                                   |
+|---------------------------------------------------|------------------------------------|----------------------------------------------|
+| optimizer step pre/post hooks                     | `engine/optimizer_hooks.py`        | last `Subscription.remove()` outside a step  |
+| module call hooks (every module's forward)        | `engine/module_hooks.py` (`calls`) | last remove() of a `global_forward_*` handle |
+| the filter for torch.compile's global-hook warning| `engine/module_hooks.py` (`calls`) | with the module call hooks                   |
+| module/parameter registration hooks               | `engine/module_hooks.py` (`watch`) | last `Watching.remove()`                     |
+| `torch.nn.Module.__reduce_ex__`                    | `engine/module_hooks.py`           | last `OwnHandle.remove()`                    |
+| threads `hookpolicy-*`                            | `start_thread` (exporter, reload)  | their owner's shutdown/stop                  |
+| what was said once                                | `Once`                             | never: "once" is per process or per owner    |
+
+Each change that several users share is a `Shared`: made when the first user comes,
+undone when the last one leaves, so after the last `remove()` the process is as it was.
+`snapshot()` reads all of it back from the process itself (the test suite's autouse
+fixture compares it before and after every test).
+
+This module imports nothing but the standard library: every stage may use it, and it
+reads torch's global hook dicts only once torch has been imported by someone else.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from typing import Any, Callable, Hashable, Optional
+
+__all__ = ["THREAD_PREFIX", "Once", "Shared", "WarningFilter", "snapshot", "start_thread"]
+
+#: The name of every thread hookpolicy starts begins with this.
+THREAD_PREFIX = "hookpolicy-"
+
+#: every `Shared` and `WarningFilter` made, in the order made (module constants of their owners)
+_SHARED: list["Shared"] = []
+_FILTERS: list["WarningFilter"] = []
+
+
+class Shared:
+    """A process-wide change shared by its users: `make()` when the first comes, `undo()` when the last leaves.
+
+    `acquire()` and `release()` pair up (a caller releases exactly what it acquired);
+    both are thread-safe, and `make`/`undo` run under the lock, so a change is never made
+    twice or undone while a user holds it.
+    """
+
+    def __init__(self, name: str, make: Callable[[], None], undo: Callable[[], None]) -> None:
+        self.name = name
+        self._make, self._undo = make, undo
+        self._lock = threading.RLock()
+        self.users = 0
+        _SHARED.append(self)
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self.users == 0:
+                self._make()
+            self.users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            if self.users <= 0:
+                raise RuntimeError(f"{self.name}: released more often than acquired")
+            self.users -= 1
+            if self.users == 0:
+                self._undo()
+
+
+class WarningFilter:
+    """One `warnings.filterwarnings("ignore", ...)` entry, and taking exactly that entry out again.
+
+    `warnings.filters` is the process's: a filter left behind would hide the warning from
+    the user's code for the rest of the process. hookpolicy changes `warnings.filters`
+    through this class only (a test keeps it so), which is how `snapshot()` tells its
+    filters from those other libraries add when they are imported.
+    """
+
+    def __init__(self, message: str, category: type[Warning]) -> None:
+        self.message, self.category = message, category
+        self._entry: Optional[tuple[Any, ...]] = None
+        _FILTERS.append(self)
+
+    def matches(self, entry: tuple[Any, ...]) -> bool:
+        """Whether `entry` of `warnings.filters` is this filter."""
+        action, message, category = entry[:3]
+        return action == "ignore" and category is self.category and getattr(message, "pattern", None) == self.message
+
+    def install(self) -> None:
+        warnings.filterwarnings("ignore", message=self.message, category=self.category)
+        self._entry = warnings.filters[0]
+
+    def remove(self) -> None:
+        entry, self._entry = self._entry, None
+        if entry is not None and entry in warnings.filters:
+            warnings.filters.remove(entry)  # type: ignore[attr-defined]  # a list at run time
+            warnings._filters_mutated()  # type: ignore[attr-defined]  # what filterwarnings does after a change
+
+
+class Once:
+    """What was said already: `once(key)` is True the first time for `key`, False after.
+
+    Every "say this only once" of hookpolicy goes through one of these. `limit` bounds
+    the keys kept where a caller does not choose them (an error's text): past it,
+    nothing more is said. `forget(key)` lets `key` be said again (a condition that ended).
+    """
+
+    def __init__(self, limit: Optional[int] = None) -> None:
+        self._keys: set[Hashable] = set()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def __call__(self, key: Hashable = None) -> bool:
+        with self._lock:
+            if key in self._keys or (self._limit is not None and len(self._keys) >= self._limit):
+                return False
+            self._keys.add(key)
+            return True
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._keys
+
+    def forget(self, key: Hashable) -> None:
+        with self._lock:
+            self._keys.discard(key)
+
+
+def start_thread(name: str, target: Callable[[], None]) -> threading.Thread:
+    """A daemon thread named `hookpolicy-<name>` running `target` (made, not started)."""
+    return threading.Thread(target=target, name=THREAD_PREFIX + name, daemon=True)
+
+
+def snapshot() -> dict[str, object]:
+    """Everything of the process hookpolicy may change, read back from the process itself.
+
+    Equal before an attach and after its last `remove()`: that is the promise.
+    """
+    state: dict[str, object] = {
+        "users": {shared.name: shared.users for shared in _SHARED if shared.users},
+        "warnings filters": [entry for entry in warnings.filters if any(f.matches(entry) for f in _FILTERS)],
+        "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)),
+    }
+    module = sys.modules.get("torch.nn.modules.module")
+    if module is not None:
+        state["nn.Module.__reduce_ex__"] = module.Module.__dict__.get("__reduce_ex__")
+        state["module hooks"] = tuple(len(getattr(module, name)) for name in (
+            "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+            "_global_backward_pre_hooks", "_global_backward_hooks",
+            "_global_module_registration_hooks", "_global_parameter_registration_hooks",
+            "_global_buffer_registration_hooks",
+        ))
+    optimizer = sys.modules.get("torch.optim.optimizer")
+    if optimizer is not None:
+        state["optimizer step hooks"] = (
+            len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks),
+        )
+    return state

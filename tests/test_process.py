@@ -1,0 +1,155 @@
+"""hookpolicy's process-wide changes: each made by one owner and given back with the last remove().
+
+The references are the process's own records: `warnings.filters`, PyTorch's global hook
+dicts, `threading.enumerate()`, and the warning a `torch.compile`d model gives with a
+global module hook in place (PyTorch's own `OptimizedModule.__call__`).
+"""
+
+from __future__ import annotations
+
+import ast
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.modules.module as torch_module
+from prometheus_client import CollectorRegistry
+from torch import nn
+
+from hookpolicy import process
+from hookpolicy.engine import module_hooks
+
+from helpers.policies import load_policy
+
+LOSS_CAPTURE = """
+    - name: loss
+      match: {root: true}
+      trigger: {at: step}
+      target: loss
+      actions: [{capture: {stats: [mean]}}]
+"""
+
+
+def compile_filters() -> list[tuple[object, ...]]:
+    """The entries of `warnings.filters` about torch.compile's global-hook warning (read without hookpolicy)."""
+    return [f for f in warnings.filters if f[1] is not None and "global hooks" in f[1].pattern]
+
+
+def compile_warnings() -> list[str]:
+    """The warnings a call of a `torch.compile`d module gives now about global hooks (none are raised)."""
+    compiled = torch.compile(nn.Linear(2, 2), backend="eager")
+    with warnings.catch_warnings(record=True) as seen:
+        compiled(torch.ones(1, 2))
+    return [str(w.message) for w in seen if "global hooks" in str(w.message)]
+
+
+def test_the_warnings_filter_comes_out_with_the_last_global_hook(tmp_path: Path) -> None:
+    """A loss rule's every-call hook silences torch.compile's global-hook warning while it is in, and only then."""
+    assert compile_filters() == []
+    model, criterion = nn.Sequential(nn.Linear(4, 3)), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with load_policy(tmp_path, LOSS_CAPTURE).attach(model, registry=CollectorRegistry()):
+        assert len(torch_module._global_forward_hooks) == 1  # the loss search watches every call
+        assert len(compile_filters()) == 1
+        assert compile_warnings() == []
+        criterion(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+        opt.step()
+    assert compile_filters() == []
+    mine = torch_module.register_module_forward_hook(lambda module, args, output: None)
+    try:  # a global hook of the user's afterwards: PyTorch's warning reaches the user, as without hookpolicy
+        assert compile_warnings() != []
+    finally:
+        mine.remove()
+    assert len(torch_module._global_forward_hooks) == 0
+
+
+def test_two_users_share_the_filter_until_the_second_leaves() -> None:
+    pre = module_hooks.global_forward_pre_hook(lambda module, args: None)
+    post = module_hooks.global_forward_hook(lambda module, args, output: None)
+    try:
+        pre.remove()
+        pre.remove()  # twice is harmless: the other user still holds the filter
+        assert len(compile_filters()) == 1
+    finally:
+        post.remove()
+    assert compile_filters() == []
+
+
+def test_a_user_global_hook_keeps_its_warning() -> None:
+    """The filter is not installed when the process had a global module hook of its own: its warning stays the user's."""
+    mine = torch_module.register_module_forward_hook(lambda module, args, output: None)
+    try:
+        ours = module_hooks.global_forward_pre_hook(lambda module, args: None)
+        try:
+            assert compile_warnings() != []
+        finally:
+            ours.remove()
+    finally:
+        mine.remove()
+
+
+def test_call_subscribers_run_by_priority_and_see_what_the_previous_returned() -> None:
+    """One PyTorch hook per kind, however many subscribers; the chain as PyTorch chains its own hooks."""
+    seen: list[tuple[str, float]] = []
+
+    def first(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        seen.append(("first", float(args[0].sum())))
+        return (args[0] * 2,)
+
+    def second(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        seen.append(("second", float(args[0].sum())))
+
+    layer = nn.Identity()
+    late = module_hooks.global_forward_pre_hook(second, priority=10)
+    early = module_hooks.global_forward_pre_hook(first, priority=0)
+    try:
+        assert len(torch_module._global_forward_pre_hooks) == 1
+        out = layer(torch.ones(3))
+    finally:
+        late.remove()
+        early.remove()
+    assert seen == [("first", 3.0), ("second", 6.0)]
+    assert torch.equal(out, torch.full((3,), 2.0))  # = the reference: what `first` returned reached forward
+    assert len(torch_module._global_forward_pre_hooks) == 0
+
+
+def test_once_says_each_key_once_within_its_limit() -> None:
+    once = process.Once(limit=2)
+    assert [once("a"), once("a"), once("b"), once("c")] == [True, False, True, False]
+    once.forget("a")
+    assert once("a") and not once("a")
+
+
+def test_hookpolicy_threads_are_listed() -> None:
+    stop = threading.Event()
+    thread = process.start_thread("test", stop.wait)
+    thread.start()
+    try:
+        assert "hookpolicy-test" in process.snapshot()["threads"]  # type: ignore[operator]
+    finally:
+        stop.set()
+        thread.join()
+    assert "hookpolicy-test" not in process.snapshot()["threads"]  # type: ignore[operator]
+
+
+def test_only_process_changes_the_warnings_filters() -> None:
+    """Every filter hookpolicy installs is a `process.WarningFilter`, so `snapshot()` (and the leak fixture) sees it."""
+    package = Path(process.__file__).parent
+    changers = {"filterwarnings", "simplefilter", "resetwarnings"}
+    calls = [
+        f"{path.relative_to(package)}:{node.lineno}"
+        for path in package.rglob("*.py") if path.name != "process.py"
+        for node in ast.walk(ast.parse(path.read_text("utf-8")))
+        if isinstance(node, ast.Attribute) and node.attr in changers
+    ]
+    assert calls == []
+
+
+def test_the_snapshot_shows_hookpolicy_filter_while_it_is_in() -> None:
+    handle = module_hooks.global_forward_hook(lambda module, args, output: None)
+    try:
+        assert len(process.snapshot()["warnings filters"]) == 1  # type: ignore[arg-type]
+    finally:
+        handle.remove()
+    assert process.snapshot()["warnings filters"] == []
