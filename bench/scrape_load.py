@@ -21,7 +21,7 @@ fresh training process each, taken in turn (A B C, A B C, ...):
   static server in the harness process: what the load costs the machine (the scrapers and
   a server share its cores) with nothing of it inside the training process.
 
-Timings are reported, never asserted (tests/test_reliability.py checks the answers).
+Timings are reported, never asserted (tests/test_reliability_exporter.py checks the answers).
 """
 
 from __future__ import annotations

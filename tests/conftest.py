@@ -1,5 +1,5 @@
 """The tests' fixtures and pytest hooks: free ports, the output folder, one intra-op
-thread, `hookpolicy apply` run for real, the soak test deselected unless asked for, and
+thread, `hookpolicy apply` run for real, child processes stopped at a test's end, the soak test deselected unless asked for, and
 the autouse check that every test leaves the process as it found it.
 
 Shared helpers are in tests/helpers/, imported by name (`from helpers.models import tiny`).
@@ -8,7 +8,9 @@ Shared helpers are in tests/helpers/, imported by name (`from helpers.models imp
 from __future__ import annotations
 
 import random
+import signal
 import socket
+import subprocess
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -17,7 +19,7 @@ import torch
 
 from helpers import REPO
 from helpers.hooks import process_wide_state
-from helpers.processes import Run, child_env
+from helpers.processes import Proc, Run, child_env
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -125,3 +127,17 @@ def apply(tmp_path: Path) -> Iterator[Callable[..., Run]]:
     yield start
     for run in runs:
         run.stop()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    """Child processes a test starts (`Proc`, `start_apply`): SIGTERM then kill at its end."""
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        if proc.proc.poll() is None:
+            proc.proc.send_signal(signal.SIGTERM)
+            try:
+                proc.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()

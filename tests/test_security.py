@@ -451,7 +451,7 @@ def test_a_symlinked_log_path_pointing_outside_writes_nothing_outside(
     tmp_path: Path, folders: tuple[Path, Path], link: str,
 ) -> None:
     """Refused when the log is opened; the refusal is a sink fault, contained under
-    `onError: continue` like those of test_reliability's log sink tests."""
+    `onError: continue` like those of test_reliability_faults' log sink tests."""
     out, outside = folders
     victim = outside / "victim.jsonl"
     victim.write_text("precious\n")

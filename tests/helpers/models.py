@@ -122,3 +122,12 @@ def train_then_evaluate(model: nn.Module, steps: int) -> None:
     with torch.no_grad():
         model(batch(99)[0])
     model.train()
+
+
+def tiny_step(model: nn.Module, opt: torch.optim.Optimizer, batch: int = 6) -> float:
+    """One step of `tiny` (or any 4-input model) on a random batch; returns the loss."""
+    loss = model(torch.randn(batch, 4)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()

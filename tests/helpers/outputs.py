@@ -1,14 +1,17 @@
-"""What hookpolicy writes, read back: a registry's sample, the exporter served for a
+"""What hookpolicy writes, read back: a registry's sample (of rank 0, the hook errors), the
+exporter's text parsed strictly, the exporter served for a
 `with`, a JSON-lines log."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def metric(registry: CollectorRegistry, name: str, labels: dict[str, str]) -> Optional[float]:
@@ -42,3 +45,27 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
     text = path.read_text(encoding="utf-8")
     assert text == "" or text.endswith("\n"), f"{path} ends in a partial line"
     return [json.loads(line) for line in text.splitlines()]
+
+
+def sample(reg: CollectorRegistry, name: str, **labels: str) -> Optional[float]:
+    """`metric` of rank 0."""
+    return metric(reg, name, {**labels, "rank": "0"})
+
+
+def errors_of(reg: CollectorRegistry, rule: str, policy: str = "p") -> float:
+    """The hook errors counted for `policy`/`rule` (0 when none)."""
+    return sample(reg, "hookpolicy_hook_errors_total", policy=policy, rule=rule) or 0.0
+
+
+def parse_exposition(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], tuple[str, float]]:
+    """Every sample as (name, labels) -> (family type, value); fails on a torn or untyped family."""
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        assert family.type in ("counter", "gauge"), f"{family.name} has no TYPE line"
+        assert family.documentation, f"{family.name} has no HELP line"
+        name = re.escape(family.name) + ("(_total)?" if family.type == "counter" else "")
+        assert re.search(rf"^# HELP {name} \S", text, re.M), f"{family.name} has no HELP line"
+        assert re.search(rf"^# TYPE {name} {family.type}$", text, re.M), f"{family.name} has no TYPE line"
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = (family.type, s.value)
+    return samples

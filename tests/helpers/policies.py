@@ -68,3 +68,18 @@ def load_policy(folder: Path, rules: str, *, name: str = "p", spec: str = "") ->
     return hookpolicy.load(write_policy(folder, rules, name=name, spec=spec))
 
 
+#: Two rules: the Linear layers' gradient statistics logged to logs/norms.jsonl every step,
+#: and their outputs' rms.
+LOG_EVERY_STEP = """\
+- name: norms
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm, mean, std, max, min], per: tensor, log: {path: logs/norms.jsonl}}
+- name: outputs
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  actions:
+    - capture: {stats: [rms]}
+"""

@@ -17,6 +17,8 @@ from typing import Callable, Optional
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import REPO
+
 
 Samples = list[tuple[str, dict[str, str], float]]
 
@@ -115,3 +117,57 @@ def torchrun() -> list[str]:
         return [str(beside)]
     found = shutil.which("torchrun")
     return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+
+
+class Proc:
+    """A child process whose stdout and stderr go to files (no pipe can fill up and block it)."""
+
+    def __init__(self, folder: Path, argv: list[str], env: dict[str, str]) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.out_path, self.err_path = folder / "stdout", folder / "stderr"
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=err)
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float = 60, what: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None:
+                pytest.fail(f"exited ({self.proc.returncode}) before {what}; stderr:\n{self.stderr}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out waiting for {what}; stderr:\n{self.stderr}")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"did not finish in {timeout} s; stderr:\n{self.stderr}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_apply(procs: list[Proc], folder: Path, args: list[str], **env: str) -> Proc:
+    """`python -m hookpolicy apply ARGS` as a `Proc` (unbuffered), stopped by the `procs` fixture."""
+    proc = Proc(folder, [sys.executable, "-m", "hookpolicy", "apply", *args], child_env(PYTHONUNBUFFERED="1", **env))
+    procs.append(proc)
+    return proc
+
+
+def scrape_text(port: int, timeout: float = 5) -> str:
+    """The exporter's answer on `port`, as text (fails on anything but a 200)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as response:
+        assert response.status == 200
+        return response.read().decode("utf-8")
