@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["THREAD_PREFIX", "Once", "Shared", "WarningFilter", "snapshot", "start_thread"]
 
@@ -108,21 +108,21 @@ class Once:
     """
 
     def __init__(self, limit: Optional[int] = None) -> None:
-        self._keys: set[Hashable] = set()
+        self._keys: set[object] = set()
         self._limit = limit
         self._lock = threading.Lock()
 
-    def __call__(self, key: Hashable = None) -> bool:
+    def __call__(self, key: object = None) -> bool:
         with self._lock:
             if key in self._keys or (self._limit is not None and len(self._keys) >= self._limit):
                 return False
             self._keys.add(key)
             return True
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._keys
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: object) -> None:
         with self._lock:
             self._keys.discard(key)
 

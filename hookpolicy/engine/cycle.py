@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..errors import Halt
+from ..process import Once
 from ..export.metrics import (
     ACTIONS, ALERT_FIRING, ALERTS, HOOK_ERRORS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, SKIPPED_STEPS, STEPS, ModelMetrics,
 )
@@ -301,16 +302,15 @@ def publish_rule_series(store: ModelMetrics, rs: RuleState) -> None:
                 store.inc(SKIPPED_STEPS, rs.key, 0)
 
 
-#: module classes `_warn_self_reducing` has looked at
-_CHECKED_CLASSES: set[type] = set()
+#: module classes `_warn_self_reducing` has looked at (each once a process)
+_CHECKED_CLASSES = Once()
 
 
 def _warn_self_reducing(model: torch.nn.Module, plan: Plan) -> None:
     """Say once per class when its copies would carry hookpolicy's hooks (it reduces itself)."""
     hooked = {type(model), *(type(b.obj) for b in plan.bindings if b.hook != "step")}
-    for cls in hooked - _CHECKED_CLASSES:
-        _CHECKED_CLASSES.add(cls)
-        if module_hooks.reduces_itself(cls):
+    for cls in hooked:
+        if _CHECKED_CLASSES(cls) and module_hooks.reduces_itself(cls):
             log.warning("%s defines its own __reduce_ex__/__reduce__, so a copy, pickle or "
                         "torch.save of it would carry hookpolicy's hooks; remove() the policy before copying it",
                         cls.__qualname__)

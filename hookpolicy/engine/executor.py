@@ -19,6 +19,7 @@ import torch
 
 from .actions import MutateOp, StatsOp, clip_norm, clip_unitwise, mutate
 from ..plan.planner import Binding, param as find_param
+from ..process import Once
 from ..policy.expr import Value
 from ..policy.model import LOSS, Clip, Rule
 from .distributed import Shards, local_shards, sum_over_groups, shard_name, shard_partials, unit_shards
@@ -52,8 +53,8 @@ class Executor:
         self._phase = phase
         self.rules_changed()
         self._versions: dict[int, list[tuple[torch.Tensor, int]]] = {}
-        self._warned_inplace: set[tuple[str, ...]] = set()
-        self._warned_limits: set[tuple[tuple[str, str], int]] = set()
+        self._said_inplace = Once()  # (policy, rule[, module]): grad_input that cannot be observed
+        self._said_limits = Once()  # (rule key, action index): adaptive thresholds that are not positive
 
     def rules_changed(self) -> None:
         """Derive what the hook bodies need from `rules` (again, after a rule joined on a rebind)."""
@@ -125,8 +126,7 @@ class Executor:
                 view.register_hook(lambda g, rs=rs, b=b, name=name: self._grad_hook(rs, b, name, g))  # type: ignore[no-untyped-call]
                 views[name] = view
         if not views:
-            if b.key + (b.module,) not in self._warned_inplace:
-                self._warned_inplace.add(b.key + (b.module,))
+            if self._said_inplace(b.key + (b.module,)):
                 log.warning("%s/%s: no input of %s requires grad, so its grad_input never fires",
                             *b.key, b.module or "<root>")
             return inputs, False
@@ -135,8 +135,7 @@ class Executor:
 
     def _check_grad_input(self, rs: RuleState, b: Binding, inputs: Any) -> None:
         for view, version in self._versions.pop(id(b), []):
-            if view._version != version and b.key not in self._warned_inplace:
-                self._warned_inplace.add(b.key)
+            if view._version != version and self._said_inplace(b.key):
                 log.warning(
                     "%s/%s: %s modifies its input in place, so its grad_input cannot be observed; "
                     "use grad_output of the module before it", *b.key, b.module or "<root>",
@@ -277,8 +276,7 @@ class Executor:
                 limits.append(None)
                 continue
             limit = tracked.threshold(expression, module, tensor)
-            if limit <= 0 and (rs.key, index) not in self._warned_limits:
-                self._warned_limits.add((rs.key, index))
+            if limit <= 0 and self._said_limits((rs.key, index)):
                 log.warning("%s/%s: max_norm %s is %g at step %d for %s, which clips nothing; a threshold that is "
                             "not positive never clips (said once)", *rs.key, expression, limit, self._faults.step(),
                             module or "<root>")

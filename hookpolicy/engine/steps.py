@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import process
 from . import heap
 from .rulestate import RuleState, refuse
 from .scopes import Scopes
@@ -90,7 +91,7 @@ class StepTracker:
         self._hooked_steps = 0  # step hook calls (before and after the update) for this model
         self._stepping = False  # between before_update and after_update: updates are the optimizer's
         self._last_backward: Optional[tuple[torch.nn.Parameter, int, int]] = None  # probe, its version, _hooked_steps
-        self._reported: set[str] = set()
+        self._reported = process.Once()
         self._grad_before: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None  # (a parameter, its .grad)
 
     def refresh(self) -> None:
@@ -179,8 +180,7 @@ class StepTracker:
                      "on, evaluated when it ends (before such an update)", refused=False)
 
     def _report(self, reason: str, refused: bool) -> None:
-        if reason not in self._reported:
-            self._reported.add(reason)
+        if self._reported(reason):
             refuse(self._rules, self._name, reason, refused)
 
     def _optimizer_exists(self) -> bool:
