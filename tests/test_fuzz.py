@@ -37,6 +37,7 @@ from hookpolicy import Halt, PolicyError, PolicySet, Problem
 from hookpolicy.policy import patterns
 from hookpolicy.policy.linear import compile_linear
 from hookpolicy.policy.loader import MAX_BYTES, MAX_DEPTH
+from hookpolicy.policy.model import STATS
 
 from helpers.hooks import global_hook_counts, module_hook_count
 from helpers.policies import SPEC_EXAMPLE as SPEC
@@ -463,7 +464,7 @@ def test_random_byte_flips_load_or_give_positioned_problems(
         train_under(loaded)
 
 
-STAT_NAMES = ["l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel"]
+STAT_NAMES = list(STATS)
 TARGETS_AT = {
     "forward_pre": ["input"], "forward": ["output", "input"],
     "backward": ["grad_output", "grad_input"], "step": ["grad", "weight"],

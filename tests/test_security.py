@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry
 import hookpolicy
 from hookpolicy import PolicyError
 from hookpolicy.policy import loader
-from hookpolicy.policy.expr import FUNCTIONS, STAT_NAMES, Arith, Call, Compare, ExprError, Junction, Name, Neg, Num, parse
+from hookpolicy.policy.expr import FUNCTIONS, STATS, Arith, Call, Compare, ExprError, Junction, Name, Neg, Num, parse
 from hookpolicy.export.sinks import SinkError, TensorWriter, file_name, safe_path
 from hookpolicy.policy.linear import LinearPattern
 from hookpolicy.engine import readback
@@ -225,10 +225,10 @@ def test_any_condition_parses_to_comparisons_of_statistics_with_numbers_only(tex
         elif isinstance(node, Num):
             assert isinstance(node.value, float) and node.value == node.value and abs(node.value) != float("inf")
         elif isinstance(node, Call):
-            assert node.func in FUNCTIONS and node.series in STAT_NAMES
+            assert node.func in FUNCTIONS and node.series in STATS
         else:
-            assert isinstance(node, Name) and node.series in STAT_NAMES, node
-    assert condition.stats <= STAT_NAMES
+            assert isinstance(node, Name) and node.series in STATS, node
+    assert condition.stats <= frozenset(STATS)
 
 
 @pytest.mark.parametrize("message", [

@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..policy.model import STATS, TARGETS
+from ..policy.model import STATS, TARGETS, Policy
 from ..process import Once
 
 __all__ = [
@@ -219,7 +219,7 @@ class MetricsStore:
                 series = self._stats[family]
                 if labels not in series:
                     policy = labels[0]
-                    if self._series[policy] >= max_series.get(policy, 10000):
+                    if self._series[policy] >= max_series.get(policy, Policy.max_series):
                         dropped[policy] += 1
                         continue
                     self._series[policy] += 1
@@ -229,7 +229,7 @@ class MetricsStore:
             if self._said_full(policy):
                 log.warning(
                     "policy %s reached spec.limits.maxSeries=%d: further series are dropped "
-                    "and counted in hookpolicy_series_dropped_total", policy, max_series.get(policy, 10000),
+                    "and counted in hookpolicy_series_dropped_total", policy, max_series.get(policy, Policy.max_series),
                 )
 
     def forget_policy(self, policy: str, model: Optional[str] = None) -> None:

@@ -205,7 +205,7 @@ class _Checker:
         if "select" in rule:
             self.add(path + ("select",), "select narrows a module's inputs and outputs; target: loss is the "
                      "step's loss, one value per micro-batch: drop select", key=True)
-        if trigger.get("phase", "train") != "train":
+        if trigger.get("phase", Trigger.phase) != "train":
             self.add(path + ("trigger", "phase"), "target: loss is the training loss of each step; "
                      "only phase: train (the default) applies")
         if "adapters" in _dict(rule.get("match")):
@@ -472,7 +472,7 @@ def _field_at(message: str, name: str) -> Optional[int]:
 
 def _policy(document: Document) -> Policy:
     metadata, spec = document.data["metadata"], document.data["spec"]
-    mode = spec.get("mode", "enforce")
+    mode = spec.get("mode", Policy.mode)
     return Policy(
         name=metadata["name"],
         source=document.file,
@@ -482,8 +482,8 @@ def _policy(document: Document) -> Policy:
             for index, rule in enumerate(spec["rules"])
         ),
         mode=mode,
-        on_error=spec.get("onError", "continue"),
-        max_series=int(spec.get("limits", {}).get("maxSeries", 10000)),
+        on_error=spec.get("onError", Policy.on_error),
+        max_series=int(spec.get("limits", {}).get("maxSeries", Policy.max_series)),
         labels=dict(metadata.get("labels", {})),
         annotations=dict(metadata.get("annotations", {})),
     )
@@ -501,7 +501,7 @@ def _rule(rule: dict[str, Any], index: int, mode: str, match_at: tuple[int, int]
         match=_match(rule["match"]),
         actions=tuple(_action(item, at, target) for item in rule["actions"]),
         mode=rule.get("mode", mode),
-        priority=int(rule.get("priority", 50)),
+        priority=int(rule.get("priority", Rule.priority)),
         select=tuple(s if isinstance(s, str) else int(s) for s in rule.get("select", ())),
         match_at=match_at,
     )
@@ -512,10 +512,10 @@ def _trigger(trigger: dict[str, Any]) -> Trigger:
     until = steps.get("until")
     return Trigger(
         at=trigger["at"],
-        every=int(trigger.get("every", 1)),
-        steps_from=int(steps.get("from", 0)),
+        every=int(trigger.get("every", Trigger.every)),
+        steps_from=int(steps.get("from", Trigger.steps_from)),
         steps_until=None if until is None else int(until),
-        phase=trigger.get("phase", "train"),
+        phase=trigger.get("phase", Trigger.phase),
     )
 
 
@@ -539,31 +539,32 @@ def _capture(body: dict[str, Any], at: str, target: str) -> Capture:
     tensors, log, board = body.get("tensors"), body.get("log"), body.get("tensorboard")
     return Capture(
         stats=tuple(body.get("stats", ())),
-        per=body.get("per", "module"),
+        per=body.get("per", Capture.per),
         tensors=None if tensors is None else TensorFiles(
             dir=tensors["dir"],
-            max_files=int(tensors.get("max_files", 1000)),
-            max_bytes=int(tensors.get("max_bytes", 1 << 30)),
+            max_files=int(tensors.get("max_files", TensorFiles.max_files)),
+            max_bytes=int(tensors.get("max_bytes", TensorFiles.max_bytes)),
         ),
         log=None if log is None else LogSink(
-            path=log.get("path"), max_bytes=int(log.get("max_bytes", 100 << 20)), keep=int(log.get("keep", 1)),
+            path=log.get("path"), max_bytes=int(log.get("max_bytes", LogSink.max_bytes)),
+            keep=int(log.get("keep", LogSink.keep)),
         ),
-        tensorboard=None if board is None else Board(dir=board["dir"], histograms=bool(board.get("histograms", False))),
+        tensorboard=None if board is None else Board(dir=board["dir"], histograms=bool(board.get("histograms", Board.histograms))),
     )
 
 
 def _clip(body: dict[str, Any], at: str, target: str) -> Clip:
     if "unitwise_ratio" in body:
-        return Clip(unitwise_ratio=float(body["unitwise_ratio"]), eps=float(body.get("eps", 1e-3)))
+        return Clip(unitwise_ratio=float(body["unitwise_ratio"]), eps=float(body.get("eps", Clip.eps)))
     if "max_norm" in body:
-        norm_type = body.get("norm_type", 2)
+        norm_type = body.get("norm_type", Clip.norm_type)
         threshold = body["max_norm"]
         return Clip(
             max_norm=(parse_value(threshold, CLIP_NAMES, current=False) if isinstance(threshold, str)
                       else float(threshold)),
             norm_type=math.inf if norm_type == "inf" else float(norm_type),
-            per=body.get("per", "rule" if at == "step" else "tensor"),
-            warmup=int(body.get("warmup", 0)),
+            per=body.get("per", "rule" if at == "step" else Clip.per),  # a step clip defaults to the whole rule
+            warmup=int(body.get("warmup", Clip.warmup)),
         )
     low, high = body.get("min"), body.get("max")
     return Clip(min=None if low is None else float(low), max=None if high is None else float(high))
@@ -580,11 +581,11 @@ def _alert(body: dict[str, Any], at: str, target: str) -> Alert:
     return Alert(
         condition=parse(body["if"], names),
         source=body["if"],
-        for_=int(body.get("for", 1)),
-        severity=body.get("severity", "warning"),
-        then=body.get("then", "log"),
-        per=body.get("per", "module"),
-        warmup=int(body.get("warmup", 0)),
+        for_=int(body.get("for", Alert.for_)),
+        severity=body.get("severity", Alert.severity),
+        then=body.get("then", Alert.then),
+        per=body.get("per", Alert.per),
+        warmup=int(body.get("warmup", Alert.warmup)),
         **optional,
     )
 

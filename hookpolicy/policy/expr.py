@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 __all__ = [
     "Arith", "Call", "Compare", "Condition", "ExprError", "FUNCTIONS", "Junction", "MAX_DEPTH", "MAX_WINDOW",
-    "Name", "Neg", "Num", "NO_PAST", "Past", "STAT_NAMES", "Template", "Value", "names_with", "parse",
+    "Name", "Neg", "Num", "NO_PAST", "Past", "STATS", "Template", "Value", "names_with", "parse",
     "parse_value",
 ]
 
@@ -49,11 +49,14 @@ MAX_DEPTH = 32
 #: The largest window a function may name: each series keeps at most this many floats.
 MAX_WINDOW = 10000
 
-STAT_NAMES: frozenset[str] = frozenset(
-    {"l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel"}
+#: The statistics of a tensor, in the order every listing uses: the one definition of their names
+#: (`policy.model`, the engine, the metric families and the schema's enum all follow it).
+STATS: tuple[str, ...] = (
+    "l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel",
 )
+_STAT_SET = frozenset(STATS)
 #: The names a condition may use when its caller adds none: each statistic, as itself.
-_STAT_TABLE: Mapping[str, str] = {name: name for name in STAT_NAMES}
+_STAT_TABLE: Mapping[str, str] = {name: name for name in STATS}
 
 #: function -> what its second argument is ("" for none).
 FUNCTIONS: Mapping[str, str] = {
@@ -325,7 +328,7 @@ class _Parser:
         self.at: dict[int, int] = {}  # id(node) -> its offset, for the kind errors
 
     def stats(self, root: Node) -> frozenset[str]:
-        return frozenset(n.series for n in _walk(root) if isinstance(n, (Name, Call)) and n.series in STAT_NAMES)
+        return frozenset(n.series for n in _walk(root) if isinstance(n, (Name, Call)) and n.series in _STAT_SET)
 
     def calls(self, root: Node) -> frozenset[Call]:
         return frozenset(n for n in _walk(root) if isinstance(n, Call))
@@ -470,7 +473,7 @@ class _Parser:
         series = self.names.get(text)
         if series is None:
             hint = _did_you_mean(text, self.names)
-            kind = "statistic" if set(self.names) >= STAT_NAMES else "name"
+            kind = "statistic" if set(self.names) >= _STAT_SET else "name"
             raise ExprError(f"unknown {kind} {text!r};{hint} one of: {', '.join(sorted(self.names))}", at)
         return series
 

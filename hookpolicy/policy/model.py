@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal, Mapping, Optional, Union
 
-from .expr import Call, Condition, Value
+from .expr import STATS, Call, Condition, Value
 
 __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "LOSS", "STATS", "Mode", "OnError", "HookPoint",
@@ -44,9 +44,6 @@ TARGETS: tuple[str, ...] = ("input", "output", "grad_output", "grad_input", "gra
 PARAM_TARGETS: frozenset[str] = frozenset({"grad", "weight"})
 #: the target that is the step's training loss (one value per micro-batch), not a module's tensor
 LOSS = "loss"
-STATS: tuple[str, ...] = (
-    "l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel",
-)
 
 
 @dataclass(frozen=True)

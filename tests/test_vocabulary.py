@@ -1,0 +1,114 @@
+"""Each name and default of the policy language is defined once; the other places that spell it agree.
+
+The definitions: the statistic names are `policy.expr.STATS`; a field's default is the
+default of its dataclass in `policy.model`. What must follow them and is not derived from
+them in code: the JSON schema shipped to editors (its `Statistic` enum and the "(default X)"
+of its descriptions) and the engine's table of what each statistic is computed from.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hookpolicy.engine import stats as engine_stats
+from hookpolicy.policy import model
+from hookpolicy.policy.build import build_policy
+from hookpolicy.policy.expr import STATS
+from hookpolicy.policy.loader import read_document
+from hookpolicy.policy.schema import schema
+
+from helpers.policies import write_policy
+
+#: schema definition -> property -> (model class, field) whose default its description names
+DESCRIBED = {
+    ("onError", None): (model.Policy, "on_error"),
+    ("limits", "maxSeries"): (model.Policy, "max_series"),
+    ("priority", None): (model.Rule, "priority"),
+    ("trigger", "every"): (model.Trigger, "every"),
+    ("trigger", "phase"): (model.Trigger, "phase"),
+    ("steps", None): (model.Trigger, "steps_from"),
+    ("tensors", "max_files"): (model.TensorFiles, "max_files"),
+    ("tensors", "max_bytes"): (model.TensorFiles, "max_bytes"),
+    ("tensorboard", "histograms"): (model.Board, "histograms"),
+    ("log", "max_bytes"): (model.LogSink, "max_bytes"),
+    ("log", "keep"): (model.LogSink, "keep"),
+    ("clip", "warmup"): (model.Clip, "warmup"),
+    ("clip", "norm_type"): (model.Clip, "norm_type"),
+    ("clip", "eps"): (model.Clip, "eps"),
+    ("alert", "warmup"): (model.Alert, "warmup"),
+    ("alert", "for"): (model.Alert, "for_"),
+    ("alert", "severity"): (model.Alert, "severity"),
+    ("alert", "then"): (model.Alert, "then"),
+}
+
+
+def described_default(description: str) -> Any:
+    """The first default a description names: `(default 10000)`, `(> 0, default 0.001)` or `warning (default)`."""
+    found = re.search(r"default ([\w.]+)", description) or re.search(r"(\w+) \(default\)", description)
+    assert found is not None, description
+    word = found.group(1)
+    if word in ("true", "false"):
+        return word == "true"
+    try:
+        return float(word)
+    except ValueError:
+        return word
+
+
+def test_the_schema_enum_of_statistics_is_stats() -> None:
+    assert schema()["definitions"]["stat"]["enum"] == list(STATS)
+
+
+def test_the_engine_computes_exactly_the_statistics() -> None:
+    assert set(engine_stats._NEEDS) == set(STATS)
+
+
+def test_model_re_exports_the_one_definition() -> None:
+    assert model.STATS is STATS
+
+
+@pytest.mark.parametrize(("where", "field"), list(DESCRIBED.items()), ids=["/".join(filter(None, k)) for k in DESCRIBED])
+def test_the_schema_text_names_the_models_default(where: tuple[str, Any], field: tuple[type, str]) -> None:
+    definition, prop = where
+    node = schema()["definitions"][definition]
+    description = (node["properties"][prop] if prop else node)["description"]
+    cls, name = field
+    expected = getattr(cls, name)
+    assert described_default(description) == (float(expected) if isinstance(expected, (int, float))
+                                               and not isinstance(expected, bool) else expected)
+
+
+def test_an_empty_rule_gets_the_models_defaults(tmp_path: Path) -> None:
+    """What the builder fills in for keys a file leaves out is the dataclasses' own defaults."""
+    path = write_policy(tmp_path, """
+        - name: r
+          match: {root: true}
+          trigger: {at: step}
+          actions:
+            - capture: {stats: [mean], tensors: {dir: t}, log: {path: l.jsonl}, tensorboard: {dir: b}}
+            - clip: {max_norm: 1.0}
+            - clip: {unitwise_ratio: 0.01}
+            - alert: {if: "mean > 1"}
+    """)
+    policy = build_policy(read_document(path))
+    rule = policy.rules[0]
+    capture, norm_clip, agc, alert = rule.actions
+    assert (policy.mode, policy.on_error, policy.max_series) == (model.Policy.mode, model.Policy.on_error, model.Policy.max_series)
+    assert rule.priority == model.Rule.priority
+    assert rule.trigger == model.Trigger(at="step")
+    assert isinstance(capture, model.Capture) and capture.per == model.Capture.per
+    assert capture.tensors == model.TensorFiles(dir="t")
+    assert capture.log == model.LogSink(path="l.jsonl")
+    assert capture.tensorboard == model.Board(dir="b")
+    assert isinstance(norm_clip, model.Clip) and (norm_clip.norm_type, norm_clip.warmup) == (2.0, 0)
+    assert norm_clip.per == "rule"  # at step a norm clip covers the whole rule unless it says otherwise
+    assert agc == model.Clip(unitwise_ratio=0.01)
+    assert isinstance(alert, model.Alert)
+    assert (alert.for_, alert.severity, alert.then, alert.per, alert.warmup, alert.message) == (
+        model.Alert.for_, model.Alert.severity, model.Alert.then, model.Alert.per, model.Alert.warmup, model.Alert.message,
+    )
+
