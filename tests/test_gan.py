@@ -10,6 +10,7 @@ optimizer state compared bit for bit.
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -60,13 +61,16 @@ def take(which: str, i: int, gan: GAN, opt: torch.optim.Optimizer, step: Callabl
     step()
 
 
-def train(gan: GAN, iterations: int, stepper: Stepper = take, through_forward: bool = False) -> None:
+def train(gan: GAN, iterations: int, stepper: Stepper = take, through_forward: bool = False,
+          set_to_none: bool = True, alone: int = 0) -> None:
     """The usual loop: the discriminator's step, then the generator's, each after its own backward pass.
 
     The generator's loss flows through the discriminator, so at the generator's step the
     discriminator's parameters hold gradients it does not apply. `through_forward`: the
     generator runs as `gan(z)`, the model's own forward (the discriminator's backward
-    pass then does not go through it: its output is detached).
+    pass then does not go through it: its output is detached). `set_to_none`: what
+    `zero_grad` is called with. `alone`: that many first iterations train the generator
+    only (the discriminator's optimizer steps for the first time after them).
     """
     g_opt = torch.optim.Adam(gan.generator.parameters(), lr=1e-2)
     d_opt = torch.optim.Adam(gan.discriminator.parameters(), lr=1e-2)
@@ -74,12 +78,13 @@ def train(gan: GAN, iterations: int, stepper: Stepper = take, through_forward: b
     data = torch.Generator().manual_seed(1)
     for i in range(iterations):
         z, real = torch.randn(8, 2, generator=data), torch.randn(8, 4, generator=data) + 2
-        d_opt.zero_grad()
-        d_loss = (nn.functional.softplus(gan.discriminator(generate(z).detach())).mean()
-                  + nn.functional.softplus(-gan.discriminator(real)).mean())
-        d_loss.backward()
-        stepper("discriminator", i, gan, d_opt, d_opt.step)
-        g_opt.zero_grad()
+        if i >= alone:
+            d_opt.zero_grad(set_to_none=set_to_none)
+            d_loss = (nn.functional.softplus(gan.discriminator(generate(z).detach())).mean()
+                      + nn.functional.softplus(-gan.discriminator(real)).mean())
+            d_loss.backward()
+            stepper("discriminator", i, gan, d_opt, d_opt.step)
+        g_opt.zero_grad(set_to_none=set_to_none)
         nn.functional.softplus(-gan.discriminator(generate(z))).mean().backward()
         stepper("generator", i, gan, g_opt, g_opt.step)
 
@@ -88,17 +93,26 @@ def state(gan: GAN, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t.clone() for p in gan.parameters() for t in (p.detach(), *opt.state.get(p, {}).values())]
 
 
-@pytest.mark.parametrize("through_forward", [False, True], ids=["submodules", "forward"])
-def test_a_nan_in_the_discriminator_skips_only_its_step(tmp_path: Path, through_forward: bool) -> None:
+@pytest.mark.parametrize("through_forward, set_to_none, alone", [
+    (False, True, 0), (True, True, 0),
+    (False, False, 0), (True, False, 0),  # gradients zeroed in place: the same .grad tensors at every step
+    (True, True, 20),  # the discriminator's first step after 20 steps of the generator alone
+], ids=["submodules", "forward", "submodules-in-place", "forward-in-place", "late-discriminator"])
+def test_a_nan_in_the_discriminator_skips_only_its_step(
+    tmp_path: Path, through_forward: bool, set_to_none: bool, alone: int,
+) -> None:
     """The NaN the test puts in the discriminator's gradient skips the discriminator's step, not the generator's.
 
     At the generator's step the discriminator's gradients still hold the NaN (the
-    generator's loss adds to them): the guard must not see them there.
+    generator's loss adds to them): the guard must not see them there. Each step is told
+    by what the backward passes wrote, whatever `zero_grad` did and however late an
+    optimizer steps for the first time.
     """
+    poisoned_at = alone + 2
     changed: list[tuple[str, int, bool, bool]] = []  # (part, iteration, its parameters changed, the other's)
 
     def poisoned(which: str, i: int, gan: GAN, opt: torch.optim.Optimizer, step: Callable[[], None]) -> None:
-        if which == "discriminator" and i == 2:
+        if which == "discriminator" and i == poisoned_at:
             gan.discriminator[0].weight.grad[0, 0] = float("nan")  # type: ignore[index]
         part, other = getattr(gan, which), gan.generator if which == "discriminator" else gan.discriminator
         before = [p.detach().clone() for p in part.parameters()], [p.detach().clone() for p in other.parameters()]
@@ -111,20 +125,22 @@ def test_a_nan_in_the_discriminator_skips_only_its_step(tmp_path: Path, through_
         changed.append((which, i, mine, theirs))
 
     gan, registry = GAN(), CollectorRegistry()
+    iterations = alone + 4
     with load_policy(tmp_path, NAN_GUARD).attach(gan, registry=registry) as attached:
-        train(gan, 4, poisoned, through_forward)
-        assert attached.step == 8  # one step per optimizer step, as Lightning's global_step counts them
-    assert changed == [(which, i, (which, i) != ("discriminator", 2), False)
-                       for i in range(4) for which in ("discriminator", "generator")]
+        train(gan, iterations, poisoned, through_forward, set_to_none, alone)
+        assert attached.step == alone + 8  # one step per optimizer step, as Lightning's global_step counts them
+    assert changed == [(which, i, (which, i) != ("discriminator", poisoned_at), False)
+                       for i in range(iterations) for which in ("discriminator", "generator")
+                       if which == "generator" or i >= alone]
     assert metric(registry, "hookpolicy_skipped_steps_total", {"rule": "nan"}) == 1
 
     # the reference: the same loop without hookpolicy, not taking the poisoned step
     def reference(which: str, i: int, gan: GAN, opt: torch.optim.Optimizer, step: Callable[[], None]) -> None:
-        if (which, i) != ("discriminator", 2):
+        if (which, i) != ("discriminator", poisoned_at):
             step()
 
     unguarded = GAN()
-    train(unguarded, 4, reference, through_forward)
+    train(unguarded, iterations, reference, through_forward, set_to_none, alone)
     for (name, got), want in zip(gan.named_parameters(), unguarded.parameters()):
         assert torch.equal(got, want), name
 
@@ -145,3 +161,39 @@ def test_a_clip_over_the_model_clips_only_the_stepping_part(tmp_path: Path, thro
     train(reference, 4, clipped, through_forward)
     for (name, got), want in zip(gan.named_parameters(), reference.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_gradients_no_backward_pass_wrote_are_said_and_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Gradients the script assigns (`torch.autograd.grad`, then `p.grad = ...`) with two optimizers stepping in turn.
+
+    No backward pass wrote them, so which step they belong to cannot be told: one line,
+    and the acting rule is refused rather than run on a guess (no step skipped: the
+    parameters equal an unguarded run's).
+    """
+    def assign(gan: GAN) -> None:
+        g_opt = torch.optim.SGD(gan.generator.parameters(), lr=1e-2)
+        d_opt = torch.optim.SGD(gan.discriminator.parameters(), lr=1e-2)
+        data = torch.Generator().manual_seed(1)
+        for i in range(3):
+            z, real = torch.randn(8, 2, generator=data), torch.randn(8, 4, generator=data) + 2
+            for part, opt, loss in (
+                (gan.discriminator, d_opt, lambda: nn.functional.softplus(-gan.discriminator(real)).mean()),
+                (gan.generator, g_opt, lambda: nn.functional.softplus(-gan.discriminator(gan(z))).mean()),
+            ):
+                grads = torch.autograd.grad(loss() * (float("nan") if i == 1 else 1.0), list(part.parameters()))
+                for p, grad in zip(part.parameters(), grads):
+                    p.grad = grad
+                opt.step()
+
+    gan = GAN()
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"), load_policy(tmp_path, NAN_GUARD).attach(gan):
+        assign(gan)
+    said = [r.getMessage() for r in caplog.records if "no backward pass wrote" in r.getMessage()]
+    assert len(said) == 1 and said[0].split(": ", 1)[1].startswith("SGD steps gradients that no backward pass"), said
+    assert said[0].endswith("; refused: p/nan")
+    reference = GAN()
+    assign(reference)
+    for (name, got), want in zip(gan.named_parameters(), reference.parameters()):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), name

@@ -414,14 +414,16 @@ def test_lightning(tmp_path: Path, free_port: int, flags: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_lightning_gan_steps_each_optimizer_on_its_own(tmp_path: Path, free_port: int) -> None:
+@pytest.mark.parametrize("flags", [[], ["--in-place"]], ids=["set-to-none", "zeroed-in-place"])
+def test_lightning_gan_steps_each_optimizer_on_its_own(tmp_path: Path, free_port: int, flags: list[str]) -> None:
     """Manual optimization with `opt_g, opt_d = self.optimizers()`: every optimizer step is a step, guarded alone.
 
     The discriminator's NaN loss (global_step 3) skips its step only: the generator's next
     step, with the NaN still on the discriminator's gradients, is taken. The clip at each
-    step bounds only that optimizer's gradients, measured on them alone.
+    step bounds only that optimizer's gradients, measured on them alone. Also when the
+    gradients are zeroed in place (the same `.grad` tensors at every step).
     """
-    stack = run_stack(tmp_path, free_port, "lightning_gan.py", "--steps", "8", "--nan-at", "3")
+    stack = run_stack(tmp_path, free_port, "lightning_gan.py", "--steps", "8", "--nan-at", "3", *flags)
     generator, discriminator = stack.probe("generator"), stack.probe("discriminator")
     assert stack.value("hookpolicy_steps_total", model="GAN") == stack.out["framework_steps"] == 8
     assert len(generator["norms"]) == len(discriminator["norms"]) == 4, stack.stderr

@@ -113,6 +113,7 @@ class StepCycle:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._steps.remove()
         self.installer.remove()
         if self._loss is not None:
             self._loss.remove()

@@ -1,33 +1,49 @@
-"""Which parameters a step covers, when several optimizers step one model in turn.
+"""Which parameters a step covers, and whether an optimizer step begins one: from what backward passes wrote.
 
 A GAN in one module (a LightningModule with a generator and a discriminator, each with
 its own optimizer and its own backward pass) steps the model twice per iteration: the
 discriminator's step, then the generator's. Each is a hookpolicy step, and at each one
-the other optimizer's parameters still hold gradients from *its* backward pass, stale
-for this update. A `step` rule over the whole model must not clip, count or skip on
-them: at an optimizer's step it sees only the parameters that step updates.
+the other optimizer's parameters still hold gradients from *its* backward pass (or from
+this loss flowing through it), stale for this update. A `step` rule over the whole model
+must not clip, count or skip on them: at an optimizer's step it sees only the parameters
+that step updates. Several optimizers stepping after one backward pass (one per
+parameter group), on the other hand, make one step.
 
-What a step updates is learned from what stepped together: the optimizers that step
-after one backward pass (one step, see `steps`) form a group, remembered per optimizer.
-At an optimizer's step the rules leave out the parameters of every other optimizer seen
-stepping that was not in its group the last time it stepped. Parameters no optimizer
-holds (frozen weights a `target: weight` rule watches) are never left out; nor, on the
-very first step of an optimizer, those of optimizers that have not stepped yet (nothing
-says yet that they step apart: at worst that first step sees more than it updates).
+**What a backward pass wrote** is known from PyTorch itself: every governed parameter
+that requires grad carries a post-accumulate-grad hook
+(`Tensor.register_post_accumulate_grad_hook`), which the autograd engine calls right after
+it accumulated that parameter's gradient, whatever started the backward pass (the
+model's forward or not, `zero_grad` with `set_to_none` or in place, a closure inside
+`step()`). The hook adds the parameter's id to two sets and sets a flag: no tensor is
+read, no host sync. `written`: since its optimizer's last step; `unseen`: since the last
+step was evaluated. An optimizer's step
 
-Whether an optimizer steps after the same backward pass as the step evaluated last is
-read from its gradients (`rewritten`): a backward pass that does not go through the
-model's own forward (a discriminator on a detached fake) is not seen by step tracking.
-For an optimizer seen stepping before, one of its parameters' `.grad` is noted at each
-evaluation; for one not seen yet, while optimizers are still being learned (`LEARNING`
-evaluations after the last new one), the `.grad` of every parameter no known optimizer
-holds is.
+- **begins a step** when one of its parameters was written since the last evaluation
+  (`begins` is True): a backward pass came after it;
+- **belongs to the step evaluated last** when its parameters were written, but all
+  before that evaluation (False): it steps after the same backward pass as the
+  optimizer evaluated there;
+- is **unknown** when none of its parameters was written by a backward pass since its
+  last step (None): gradients assigned by the script, or a stack whose backward does not
+  accumulate into these parameters (FSDP2 writes the sharded `.grad` itself). The caller
+  falls back on the model's own backward passes (`steps`) and, where several optimizers
+  step the model, says it cannot tell their steps apart.
 
-Cost: each optimizer's parameter ids are computed once and kept while its
+**What a step updates** is learned from what stepped together: the optimizers that step
+after one backward pass form a group, remembered per optimizer. At an optimizer's step
+the rules leave out the parameters of every other optimizer seen stepping that was not
+in its group the last time it stepped. Parameters no optimizer holds (frozen weights a
+`target: weight` rule watches) are never left out; nor, on the very first step of an
+optimizer, those of optimizers that have not stepped yet (nothing says yet that they step
+apart: at worst that first step sees more than it updates).
+
+Cost: one Python call per written parameter per backward pass (two set insertions and an
+attribute store); at each optimizer step a few set operations done in C over its
+parameter ids. Each optimizer's parameter ids are computed once and kept while its
 `param_groups` look the same (the ids and lengths of the groups' lists, so an
 `add_param_group` is seen); the left-out set is rebuilt only when a group or an
-optimizer's parameters change. A step with one optimizer pays a few dictionary lookups
-(plus, during its first `LEARNING` steps, a look at each parameter's `.grad`).
+optimizer's parameters change. The hooks are on the parameters, not in the module's
+dicts: copies, pickles and `torch.save` of the model do not carry them.
 """
 
 from __future__ import annotations
@@ -36,23 +52,12 @@ import weakref
 from typing import Callable, Iterable, Optional
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["LEARNING", "Scopes"]
-
-#: evaluations after the last new optimizer during which parameters no optimizer holds are watched
-LEARNING = 16
+__all__ = ["Scopes"]
 
 Optimizer = torch.optim.Optimizer
 _Signature = tuple[tuple[int, int], ...]
-_Probe = tuple[torch.Tensor, "weakref.ref[torch.Tensor]"]  # a parameter and its .grad
-
-
-def _probe(optimizer: Optimizer) -> Optional[_Probe]:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                return p, weakref.ref(p.grad)
-    return None
 
 
 def _signature(optimizer: Optimizer) -> _Signature:
@@ -60,7 +65,7 @@ def _signature(optimizer: Optimizer) -> _Signature:
 
 
 class Scopes:
-    """The optimizers that step one model, grouped by step, and what each step leaves out."""
+    """The backward passes' writes to one model's parameters, and the optimizers that step it, grouped by step."""
 
     def __init__(self, params: Callable[[], Iterable[torch.Tensor]]) -> None:
         self._params = params
@@ -70,19 +75,41 @@ class Scopes:
         self._ids: "weakref.WeakKeyDictionary[Optimizer, tuple[_Signature, frozenset[int]]]" = (
             weakref.WeakKeyDictionary())
         self._left_out: dict[int, tuple[tuple[object, ...], frozenset[int]]] = {}
-        self._marks: "weakref.WeakKeyDictionary[Optimizer, _Probe]" = weakref.WeakKeyDictionary()
-        self._evaluations = 0
-        self._learned_at = 0  # the evaluation that met the last new optimizer
-        self._loose: Optional[list[torch.Tensor]] = None  # parameters no known optimizer holds (None: to find)
-        self._loose_grads: dict[int, Optional["weakref.ref[torch.Tensor]"]] = {}
+        self._written: set[int] = set()  # ids written by a backward pass since their optimizer's last step
+        self._unseen: set[int] = set()  # ids written since the last evaluated step
+        #: set by every write; whoever wants to know whether a backward pass wrote this model clears it first
+        self.touched = False
+        self._hooks: dict[int, tuple["weakref.ref[torch.Tensor]", RemovableHandle]] = {}
+        self._hook_params()
+
+    # -- the writes ------------------------------------------------------------------------
+    def _wrote(self, param: torch.Tensor) -> None:
+        """hook(param) -> None, after the autograd engine accumulated `param`'s gradient."""
+        key = id(param)
+        self._written.add(key)
+        self._unseen.add(key)
+        self.touched = True
+
+    def _hook_params(self) -> None:
+        """A post-accumulate-grad hook on every parameter that requires grad and has none of ours yet."""
+        for p in self._params():
+            known = self._hooks.get(id(p))
+            if p.requires_grad and p.is_leaf and (known is None or known[0]() is not p):
+                handle = p.register_post_accumulate_grad_hook(self._wrote)  # type: ignore[no-untyped-call]
+                self._hooks[id(p)] = (weakref.ref(p), handle)
+
+    def remove(self) -> None:
+        for _, handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
 
     def reset(self) -> None:
-        """The model's parameters changed: forget the parameter ids (the groups stay)."""
+        """The model's parameters changed: hook the new ones, forget the parameter ids (the groups stay)."""
         self._ids = weakref.WeakKeyDictionary()
         self._left_out.clear()
-        self._loose = None
-        self._learned_at = self._evaluations
+        self._hook_params()
 
+    # -- optimizer steps -------------------------------------------------------------------
     def param_ids(self, optimizer: Optimizer) -> frozenset[int]:
         """The ids of the parameters `optimizer` updates, recomputed when its param_groups changed."""
         signature = _signature(optimizer)
@@ -90,14 +117,27 @@ class Scopes:
         if cached is None or cached[0] != signature:
             cached = (signature, frozenset(id(p) for g in optimizer.param_groups for p in g["params"]))
             self._ids[optimizer] = cached
+            self._hook_params()  # a parameter unfrozen since (requires_grad set) gets its hook now
         return cached[1]
+
+    def begins(self, optimizer: Optimizer) -> Optional[bool]:
+        """Whether `optimizer`'s step begins a step (True), belongs to the one evaluated last (False),
+        or cannot be told from the writes (None); see the module docstring."""
+        ids = self.param_ids(optimizer)
+        if not self._unseen.isdisjoint(ids):
+            return True
+        if not self._written.isdisjoint(ids):
+            return False
+        return None
+
+    def several(self, optimizer: Optimizer) -> bool:
+        """Whether optimizers other than `optimizer` were seen stepping this model."""
+        return any(o is not optimizer for o in self._groups)
 
     def evaluating(self, optimizer: Optimizer) -> frozenset[int]:
         """A step is evaluated at `optimizer`'s step: the ids of parameters its rules leave out."""
-        self._evaluations += 1
+        self._unseen.clear()
         group = self._groups.get(optimizer)
-        if group is None:  # a new optimizer: who holds what anew
-            self._learned_at, self._loose = self._evaluations, None
         members = [optimizer] if group is None else list(group)
         if group is None or len(members) != 1:
             group = weakref.WeakSet([optimizer])
@@ -115,49 +155,13 @@ class Scopes:
             self._left_out[id(optimizer)] = cached
         return cached[1]
 
-    def mark(self, evaluating: Optimizer) -> None:
-        """After a step's rules ran: note the gradients the other optimizers hold now (for `rewritten`)."""
-        if len(self._groups) > 1 or self._marks:
-            self._marks = weakref.WeakKeyDictionary()
-            for optimizer in self._groups:
-                if optimizer is not evaluating:
-                    probe = _probe(optimizer)
-                    if probe is not None:
-                        self._marks[optimizer] = probe
-        self._loose_grads.clear()
-        if self._evaluations - self._learned_at < LEARNING:
-            if self._loose is None:
-                held = frozenset().union(*(self.param_ids(o) for o in self._groups))
-                self._loose = [p for p in self._params() if id(p) not in held]
-            for p in self._loose:
-                self._loose_grads[id(p)] = None if p.grad is None else weakref.ref(p.grad)
-
-    def rewritten(self, optimizer: Optimizer) -> bool:
-        """Whether `optimizer`'s gradients are not the ones it held when the last step was evaluated.
-
-        Then a backward pass the step tracking did not see (one that does not go through
-        the model's own forward, as a discriminator's) wrote them: its step is a step of
-        its own. Read from one parameter's `.grad`: a new tensor since, or none, as
-        `zero_grad()` (set_to_none, the default) and a backward pass leave it. Gradients
-        zeroed in place (`set_to_none=False`) look the same as before; the version counter
-        cannot tell that from GradScaler unscaling the next optimizer's gradients in place.
-        """
-        mark = self._marks.get(optimizer)
-        if mark is not None:
-            now = _probe(optimizer)
-            return now is None or now[0] is not mark[0] or now[1]() is not mark[1]()
-        if optimizer in self._groups or not self._loose_grads:
-            return False
-        for group in optimizer.param_groups:  # not seen stepping yet: its parameters were loose at the evaluation
-            for p in group["params"]:
-                if p.grad is not None and id(p) in self._loose_grads:
-                    before = self._loose_grads[id(p)]
-                    return before is None or before() is not p.grad
-        return False
-
     def continuing(self, optimizer: Optimizer) -> None:
         """`optimizer` steps in the step evaluated last (after the same backward pass)."""
-        if optimizer not in self._groups:
-            self._learned_at, self._loose = self._evaluations, None
         self._current.add(optimizer)
         self._groups[optimizer] = self._current
+
+    def stepped(self, optimizer: Optimizer) -> None:
+        """`optimizer` updated its parameters: what was written to them is used up."""
+        ids = self.param_ids(optimizer)
+        self._written.difference_update(ids)
+        self._unseen.difference_update(ids)

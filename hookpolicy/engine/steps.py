@@ -94,6 +94,10 @@ class StepTracker:
         self._reported = process.Once()
         self._grad_before: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None  # (a parameter, its .grad)
 
+    def remove(self) -> None:
+        """Take the parameters' hooks off (`scopes`)."""
+        self._scopes.remove()
+
     def refresh(self) -> None:
         """The model's parameters changed (a module or parameter replaced): whose optimizer is whose anew."""
         self._param_ids = self._current_param_ids()
@@ -219,23 +223,43 @@ class StepTracker:
         if torch._C._current_graph_task_id() != -1:
             self._report(f"{type(optimizer).__name__} steps inside the backward pass (an optimizer in backward), "
                          "before the step's gradients are final", refused=True)
-        if not (self.backward_seq == 0 or self.backward_seq != self._evaluated_seq
-                or self._scopes.rewritten(optimizer)):
+        begins = self._scopes.begins(optimizer)
+        unwritten = begins is None  # no backward pass wrote its gradients since its last step
+        if begins is None:  # the model's own backward passes tell
+            begins = self.backward_seq == 0 or self.backward_seq != self._evaluated_seq
+        if begins or unwritten:
+            self._check_grads(optimizer, unwritten)
+        if not begins:
             self._scopes.continuing(optimizer)
             return None
-        if self.backward_seq > 0 and not any(
-                p.grad is not None for g in optimizer.param_groups for p in g["params"] if id(p) in self._param_ids):
-            self._report(f"{type(optimizer).__name__} steps its parameters after a backward pass, but none of "
-                         "them has a .grad (a wrapper keeps the gradients elsewhere)", refused=True)
         self._evaluated_seq = self.backward_seq
         self._ending = True
         self.skipping = False
         return self._scopes.evaluating(optimizer)
 
+    def _check_grads(self, optimizer: torch.optim.Optimizer, unwritten: bool) -> None:
+        """Say when `optimizer`'s step cannot be guarded as written (each said once, acting rules refused).
+
+        None of its gradients at all after a backward pass: a wrapper keeps them elsewhere.
+        `unwritten` (no backward pass wrote them since its last step), with other optimizers
+        stepping this model: which step they belong to cannot be told (the post-accumulate-
+        grad hooks did not fire: gradients assigned by the script, or FSDP2 writing the
+        sharded `.grad` itself).
+        """
+        grads = any(p.grad is not None for g in optimizer.param_groups for p in g["params"] if id(p) in self._param_ids)
+        name = type(optimizer).__name__
+        if self.backward_seq > 0 and not grads:
+            self._report(f"{name} steps its parameters after a backward pass, but none of "
+                         "them has a .grad (a wrapper keeps the gradients elsewhere)", refused=True)
+        elif unwritten and grads and self._scopes.several(optimizer):
+            self._report(f"{name} steps gradients that no backward pass wrote through autograd's accumulation "
+                         "(assigned by the script, or sharded by FSDP2), while other optimizers step this model "
+                         "too: which step they belong to and which parameters it updates cannot be told",
+                         refused=True)
+
     def evaluated(self, optimizer: torch.optim.Optimizer, skip: bool) -> None:
         """The step `optimizer` began was evaluated: `skip` it or not."""
         self.skipping = skip
-        self._scopes.mark(optimizer)
 
     def grad_before_closure(self, optimizer: torch.optim.Optimizer) -> None:
         """Note a gradient before the step's closure runs (for `closure_accumulated`)."""
@@ -259,6 +283,7 @@ class StepTracker:
             return False
         self._stepping = False
         self._hooked_steps += 1  # an update that ended after the last backward pass is an optimizer's too
+        self._scopes.stepped(optimizer)
         stash = self._stash.pop(id(optimizer), None)
         if stash is not None:
             grads, state = stash

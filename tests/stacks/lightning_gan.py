@@ -9,7 +9,8 @@ discriminator's loss sees a detached fake), without `toggle_optimizer`: the gene
 loss leaves gradients on the discriminator, which each optimizer's `zero_grad()` clears
 only before its own backward pass. `--nan-at N` makes the discriminator's loss NaN at
 global_step N (Lightning counts every optimizer step: the generator's are even, the
-discriminator's odd). Writes Lightning's global_step and both probes' measurements.
+discriminator's odd). `--in-place`: both optimizers zero with `zero_grad(set_to_none=False)`,
+so every step finds the same `.grad` tensors. Writes Lightning's global_step and both probes' measurements.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from probe import Probe, finish  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--nan-at", type=int, default=-1)
+parser.add_argument("--in-place", action="store_true")
 args = parser.parse_args()
 
 
@@ -47,10 +49,10 @@ class GAN(pl.LightningModule):
     def training_step(self, batch: Any, index: int) -> None:
         real, z = batch
         opt_g, opt_d = self.optimizers()
-        opt_g.zero_grad()
+        opt_g.zero_grad(set_to_none=not args.in_place)
         self.manual_backward(softplus(-self.discriminator(self(z))).mean() * 10)
         opt_g.step()
-        opt_d.zero_grad()
+        opt_d.zero_grad(set_to_none=not args.in_place)
         d_loss = (softplus(self.discriminator(self(z).detach())).mean() + softplus(-self.discriminator(real)).mean()) * 10
         if self.global_step == args.nan_at:
             d_loss = d_loss * float("nan")
