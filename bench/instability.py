@@ -2,7 +2,7 @@
 
     python bench/instability.py                      # the runs and a table (about 2-4 minutes on 2 cores)
     python bench/instability.py --out docs/instability.md
-    python bench/instability.py train [--corrupt]    # one run: the unmodified script the policies govern
+    python bench/instability.py train [--corrupt epoch|early]  # one run: the unmodified script the policies govern
     python bench/instability.py overhead             # what the history functions cost per step
 
 The bundled tiny GPT (`examples.charlm.TinyGPT`) learns a seeded random bigram language
@@ -12,13 +12,19 @@ epoch of 100 steps: batches 80-87 of each epoch have scrambled targets (random l
 which sends the loss from about 1.7 to about 10 and the gradient norm up 5-10x; AdamW's
 second moments remember that for hundreds of steps.
 
+A second corruption, `early`, scrambles single batches and a run of three at steps 20, 21,
+35, 50-52, 70 and 90, while the loss still falls (from about 3.5 to about 1.3 over the
+first 50 steps): the standard deviation of a falling loss is large, so a z-score test
+against the mean misses them.
+
 Runs, all from the same seed and drawing the same batches:
 
-- clean: no corruption, no policy;
-- unguarded: the corrupted shard, no policy;
-- guarded (`policies/loss-spike-guard.yaml`): the same corrupted script under
-  `hookpolicy apply`, which skips the steps whose loss is a spike;
-- zclip (`policies/zclip.yaml`): the same, under adaptive gradient clipping.
+- clean: no corruption, no policy; then clean under each loss guard (what it skips of a
+  run that has nothing to skip);
+- per corruption (epoch, early): unguarded, no policy; the shipped loss-spike guard
+  (`policies/loss-spike-guard.yaml`, median and MAD), the old one
+  (`bench/policies/loss-spike-zscore.yaml`, mean and standard deviation) and zclip
+  (`policies/zclip.yaml`, adaptive gradient clipping), each under `hookpolicy apply`.
 
 Each training step is reported by the script itself, not by hookpolicy: the loss, the
 gradient norm before `optimizer.step()`, the gradient norm the update saw (from an
@@ -49,8 +55,17 @@ from examples.charlm import TinyGPT, batch  # noqa: E402
 SYMBOLS = 24
 CONTEXT = 32
 EPOCH = 100
-#: batches of each epoch whose targets are scrambled with --corrupt
+#: batches of each epoch whose targets are scrambled with --corrupt epoch
 CORRUPT = range(80, 88)
+#: the steps whose targets are scrambled with --corrupt early: while the loss still falls
+EARLY = (20, 21, 35, 50, 51, 52, 70, 90)
+
+
+def corrupted(scenario: str, step: int) -> bool:
+    """Whether `step`'s batch is corrupted in `scenario` (none, epoch or early)."""
+    if scenario == "epoch":
+        return step % EPOCH in CORRUPT
+    return scenario == "early" and step in EARLY
 
 
 def corpus(seed: int, length: int = 30_000) -> torch.Tensor:
@@ -88,7 +103,7 @@ def train(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         x, y = batch(data, torch.randint(0, split - CONTEXT - 1, (args.batch,), generator=batches), CONTEXT)
         scrambled = torch.randint(0, SYMBOLS, y.shape, generator=scrambles)
-        corrupt = args.corrupt and step % EPOCH in CORRUPT
+        corrupt = corrupted(args.corrupt, step)
         if corrupt:
             y = scrambled
         logits, _ = model(x)  # the script's own criterion computes the loss (a loss module)
@@ -119,7 +134,7 @@ def total_norm(model: nn.Module) -> float:
 class Run:
     name: str
     policy: Optional[str]
-    corrupt: bool
+    corrupt: str
     steps: list[dict[str, Any]]
     val_loss: float
     seconds: float
@@ -142,16 +157,25 @@ class Run:
         """Corrupted steps that were skipped or clipped."""
         return sum(1 for s in self.steps if s["corrupt"] and (not s["updated"] or _clipped(s)))
 
+    @property
+    def false_skips(self) -> int:
+        """Clean steps that were skipped."""
+        return sum(1 for s in self.steps if not s["corrupt"] and not s["updated"])
+
+    @property
+    def false_clips(self) -> int:
+        """Clean steps that were clipped."""
+        return sum(1 for s in self.steps if not s["corrupt"] and _clipped(s))
+
 
 def _clipped(step: dict[str, Any]) -> bool:
     """An applied step whose update saw a smaller gradient norm than backward produced."""
     return bool(step["updated"] and step["update_norm"] is not None and step["update_norm"] < step["grad_norm"] * (1 - 1e-4))
 
 
-def run(name: str, policy: Optional[str], corrupt: bool, steps: int, seed: int) -> Run:
-    script = [sys.executable, str(Path(__file__).resolve()), "train", "--steps", str(steps), "--seed", str(seed)]
-    if corrupt:
-        script.append("--corrupt")
+def run(name: str, policy: Optional[str], corrupt: str, steps: int, seed: int) -> Run:
+    script = [sys.executable, str(Path(__file__).resolve()), "train", "--steps", str(steps), "--seed", str(seed),
+              "--corrupt", corrupt]
     command = script if policy is None else [sys.executable, "-m", "hookpolicy", "apply", str(ROOT / policy), "--", *script]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
@@ -164,24 +188,31 @@ def run(name: str, policy: Optional[str], corrupt: bool, steps: int, seed: int) 
     return Run(name, policy, corrupt, [r for r in records if "step" in r], final["val_loss"], seconds)
 
 
+GUARDS = (
+    ("loss-spike-guard (median, MAD)", "policies/loss-spike-guard.yaml"),
+    ("old loss-spike guard (mean, std)", "bench/policies/loss-spike-zscore.yaml"),
+    ("zclip", "policies/zclip.yaml"),
+)
+#: (name, policy, corruption): the clean reference first
 RUNS = (
-    ("clean", None, False),
-    ("unguarded", None, True),
-    ("guarded: loss-spike-guard", "policies/loss-spike-guard.yaml", True),
-    ("guarded: zclip", "policies/zclip.yaml", True),
+    ("clean", None, "none"),
+    *((f"clean under {name}", policy, "none") for name, policy in GUARDS[:2]),
+    *((f"{corrupt}: {name}", policy, corrupt) for corrupt in ("epoch", "early")
+      for name, policy in (("unguarded", None), *GUARDS)),
 )
 
 
 def table(runs: list[Run]) -> str:
     clean = runs[0].val_loss
     lines = [
-        "| run | final held-out loss | vs clean | corrupted steps | skipped | clipped | caught | wall s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | final held-out loss | vs clean | corrupted steps | caught | missed | clean steps skipped "
+        "| clean steps clipped | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         lines.append(
             f"| {r.name} | {r.val_loss:.4f} | {100 * (r.val_loss / clean - 1):+.2f}% | {r.corrupt_steps} | "
-            f"{r.skipped} | {r.clipped} | {r.caught}/{r.corrupt_steps} | {r.seconds:.0f} |"
+            f"{r.caught} | {r.corrupt_steps - r.caught} | {r.false_skips} | {r.false_clips} | {r.seconds:.0f} |"
         )
     return "\n".join(lines)
 
@@ -294,7 +325,9 @@ def main() -> None:
     for q in (p, t):
         q.add_argument("--steps", type=int, default=300)
         q.add_argument("--seed", type=int, default=0)
-    t.add_argument("--corrupt", action="store_true", help="scramble the targets of batches 80-87 of every 100")
+    t.add_argument("--corrupt", choices=("none", "epoch", "early"), default="none",
+                   help="scramble the targets of batches 80-87 of every 100 (epoch) or of steps 20, 21, 35, 50-52, 70, 90 "
+                        "(early: while the loss still falls)")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--batch", type=int, default=16)
     o = sub.add_parser("overhead", help="what the history functions cost per step (interleaved timing)")
@@ -309,10 +342,12 @@ def main() -> None:
         print(overhead(args.rounds, args.seed))
         return
     runs = []
+    loads = [os.getloadavg()[0]]
     for name, policy, corrupt in RUNS:
         runs.append(run(name, policy, corrupt, args.steps, args.seed))
+        loads.append(os.getloadavg()[0])
         print(f"{name}: held-out loss {runs[-1].val_loss:.4f} ({runs[-1].seconds:.0f} s)", file=sys.stderr, flush=True)
-    text = table(runs)
+    text = table(runs) + f"\n\nLoad average (1 min) during the runs: {min(loads):.1f}-{max(loads):.1f}."
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

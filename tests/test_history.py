@@ -127,6 +127,12 @@ def test_an_adaptive_clip_reads_no_value_back_inside_its_hook(tmp_path: Path) ->
           match: {modules: ["**"]}
           trigger: {at: step}
           actions: [{clip: {max_norm: "mean(norm, 3) + 2 * std(norm, 3)", per: tensor}}]
+        - name: robust
+          match: {modules: ["**"]}
+          trigger: {at: step}
+          actions:
+            - clip: {max_norm: "median(norm, 3) + 3 * mad(norm, 3)", per: rule}
+            - alert: {if: "robust_z(l2_norm, 3) > 3 and l2_norm > median(l2_norm, 3)"}
         - name: bwd
           match: {types: [Linear]}
           trigger: {at: backward}
@@ -147,7 +153,7 @@ def test_an_adaptive_clip_reads_no_value_back_inside_its_hook(tmp_path: Path) ->
             cycle = attached._cycle
             cycle.executor.run_step_rules(cycle.installer.step_rules())
         assert any(type(e).__name__ == "ClipEntry" for e in cycle.ledger.entries)
-        for rule in ("zclip", "bwd"):
+        for rule in ("zclip", "robust", "bwd"):
             assert metric(reg, "hookpolicy_hook_errors_total", {"rule": rule}) == 0
 
 
@@ -165,7 +171,7 @@ WATCH = """
     - alert:
         if: "numel > 0"
         severity: info
-        message: "{mean:.17g}|{prev(mean):.17g}|{ema(mean, 0.8):.17g}|{ema_std(mean, 0.8):.17g}|{mean(mean, 4):.17g}|{std(mean, 4):.17g}|{min(mean, 4):.17g}|{max(mean, 4):.17g}|{zscore(mean, 4):.17g}|{count(mean):.17g}"
+        message: "{mean:.17g}|{prev(mean):.17g}|{ema(mean, 0.8):.17g}|{ema_std(mean, 0.8):.17g}|{mean(mean, 4):.17g}|{std(mean, 4):.17g}|{min(mean, 4):.17g}|{max(mean, 4):.17g}|{zscore(mean, 4):.17g}|{count(mean):.17g}|{median(mean, 4):.17g}|{mad(mean, 4):.17g}|{robust_z(mean, 4):.17g}"
     - alert: {if: "zscore(mean, 4) > 3", warmup: 3, severity: critical}
 - name: guard
   match: {types: [Linear]}
@@ -193,10 +199,13 @@ def _reference(values: list[float], warmup: int = 0) -> list[dict[str, float]]:
         mean = statistics.fmean(window) if window else math.nan
         std = math.sqrt(statistics.pvariance(window)) if window else math.nan
         z = _ieee_divide(x - mean, std) if window else math.nan
+        median = statistics.median(window) if window else math.nan
+        mad = statistics.median([abs(v - median) for v in window]) if window else math.nan
+        robust = _ieee_divide(x - median, 1.4826 * mad) if window else math.nan
         out.append({"x": x, "prev": past[-1] if past else math.nan, "ema": math.nan if m is None else m,
                     "ema_std": math.nan if m is None else math.sqrt(v), "mean": mean, "std": std,
                     "min": min(window) if window else math.nan, "max": max(window) if window else math.nan,
-                    "zscore": z, "count": len(past)})
+                    "zscore": z, "count": len(past), "median": median, "mad": mad, "robust_z": robust})
         if x > 10:  # the guard skips the step: it never enters the history
             continue
         past.append(x)
@@ -215,7 +224,7 @@ def _alerts(text: str) -> list[dict[str, Any]]:
 def test_history_functions_in_conditions_and_messages_match_a_reference(
     tmp_path: Path, out: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """prev, ema, ema_std, mean, std, min, max, zscore, count against plain Python over the fed values;
+    """prev, ema, ema_std, mean, std, min, max, zscore, count, median, mad, robust_z against plain Python over the fed values;
     a skipped step's value never enters the history; warmup holds the alert back."""
     policy = load_policy(tmp_path, WATCH)
     torch.manual_seed(0)
@@ -231,7 +240,7 @@ def test_history_functions_in_conditions_and_messages_match_a_reference(
     shown = [r for r in records if r["rule"] == "watch" and r["severity"] == "info"]
     reference = _reference(values)
     assert len(shown) == len(values)
-    names = ["x", "prev", "ema", "ema_std", "mean", "std", "min", "max", "zscore", "count"]
+    names = ["x", "prev", "ema", "ema_std", "mean", "std", "min", "max", "zscore", "count", "median", "mad", "robust_z"]
     for step, (record, want) in enumerate(zip(shown, reference)):
         got = [float(part) for part in record["message"].split("|")]
         assert got == pytest.approx([want[n] for n in names], rel=1e-12, abs=1e-12, nan_ok=True), step
@@ -325,6 +334,10 @@ def test_a_reload_keeps_the_history_of_unchanged_rules_only(tmp_path: Path) -> N
     ("mean(l2_norm, 0) > 1", 14, "the window of mean is a whole number of values from 1 to 10000, not 0"),
     ("max(l2_norm, 10001) > 1", 13, "not 10001"),
     ("std(l2_norm, 2.5) > 1", 13, "not 2.5"),
+    ("median(l2_norm, 0) > 1", 16, "the window of median is a whole number of values from 1 to 10000, not 0"),
+    ("mad(l2_norm, 10001) > 1", 13, "not 10001"),
+    ("robust_z(l2_norm) > 3", 16, "robust_z takes two arguments (robust_z(x, W))"),
+    ("robustz(l2_norm, 9) > 3", 0, "did you mean 'robust_z'?"),
     ("ema(l2_norm, 1) > 1", 13, "the alpha of ema must be between 0 and 1 (exclusive), not 1"),
     ("ema_std(l2_norm, 0) > 1", 17, "not 0"),
     ("ema(l2_norm, -0.5) > 1", 13, "not -0.5"),
@@ -522,3 +535,40 @@ def test_non_finite_values_never_enter_a_series() -> None:
     past = history.past((("p", "r"), 0, "", ""))
     m = 0.5 * (0.5 * 1.0 + 0.5 * 3.0) + 0.5 * 5.0
     assert past.aggregate("ema", "loss", 0.5) == m
+
+
+def test_window_functions_over_a_wrapping_ring_match_numpy() -> None:
+    """median, mad and robust_z (and mean, std, zscore) over the last W of 350 values, the ring
+    wrapping three times, against NumPy on the plain list; a window longer than what is kept
+    reads all of it."""
+    import numpy as np
+
+    from hookpolicy.engine.history import History, Observation, spec_for
+    from hookpolicy.policy.expr import Call, parse
+
+    condition = parse("robust_z(mean, 100) > 0 or zscore(mean, 100) > 0 or median(mean, 7) > 0 or mad(mean, 100) > 0")
+    specs = {"mean": spec_for(condition.calls, "mean", 0)}
+    assert specs["mean"].size == 100  # bounded by the largest window
+    key = (("p", "r"), 0, "", "")
+    history, fed = History(), []
+    rng = np.random.default_rng(0)
+    for i, x in enumerate(rng.standard_normal(350) + np.linspace(3, 1, 350)):
+        past = history.past(key)
+        for w in (7, 100):
+            window = np.array(fed[-w:])
+            if not fed:
+                assert math.isnan(past.aggregate("median", "mean", w))
+                continue
+            median = float(np.median(window))
+            mad = float(np.median(np.abs(window - median)))
+            assert past.aggregate("median", "mean", w) == pytest.approx(median, rel=1e-12), (i, w)
+            assert past.aggregate("mad", "mean", w) == pytest.approx(mad, rel=1e-12, abs=1e-15), (i, w)
+        if len(fed) >= 2:
+            window = np.array(fed[-100:])
+            median = float(np.median(window))
+            robust = (x - median) / (1.4826 * float(np.median(np.abs(window - median))))
+            assert Call("robust_z", "mean", "mean", 100).evaluate({"mean": float(x)}, past) == pytest.approx(robust, rel=1e-9)
+        history.commit([Observation(key, {"mean": float(x)}, specs)])
+        fed.append(float(x))
+    (series,) = history.series.values()
+    assert len(series.values) == 100 and series.count == 350

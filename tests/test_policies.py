@@ -493,33 +493,49 @@ def test_every_rule_of_the_library_binds_in_a_bundled_example(path: Path) -> Non
 
 
 def _loss_spike(loss: float, applied: list[float]) -> bool:
-    """loss-spike-guard.yaml's skip condition, from the losses of the steps that were applied."""
+    """loss-spike-guard.yaml's skip condition, from the losses of the steps that were applied:
+    the median and the median absolute deviation (statistics.median), scaled by 1.4826."""
     if not math.isfinite(loss):
         return True
-    if len(applied) < 20:  # warmup: 20
+    if len(applied) < 20:  # count(loss) >= 20
+        return False
+    window = applied[-100:]
+    median = statistics.median(window)
+    mad = statistics.median([abs(x - median) for x in window])
+    z = (loss - median) / (1.4826 * mad) if mad else math.copysign(math.inf, loss - median)
+    return z > 4 and loss > 1.2 * median
+
+
+def _zscore_spike(loss: float, applied: list[float]) -> bool:
+    """The guard's old spike test (bench/policies/loss-spike-zscore.yaml): mean and std, 6 sigma."""
+    if len(applied) < 20:
         return False
     window = applied[-100:]
     mean, std = statistics.fmean(window), statistics.pstdev(window)
-    z = (loss - mean) / std if std else math.copysign(math.inf, loss - mean)
-    return z > 6 and loss > 1.2 * mean
+    return std > 0 and (loss - mean) / std > 6 and loss > 1.2 * mean
 
 
 @pytest.mark.slow
 def test_loss_spike_guard_skips_exactly_the_spikes_of_its_reference(workdir: Path) -> None:
-    """One batch learned by heart, so the loss settles; scrambled targets on three steps make
-    spikes. Each step is skipped (parameters and AdamW state bit for bit) exactly when the
-    policy's condition, computed here from the losses the script saw, says so."""
+    """One batch learned by heart, so the loss falls, then settles; scrambled targets make
+    spikes, two smaller ones while the loss still falls and three once it settled. Each step
+    is skipped (parameters and AdamW state bit for bit) exactly when the policy's condition,
+    computed here from the losses the script saw, says so; the old z-score test missed the
+    early ones."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     idx, targets = batch(0)
     scrambled = batch(1)[1]
-    spikes = {120, 121, 135}
+    half = torch.cat((scrambled[:2], targets[2:]))  # two of the four rows scrambled: a smaller spike
+    early, late = {40, 41}, {120, 121, 135}
+    spikes = early | late
     applied: list[float] = []
     skipped: list[int] = []
+    missed_by_zscore: list[int] = []
     reg = CollectorRegistry()
     with load("loss-spike-guard.yaml").attach(model, registry=reg, rank=0):
         for step in range(140):
-            _, loss = model(idx, scrambled if step in spikes else targets)
+            _, loss = model(idx, half if step in early else scrambled if step in late else targets)
             assert loss is not None
             loss.backward()
             params, state = snapshot(model), opt_state(opt)
@@ -528,6 +544,8 @@ def test_loss_spike_guard_skips_exactly_the_spikes_of_its_reference(workdir: Pat
             unchanged = all(torch.equal(params[n], p) for n, p in model.named_parameters())
             spike = _loss_spike(loss.item(), applied)
             assert unchanged == spike, f"step {step}: loss {loss.item()}"
+            if step in spikes and not _zscore_spike(loss.item(), applied):
+                missed_by_zscore.append(step)
             if spike:
                 assert same_state(state, opt_state(opt))
                 skipped.append(step)
@@ -537,6 +555,7 @@ def test_loss_spike_guard_skips_exactly_the_spikes_of_its_reference(workdir: Pat
         assert stat(reg, "hookpolicy_loss_mean", **labels) == pytest.approx(applied[-1], rel=1e-6)
     assert skipped == sorted(spikes)
     assert counter(reg, "hookpolicy_skipped_steps_total", **labels) == len(spikes)
+    assert missed_by_zscore == [40, 41]  # while the loss fell, its std hid them
 
 
 def test_loss_spike_guard_halts_when_the_loss_moved_for_good(workdir: Path) -> None:

@@ -126,6 +126,11 @@ class Series:
                 cached = float(window.min())
             elif func == "max":
                 cached = float(window.max())
+            elif func in ("median", "mad"):  # together: the MAD is about the median
+                median = float(np.median(window))
+                self._cache[("median", param)] = median
+                self._cache[("mad", param)] = float(np.median(np.abs(window - median)))
+                return self._cache[(func, param)]
             else:  # mean and std (population, ddof 0) together: two passes, the deviations' dot product
                 mean = float(window.sum()) / window.size
                 deviations = window - mean

@@ -16,8 +16,11 @@ a clip's own norm, `loss` for `target: loss`): its **current** value. A FUNC rea
 **past** values of the same series (never the current one), kept by
 `hookpolicy.engine.history`: `prev(x)`, `count(x)` (how many values it has had),
 `ema(x, alpha)`, `ema_std(x, alpha)`,
-`mean(x, W)`, `std(x, W)`, `min(x, W)`, `max(x, W)`, and `zscore(x, W)`, which is
-`(x - mean(x, W)) / std(x, W)` with `x` the current value. `mean`, `std`, `min` and `max`
+`mean(x, W)`, `std(x, W)`, `min(x, W)`, `max(x, W)`, `median(x, W)`, `mad(x, W)` (the
+median absolute deviation from that median), `zscore(x, W)`, which is
+`(x - mean(x, W)) / std(x, W)` with `x` the current value, and `robust_z(x, W)`, which is
+`(x - median(x, W)) / (MAD_SCALE * mad(x, W))`: MAD_SCALE (1.4826, R's `mad()` constant,
+1/Phi^-1(3/4)) makes the MAD of normal data estimate its standard deviation. `mean`, `std`, `min` and `max`
 are statistics when bare and functions when followed by `(`.
 
 The parser reads one unified precedence grammar (comparisons and arithmetic in one
@@ -40,8 +43,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 __all__ = [
-    "Arith", "Call", "Compare", "Condition", "ExprError", "FUNCTIONS", "Junction", "MAX_DEPTH", "MAX_WINDOW",
-    "Name", "Neg", "Num", "NO_PAST", "Past", "STATS", "Template", "Value", "names_with", "parse",
+    "Arith", "Call", "Compare", "Condition", "ExprError", "FUNCTIONS", "Junction", "MAD_SCALE", "MAX_DEPTH",
+    "MAX_WINDOW", "Name", "Neg", "Num", "NO_PAST", "Past", "STATS", "Template", "Value", "names_with", "parse",
     "parse_value",
 ]
 
@@ -62,7 +65,10 @@ _STAT_TABLE: Mapping[str, str] = {name: name for name in STATS}
 FUNCTIONS: Mapping[str, str] = {
     "prev": "", "count": "", "ema": "alpha", "ema_std": "alpha",
     "mean": "window", "std": "window", "min": "window", "max": "window", "zscore": "window",
+    "median": "window", "mad": "window", "robust_z": "window",
 }
+#: `robust_z` divides by MAD_SCALE * mad: for normal data that estimates the standard deviation.
+MAD_SCALE = 1.4826
 
 _COMPARE: dict[str, Callable[[float, float], bool]] = {
     ">": operator.gt, ">=": operator.ge, "<": operator.lt,
@@ -87,7 +93,7 @@ class Past(Protocol):
     """The past values of the series an expression is evaluated for (`hookpolicy.engine.history`)."""
 
     def aggregate(self, func: str, series: str, param: float) -> float:
-        """`func` (one of FUNCTIONS but zscore) over the past of `series`; nan with none (count: 0)."""
+        """`func` (one of FUNCTIONS but zscore and robust_z) over the past of `series`; nan with none (count: 0)."""
 
 
 class _NoPast:
@@ -154,6 +160,9 @@ class Call:
         if self.func == "zscore":
             deviation = values[self.series] - past.aggregate("mean", self.series, self.param)
             return _divide(deviation, past.aggregate("std", self.series, self.param))
+        if self.func == "robust_z":
+            deviation = values[self.series] - past.aggregate("median", self.series, self.param)
+            return _divide(deviation, MAD_SCALE * past.aggregate("mad", self.series, self.param))
         return past.aggregate(self.func, self.series, self.param)
 
     def __str__(self) -> str:
