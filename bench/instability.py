@@ -221,7 +221,7 @@ def table(runs: list[Run]) -> str:
 OVERHEAD = (
     ("floor", "no policy", None),
     ("fixed_loss", "loss rule, fixed thresholds", "bench/policies/fixed-loss.yaml"),
-    ("spike_guard", "loss-spike-guard.yaml (zscore, mean)", "policies/loss-spike-guard.yaml"),
+    ("spike_guard", "loss-spike-guard.yaml (robust_z, median)", "policies/loss-spike-guard.yaml"),
     ("fixed_clip", "clip max_norm 1.0 per rule", "bench/policies/fixed-clip.yaml"),
     ("zclip", "zclip.yaml (ema, ema_std)", "policies/zclip.yaml"),
 )
