@@ -1,0 +1,271 @@
+"""Hot reloads in a process group: every rank swaps to a new policy at the same step (issue 23.1).
+
+A reload reaches the ranks of a job at different times (a ConfigMap reaches each node
+when its kubelet syncs; each rank's watcher looks on its own clock). These tests make
+that happen on purpose: on 2 gloo ranks, DDP and FSDP2, each rank hands the reload path
+(`Discovery.swaps.request`, what `--watch` and SIGHUP call) a new policy set at a step of
+its own, rank 1 one step after rank 0 and sometimes never seeing an intermediate version
+at all. The new set adds or removes skip, halt, clip, scale, AGC and capture rules.
+
+The references, computed by the test and not by hookpolicy's reload:
+- the same run with the policies attached and removed by hand (`PolicySet.attach` /
+  `remove`) at the steps the reloaded run swapped: the parameters after every step equal
+  bit for bit (the full tensors, under FSDP2 too);
+- the other rank: the same parameters (DDP and FSDP2 keep one model) and the same
+  policy revision at every step;
+- the swap step: the first step boundary after the last rank had the new version.
+
+Every process group has a 60 s timeout and every spawn a deadline, far below torch's
+default of 30 minutes, so a reload that deadlocks the job fails the test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry
+from torch import nn
+
+import hookpolicy
+from helpers import REPO
+from helpers.policies import write_policy
+
+sys.path.insert(0, str(REPO / "examples"))
+from train_ddp import leave  # noqa: E402
+from train_mlp import build_model, make_data  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+#: Seconds a test's ranks may take in all; the process group gives up on a collective after TIMEOUT.
+DEADLINE = 150
+TIMEOUT = timedelta(seconds=60)
+
+# -- the policies a job is reloaded with --------------------------------------------------
+
+CAPTURE = """\
+- name: norms
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm], per: rule}
+"""
+#: fires on one rank's own activations at some steps: only the agreement makes it every rank's
+SKIP = """\
+- name: skip
+  match: {modules: ["4"]}
+  trigger: {at: forward}
+  target: output
+  actions:
+    - alert: {if: "max > 0.25", per: rule, severity: warning, then: skip_step}
+"""
+HALT = """\
+- name: halt
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - alert: {if: "nonfinite > 0", per: rule, severity: critical, then: halt}
+"""
+CLIP = """\
+- name: clip
+  priority: 10
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - clip: {max_norm: 0.2, per: rule}
+"""
+SCALE = """\
+- name: scale
+  priority: 5
+  match: {modules: ["0"]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - scale: {factor: 0.5}
+"""
+AGC = """\
+- name: agc
+  priority: 20
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  actions:
+    - clip: {unitwise_ratio: 0.01, eps: 0.001}
+"""
+ACTIVATIONS = """\
+- name: activations
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  target: output
+  actions:
+    - capture: {stats: [l2_norm, max], per: module}
+"""
+
+#: The versions a job goes through, one reload each: every kind of rule comes and goes.
+VERSIONS = [
+    CAPTURE, CAPTURE + SKIP, CAPTURE + CLIP, CAPTURE + SKIP + HALT, CAPTURE + SCALE, CAPTURE + AGC,
+    ACTIVATIONS, CAPTURE + CLIP + SKIP, SCALE + AGC, CAPTURE + HALT, SKIP, CAPTURE + CLIP + SCALE,
+    ACTIVATIONS + AGC + SKIP, CAPTURE, HALT + CLIP, SKIP + SCALE + ACTIVATIONS, AGC, CAPTURE + SKIP + CLIP + AGC,
+    CAPTURE + HALT + SCALE, CLIP, CAPTURE + SKIP, ACTIVATIONS + CLIP, CAPTURE,
+]
+#: Steps between two versions: rank 0 gets version k at step SPACING*k - 2, rank 1 a step later.
+SPACING = 3
+#: Versions rank 1 never sees (the next one reached it first), as a ConfigMap update can.
+UNSEEN = {6, 15}
+
+
+def schedule(rank: int) -> dict[int, int]:
+    """step -> the version this rank's reload path is handed before that step's forward."""
+    return {SPACING * k - 2 + rank: k for k in range(1, len(VERSIONS)) if not (rank == 1 and k in UNSEEN)}
+
+
+# -- spawning ranks under a deadline ------------------------------------------------------
+
+
+def spawn(worker: Callable[..., Any], folder: Path, port: int, *args: Any) -> list[Any]:
+    """Run `worker(rank, *args)` on 2 gloo ranks, each with a process group timeout of TIMEOUT;
+    fail the test (and kill the ranks) if they take longer than DEADLINE in all."""
+    context = torch.multiprocessing.spawn(_entry, args=(worker.__name__, port, str(folder), args), nprocs=2,
+                                          join=False)
+    deadline = time.monotonic() + DEADLINE
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the ranks did not finish within {DEADLINE} s: a reload hung the job")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _entry(rank: int, name: str, port: int, folder: str, args: tuple[Any, ...]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=TIMEOUT)
+    result = globals()[name](rank, *args)
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
+    leave(0)  # not through interpreter finalization: see examples/train_ddp.leave
+
+
+# -- one job, reloaded; then the same job with the policies swapped by hand ---------------
+
+
+def wrapped(how: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = build_model()
+    if how == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def digest(model: nn.Module) -> str:
+    """The full parameters (gathered under FSDP2, a collective), hashed."""
+    from torch.distributed.tensor import DTensor
+    tensors = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return hashlib.sha1(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest()[:16]
+
+
+def train(rank: int, how: str, steps: int, before: Callable[[int, nn.Module], None],
+          after: Callable[[int], None]) -> list[str]:
+    """`steps` SGD steps on this rank's shard of the data; the parameters' digest after each."""
+    model = wrapped(how)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = make_data(0)
+    x, y = x[rank::2], y[rank::2]
+    digests = []
+    for step in range(steps):
+        before(step, model)
+        i = step % (len(x) // 16) * 16
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x[i:i + 16]), y[i:i + 16]).backward()
+        optimizer.step()
+        after(step)
+        digests.append(digest(model))
+    return digests
+
+
+def reloaded(rank: int, how: str, files: list[str]) -> dict[str, Any]:
+    """The job under the reload path of `apply`: the versions handed in at this rank's own steps;
+    then the same job with each version attached by hand from the step the reload swapped it in."""
+    from hookpolicy.apply.discovery import Discovery
+    versions = [hookpolicy.load(f) for f in files]
+    steps = SPACING * len(versions) + 2
+    discovery = Discovery(versions[0], registry=CollectorRegistry(), rank=rank)
+    discovery.install()
+    revisions: list[str] = []
+    handed = schedule(rank)
+
+    def hand(step: int, model: nn.Module) -> None:
+        if step in handed:
+            discovery.swaps.request(versions[handed[step]])
+
+    def running(step: int) -> None:
+        (governed,) = discovery.governed
+        revisions.append(governed.attached.policies[0].revision)
+
+    try:
+        digests = train(rank, how, steps, hand, running)
+    finally:
+        discovery.remove()
+    by_revision = {v.policies[0].revision: v for v in versions}
+    attached: list[Optional[hookpolicy.Attached]] = [None]
+
+    def by_hand(step: int, model: nn.Module) -> None:
+        if step == 0 or revisions[step] != revisions[step - 1]:
+            previous = attached[0]
+            if previous is not None:
+                previous.remove()
+            attached[0] = by_revision[revisions[step]].attach(model, registry=CollectorRegistry(), rank=rank,
+                                                              start_step=step)
+
+    try:
+        reference = train(rank, how, steps, by_hand, lambda step: None)
+    finally:
+        if attached[0] is not None:
+            attached[0].remove()
+    return {"digests": digests, "revisions": revisions, "reference": reference,
+            "order": [v.policies[0].revision for v in versions]}
+
+
+@pytest.mark.xfail(strict=True, reason="issue 23.1: each rank swaps at its own next step (DDP: gloo collective "
+                   "mismatch; FSDP2: deadlock until the process group's timeout)")
+@pytest.mark.parametrize("how", ["ddp", "fsdp"])
+def test_reloads_swap_at_the_same_step_on_every_rank(tmp_path: Path, free_port: int, how: str) -> None:
+    files = []
+    for k, rules in enumerate(VERSIONS):
+        folder = tmp_path / f"v{k}"
+        folder.mkdir()
+        path = write_policy(folder, rules)
+        path.write_text(path.read_text() + f"# version {k}\n")  # a revision of its own, whatever the rules
+        files.append(str(path))
+    ranks = spawn(reloaded, tmp_path, free_port, how, files)
+    order = ranks[0]["order"]
+    assert ranks[0]["revisions"] == ranks[1]["revisions"]  # the same policy at every step on both ranks
+    assert ranks[0]["digests"] == ranks[1]["digests"]  # one model: no rank parted ways
+    for r in ranks:
+        assert r["digests"] == r["reference"]  # = the policies swapped by hand at those steps
+    # each version runs from the step boundary after the last rank had it; one a rank never saw, never
+    swapped = {order.index(rev): step for step, rev in enumerate(ranks[0]["revisions"])
+               if step and rev != ranks[0]["revisions"][step - 1]}
+    assert swapped == {k: SPACING * k for k in range(1, len(VERSIONS)) if k not in UNSEEN}
+    assert len(swapped) >= 20
