@@ -10,8 +10,9 @@ PyTorch and every other library. What hookpolicy changes there, and who gives it
 | the filter for torch.compile's global-hook warning| `engine/module_hooks.py` (`calls`) | with the module call hooks                   |
 | module/parameter registration hooks               | `engine/module_hooks.py` (`watch`) | last `Watching.remove()`                     |
 | `torch.nn.Module.__reduce_ex__`                    | `engine/module_hooks.py`           | last `OwnHandle.remove()`                    |
-| threads `hookpolicy-*`                            | `start_thread` (exporter, reload)  | their owner's shutdown/stop                  |
+| threads `hookpolicy-*`                            | `start_thread` (exporter, reload, lifetime) | their owner's shutdown/stop                  |
 | what was said once                                | `Once`                             | never: "once" is per process or per owner    |
+| SIGTERM/SIGHUP handlers, the signal wakeup fd     | `apply/child.py`, `apply/lifetime.py` (`apply` children only) | never: the process ends with them |
 
 Each change that several users share is a `Shared`: made when the first user comes,
 undone when the last one leaves, so after the last `remove()` the process is as it was.

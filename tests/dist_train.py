@@ -18,7 +18,9 @@ per step, written once (the ranks share stdout):
 
 `--nan-at S --nan-rank R --nan-in grad|input|loss` puts a NaN on rank R only at step S:
 in its first gradient (its own shard, after the backward pass), in its batch (so its
-activations are NaN), or in its loss. Each rank ends with `rank R exit NAME` (`ok`, or the
+activations are NaN), or in its loss. `--stall` makes each rank, after training, print
+`rank R stalled` and wait in a collective its peer never joins (a `recv` from it), as
+ranks do when the job is stopped in the middle of one. Each rank ends with `rank R exit NAME` (`ok`, or the
 exception it raised), and after `ok` with `examples/train_ddp.py`'s `leave()`.
 """
 
@@ -73,6 +75,7 @@ def main() -> None:
     p.add_argument("--nan-in", choices=["grad", "input", "loss"], default="grad")
     p.add_argument("--clip-ref", type=float, default=None)
     p.add_argument("--hold-file", default=None)
+    p.add_argument("--stall", action="store_true")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -82,6 +85,9 @@ def main() -> None:
     except BaseException as exc:
         say(rank, f"exit {type(exc).__name__}")
         raise
+    if args.stall:
+        say(rank, "stalled")
+        dist.recv(torch.zeros(1), src=1 - rank)  # the peer sends nothing: only a signal ends this
     say(rank, "exit ok")
     if args.hold_file:
         import time

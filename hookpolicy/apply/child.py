@@ -27,10 +27,11 @@ from prometheus_client import CollectorRegistry
 from ..api import PolicySet
 from ..say import LOGGER, say
 from .discovery import Discovery
-from ..environment import ChildConfig
+from ..environment import ENV_LOCAL_RANK, ChildConfig
 from ..errors import Halt, PolicyError
 from ..export.exporter import metrics_url, serve
 from ..policy.sources import load_sources
+from . import lifetime
 from .reload import Reloader, fingerprint
 from ..engine.runtime import Attached
 from ..plan.matcher import model_class
@@ -61,6 +62,7 @@ class _Session:
         if threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, _exit_on_signal)
+                lifetime.end_if_stuck(_exit_on_signal)
             if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
                 signal.signal(signal.SIGHUP, lambda signum, frame: self.reloader.request())
 
@@ -72,7 +74,7 @@ class _Session:
     def _governed(self, module: torch.nn.Module, attached: Attached) -> None:
         bindings = len(attached.plan.bindings)
         names = ", ".join(p.name for p in attached.policies)
-        say(f"governing {attached.store.model} (rank {self.config.rank}, pid {os.getpid()}): "
+        say(f"governing {attached.store.model} (rank {attached.rank}, pid {os.getpid()}): "
              f"{bindings} binding(s) of {names}")
         if self._started:
             return
@@ -83,11 +85,16 @@ class _Session:
             except OSError:
                 pass
         if self.config.metrics_port is not None:
-            port = self.config.metrics_port + self.config.local_rank
-            if serve(self.registry, port, self.config.metrics_addr, rank=self.config.rank) is not None:
+            # LOCAL_RANK, else the rank (the process group's: a torch.multiprocessing.spawn
+            # rank has neither variable), so that each rank of a node has a port of its own
+            local = self.config.local_rank if ENV_LOCAL_RANK in os.environ else attached.rank
+            port = self.config.metrics_port + local
+            exporter = serve(self.registry, port, self.config.metrics_addr, rank=attached.rank)
+            if exporter is not None:
                 # Said once bound, by the rank that serves: a line before the bind would
                 # promise a port that may then be taken.
-                say(f"rank {self.config.rank}: metrics on {metrics_url(self.config.metrics_addr, port)}")
+                say(f"rank {attached.rank}: metrics on {metrics_url(self.config.metrics_addr, port)}")
+                lifetime.release_when_orphaned(exporter, f"rank {attached.rank}'s metrics port {port}")
         self.reloader.start()
 
     def _excepthook(
@@ -118,7 +125,12 @@ def _write_once(path: Path, line: str) -> bool:
 
 
 def _exit_on_signal(signum: int, frame: Optional[FrameType]) -> None:
-    """SIGTERM: unwind like Ctrl-C does, so `finally` blocks and atexit (hook removal) run."""
+    """SIGTERM: unwind like Ctrl-C does, so `finally` blocks and atexit (hook removal) run.
+
+    When the main thread cannot run this (it waits in a collective), `lifetime` ends the
+    process instead.
+    """
+    lifetime.unwinding.set()
     raise SystemExit(128 + signum)
 
 

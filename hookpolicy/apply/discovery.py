@@ -265,8 +265,19 @@ class Discovery:
 
     # -- attaching, detaching ----------------------------------------------------------
     def _attach(self, policies: PolicySet, module: torch.nn.Module, step: int) -> Attached:
-        return policies.attach(module, registry=self.registry, rank=self.rank, audit=self.audit,
+        return policies.attach(module, registry=self.registry, rank=self._rank(), audit=self.audit,
                                start_step=step, on_halt=self._on_halt, strict=self.strict)
+
+    def _rank(self) -> int:
+        """The process group's rank once one exists, else the launcher's (RANK, LOCAL_RANK).
+
+        A rank of `torch.multiprocessing.spawn` has neither variable: without the group's
+        word every rank would be labelled 0 and serve on one port.
+        """
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            self.rank = self.swaps.rank = dist.get_rank()
+        return self.rank
 
     def _release(self, governed: Governed) -> None:
         governed.attached.remove()
