@@ -1,5 +1,11 @@
 """The package layout: imports point one way, from the policy stage down to the edges.
 
+The README's "The code": `policy` imports none of the other stages, `plan` reads typed
+policies, the `engine` runs a plan and writes into the `export` stage's collector and
+sinks, and `apply` and the top-level modules use them all; no import circle. Every module
+of the package belongs to one layer of `LAYERS`, and imports only from its own layer and
+the ones that table allows; a new module must be placed there (and on the README's map).
+
 Read from the source with `ast`, never by importing, so every import counts: one inside a
 function, and one under `if TYPE_CHECKING:` too (a reader follows it all the same; the
 loader's circle of old was `loader -> build` at run time, `build -> loader` for mypy).
@@ -8,16 +14,30 @@ loader's circle of old was `loader -> build` at run time, `build -> loader` for 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hookpolicy"
 
-#: stage -> the stages (and top-level modules) it may import besides itself.
-ALLOWED = {
-    "policy": {"errors"},
-    "plan": {"errors", "policy"},
+#: The top-level modules every stage may use: what they import of hookpolicy is each other.
+BASE = {"errors", "say", "environment", "process"}
+
+#: The edge: the command line and the package itself, which may import anything.
+EDGE = {"cli", "__main__", ""}
+
+#: layer -> the layers its modules may import besides their own. A layer is a stage
+#: (a subpackage), `base` (BASE), `api` (the Python entry) or `edge` (EDGE).
+LAYERS: dict[str, set[str]] = {
+    "base": set(),
+    "policy": {"base"},
+    "plan": {"base", "policy"},
+    "export": {"base", "policy"},
+    "engine": {"base", "policy", "plan", "export"},
+    "api": {"base", "policy", "plan", "engine", "export"},
+    "apply": {"base", "policy", "plan", "engine", "export", "api"},
+    "edge": {"base", "policy", "plan", "engine", "export", "api", "apply"},
 }
 
 
@@ -90,15 +110,44 @@ def test_the_circle_finder_finds_a_circle() -> None:
     assert _circle(graph) == ["a", "b", "c", "a"]
 
 
-@pytest.mark.parametrize("stage", sorted(ALLOWED))
-def test_an_early_stage_imports_no_later_one(stage: str) -> None:
-    allowed = {"hookpolicy", f"hookpolicy.{stage}"}
-    allowed |= {f"hookpolicy.{other}" for other in ALLOWED[stage]}
-    for path in (PACKAGE / stage).rglob("*.py"):
-        for name in _imports(path):
-            if name.startswith("hookpolicy."):
-                top = ".".join(name.split(".")[:2])
-                assert top in allowed, f"{_module_name(path)} imports {name}"
+def _layer(module: str) -> str:
+    """The layer of `module` (a name under `hookpolicy`), or "" when it is in none."""
+    parts = module.split(".")[1:]
+    if not parts or parts[0] in EDGE:
+        return "edge"
+    if parts[0] in BASE:
+        return "base"
+    return parts[0] if parts[0] in LAYERS.keys() - {"base", "edge"} else ""
+
+
+def test_every_module_is_in_a_layer() -> None:
+    assert not sorted(m for m in MODULES if not _layer(m)), "place these in test_layout.LAYERS (and the README's map)"
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_a_layer_imports_only_the_layers_before_it(layer: str) -> None:
+    allowed = {layer} | LAYERS[layer]
+    wrong = [f"{module} imports {name} ({_layer(name)})" for module, names in sorted(_graph().items())
+             if _layer(module) == layer for name in sorted(names) if _layer(name) not in allowed]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layers_are_an_order() -> None:
+    """Each layer may import only layers that may not import it back: no circle between stages."""
+    graph = {layer: set(allowed) for layer, allowed in LAYERS.items()}
+    assert not _circle(graph), " -> ".join(_circle(graph))
+    assert all(LAYERS[earlier] <= LAYERS[later] for later in LAYERS for earlier in LAYERS[later])
+
+
+def test_the_layer_rule_catches_an_import_against_the_flow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail: an engine module importing `apply` and `export` importing the engine are caught."""
+    graph = _graph()
+    monkeypatch.setitem(graph, "hookpolicy.engine.stats", graph["hookpolicy.engine.stats"] | {"hookpolicy.apply.reload"})
+    monkeypatch.setitem(graph, "hookpolicy.export.sinks", graph["hookpolicy.export.sinks"] | {"hookpolicy.engine.stats"})
+    monkeypatch.setattr(sys.modules[__name__], "_graph", lambda: graph)
+    for layer, culprit in (("engine", "hookpolicy.apply.reload"), ("export", "hookpolicy.engine.stats")):
+        with pytest.raises(AssertionError, match=culprit):
+            test_a_layer_imports_only_the_layers_before_it(layer)
 
 
 def test_the_policy_stage_imports_neither_torch_nor_click() -> None:
