@@ -18,6 +18,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -45,9 +46,21 @@ STATS = ["l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fractio
 # -- in process: torch.multiprocessing.spawn ----------------------------------------------
 
 
-def spawn(worker: Callable[..., Any], tmp_path: Path, port: int, *args: Any) -> list[Any]:
-    """Run `worker(rank, *args)` on 2 gloo ranks; returns what each rank returned (JSON)."""
-    torch.multiprocessing.spawn(_entry, args=(worker.__name__, port, str(tmp_path), args), nprocs=2, join=True)
+def spawn(worker: Callable[..., Any], tmp_path: Path, port: int, *args: Any, timeout: float = 180) -> list[Any]:
+    """Run `worker(rank, *args)` on 2 gloo ranks; returns what each rank returned (JSON).
+
+    Ranks that have not finished after `timeout` seconds (a collective one rank never
+    joins) are killed and the test fails, rather than hang the suite.
+    """
+    context = torch.multiprocessing.spawn(_entry, args=(worker.__name__, port, str(tmp_path), args), nprocs=2,
+                                          join=False)
+    assert context is not None
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{worker.__name__} did not finish on both ranks in {timeout} s (a rank left waiting)")
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -397,6 +410,103 @@ def test_halt_decided_on_one_rank_is_taken_by_all(tmp_path: Path, free_port: int
     assert ranks[0]["halt"].startswith("hookpolicy: halted by p/guard at step 1")
     assert ranks[1]["halt"].startswith("hookpolicy: halted by p/guard at step 1") and "rank 0" in ranks[1]["halt"]
     assert [len(r["digests"]) for r in ranks] == [1, 1]  # no rank applied step 1
+
+
+# -- ranks holding different rules ---------------------------------------------------------
+
+EXTRA_RULE = """\
+- name: watch
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm], per: rule}
+"""
+
+
+def rule_sets(rank: int, policies: list[str], generations: list[int]) -> dict[str, Any]:
+    """Each rank attaches its own policy file and generation; a NaN in rank 0's gradient at step 1."""
+    import logging
+
+    from hookpolicy.engine.runtime import Attached
+
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Lines()
+    logging.getLogger("hookpolicy").addHandler(handler)
+    torch.manual_seed(0)
+    model = build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = make_data(rank)
+    raised = None
+    finite: list[bool] = []
+    reg = CollectorRegistry()
+    attached = Attached(hookpolicy.load(policies[rank]).policies, model, registry=reg, rank=rank,
+                        generation=generations[rank])
+    try:
+        for step in range(3):
+            nn.functional.mse_loss(model(x[:16]), y[:16]).backward()
+            if step == 1 and rank == 0:
+                model[0].weight.grad[0, 0] = float("nan")
+            optimizer.step()
+            optimizer.zero_grad()
+            finite.append(all(bool(p.isfinite().all()) for p in model.parameters()))
+    except hookpolicy.Halt as halt:
+        raised = str(halt)
+    finally:
+        steps = attached.step
+        skipped = {rule: gauge(reg, "hookpolicy_skipped_steps_total", rule=rule) for rule in ("guard", "a")}
+        attached.remove()
+        logging.getLogger("hookpolicy").removeHandler(handler)
+    return {"halt": raised, "steps": steps, "skipped": skipped, "finite": finite, "lines": lines}
+
+
+@pytest.mark.parametrize("then", ["skip_step", "halt"])
+@pytest.mark.parametrize("differ", ["rules", "generation"])
+def test_ranks_holding_different_rules_take_no_decision_and_say_so(
+    tmp_path: Path, free_port: int, then: str, differ: str,
+) -> None:
+    """Rank 0 holds one rule more than rank 1 (or the same rules of another generation): the
+    position of a rule in one rank's rules names nothing on the other. Neither rank raises
+    (IndexError) or hangs; neither skips nor halts, rank 0's own NaN decision included; each says so."""
+    guard = DECISION_RULES % then
+    for folder in ("r0", "r1"):
+        (tmp_path / folder).mkdir()
+    first = write_policy(tmp_path / "r0", guard + (EXTRA_RULE if differ == "rules" else ""))
+    second = write_policy(tmp_path / "r1", guard)
+    ranks = spawn(rule_sets, tmp_path, free_port, [str(first), str(second)], [0, 1 if differ == "generation" else 0])
+    said = [[line for line in r["lines"] if "holds other rules than another rank" in line] for r in ranks]
+    for r, lines in zip(ranks, said):
+        assert r["halt"] is None and r["steps"] == 3, r
+        assert "at step 0" in lines[0] and "not taken" not in lines[0], lines
+        if then == "skip_step":
+            assert r["skipped"]["guard"] == 0
+    assert len(said[1]) == 1  # said once when it began
+    decided = "skip" if then == "skip_step" else "halt"
+    assert len(said[0]) == 3 and all(f"not taken here: {decided} by p/guard" in line for line in said[0][1:])
+    assert ranks[0]["finite"] == [True, False, False]  # the NaN step was taken: no rank decided alone
+    assert ranks[1]["finite"] == [True, True, True]
+
+
+def test_a_decision_names_its_rule_by_identity_not_by_position(tmp_path: Path, free_port: int) -> None:
+    """The same rules declared in another order on each rank: rank 0's skip by `guard` is counted
+    under `guard` on rank 1 too, where `guard` is at the place rank 0 has `a`."""
+    guard = DECISION_RULES % "skip_step"
+    other = EXTRA_RULE.replace("name: watch", "name: a")
+    for folder in ("r0", "r1"):
+        (tmp_path / folder).mkdir()
+    first = write_policy(tmp_path / "r0", guard + other)
+    second = write_policy(tmp_path / "r1", other + guard)
+    ranks = spawn(rule_sets, tmp_path, free_port, [str(first), str(second)], [0, 0])
+    for r in ranks:
+        assert r["halt"] is None and r["steps"] == 3 and r["finite"] == [True, True, True], r
+        assert r["skipped"] == {"guard": 1, "a": None}
+        assert not any("holds other rules" in line for line in r["lines"])
+    assert any("step 1 skipped, as rank 0 decided" in line for line in ranks[1]["lines"])
 
 
 # -- end to end: hookpolicy apply -- torchrun (the DDP and FSDP2 rows of the matrix) --------

@@ -1,15 +1,31 @@
-"""One decision on every rank: a step's skip or halt, agreed on in one collective.
+"""One decision on every rank: a step's skip or halt, agreed on in one collective, rules named by identity.
 
-**One decision on every rank.** A `skip_step` or `halt` decided on one rank (its own
-activations, its own gradient before DDP's all-reduce, a NaN injected into its shard)
-must be taken by every rank in the same step, or the ranks' parameters part ways (and
-FSDP's next collective waits forever for a rank that halted). `Agreement.agree` does one
-`all_reduce(MAX)` of two integers over the default process group at each step decision,
-only when the attached policies hold an enforced `skip_step` or `halt` and a process group
-is initialised (and, once it did, for the rest of the process: see `_AGREED`). Every rank
-of the group must then step its optimizer together (which
-DDP and FSDP require anyway). Decisions taken during evaluation forwards (a halt at a
-per-batch readback) are not agreed on: a rank may evaluate alone.
+A `skip_step` or `halt` decided on one rank (its own activations, its own gradient before
+DDP's all-reduce, a NaN injected into its shard) must be taken by every rank in the same
+step, or the ranks' parameters part ways (and FSDP's next collective waits forever for a
+rank that halted). `Agreement.agree` does one `all_reduce(MAX)` of four integers over the
+default process group at each step decision, only when the attached policies hold an
+enforced `skip_step` or `halt` and a process group is initialised (and, once it did, for
+the rest of the process: see `_AGREED`). Every rank of the group must then step its
+optimizer together (which DDP and FSDP require anyway). Decisions taken during evaluation
+forwards (a halt at a per-batch readback) are not agreed on: a rank may evaluate alone.
+
+**Rules are named by identity, never by position.** A rule's identity is (policy name, rule
+name) within a policy *generation* (`Attached.generation`: 0 for an attachment, to be
+raised by each hot reload). The four integers are the skip code, the halt code, and a
+digest of this rank's identities and generation, once as it is and once negated: after
+the MAX reduction every rank holds the largest and the smallest digest of the group, so
+every rank sees, in the same step, whether all ranks hold the same rules. When they do, a
+code names a rule by its place in the *sorted* identities, which is the same on every
+rank, and the rank that decided (`1 + place * world_size + rank`).
+
+**Ranks that hold different rules** (between two ranks' swaps at a hot reload, or policies
+that differ by rank) cannot tell from one collective which rules every rank holds, and a
+second collective is not an option (every rank must issue the same collectives, and this
+one runs at every step). So at such a step no rank takes a skip or halt decision, its own
+included: the ranks stay consistent (no rank skips or halts alone, none waits on another),
+and each says so in one `hookpolicy:` line when the mismatch begins (and one when it ends),
+naming what it decided itself. Alerts that fired still count and log as such.
 
 The process-wide side of this: these collectives are issued from the optimizer step
 pre-hook, where every rank of a DDP or FSDP job is at the same point of the same step.
@@ -17,50 +33,110 @@ pre-hook, where every rank of a DDP or FSDP job is at the same point of the same
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from ..errors import Halt
-from ..export.metrics import SKIPPED_STEPS, ModelMetrics
-from ..policy.model import Alert
+from ..policy.model import Alert, Policy
 from .readback import StepReport
 from .rulestate import RuleState
 
-__all__ = ["Agreement"]
+__all__ = ["Agreement", "digest", "identities"]
 
 log = logging.getLogger("hookpolicy")
 
+#: A rule's identity in the agreement: (policy name, rule name).
+Identity = tuple[str, str]
+
+
+def identities(policies: Sequence[Policy]) -> list[Identity]:
+    """The identities of every rule of `policies`, sorted: the same list on every rank holding the same rules."""
+    return sorted((policy.name, rule.name) for policy in policies for rule in policy.rules)
+
+
+def digest(names: Sequence[Identity], generation: int) -> int:
+    """A 62-bit digest of sorted identities and a generation (it travels negated too, in an int64)."""
+    text = "\n".join(f"{policy}\0{rule}" for policy, rule in names) + f"\n#{generation}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2
+
 
 class Agreement:
-    """The agreement of one attachment: its rules, and whether any of them can skip or halt."""
+    """The agreement of one attachment; see the module docstring."""
 
-    def __init__(self, rules: dict[tuple[str, str], RuleState], store: ModelMetrics) -> None:
-        self._rules = rules
-        self._store = store
+    def __init__(self, policies: Sequence[Policy], rules: dict[tuple[str, str], RuleState], generation: int) -> None:
+        self._names = identities(policies)
+        self.generation = generation
+        self._digest = digest(self._names, generation)
         # Whether a step's decision must be every rank's (one collective a step).
         self._decides = any(
             isinstance(a, Alert) and a.then in ("skip_step", "halt")
             for rs in rules.values() if rs.enforce for a in rs.rule.actions
         )
+        self._apart = False  # the ranks held different rules at the last agreement
 
     def agree(self, report: StepReport, step: int) -> None:
-        """Make a skip or halt decided on any rank this rank's too (in `report`); no collective without a group."""
+        """Make a skip or halt decided on any rank every rank's (in `report`); no collective without a group.
+
+        `report.skip_by` gets the rule another rank skipped by; at a step where the ranks hold
+        different rules, `report` ends with no skip and no halt on every rank.
+        """
         if not agreeing(self._decides):
             return
-        keys = list(self._rules)
+        import torch.distributed as dist
         halt = report.halt
-        codes = agree(encode(None if report.skip_rule is None else keys.index(report.skip_rule)),
-                      encode(None if halt is None else keys.index((halt.policy, halt.rule))))
-        other_skip, other_halt = decode(codes[0]), decode(codes[1])
+        skip_code = self._encode(report.skip_rule)
+        halt_code = self._encode(None if halt is None else (halt.policy, halt.rule))
+        got = _all_reduce_max([skip_code, halt_code, self._digest, -self._digest])
+        same = got[2] == -got[3]
+        if not same:
+            self._differ(report, step, dist.get_rank(), got[2], -got[3])
+            return
+        if self._apart:
+            self._apart = False
+            log.info("the ranks hold the same rules again at step %d (generation %d): skip and halt decisions "
+                     "are agreed on again", step, self.generation)
+        other_skip, other_halt = self._decode(got[0]), self._decode(got[1])
         if not report.skip and other_skip is not None:
-            report.skip, report.skip_rule = True, keys[other_skip[0]]
-            self._store.inc(SKIPPED_STEPS, report.skip_rule)
-            log.warning("%s/%s: step %d skipped, as rank %d decided", *report.skip_rule, step, other_skip[1])
+            report.skip, report.skip_rule = True, other_skip[0]
+            report.skip_by.append(other_skip[0])
+            log.warning("%s/%s: step %d skipped, as rank %d decided", *other_skip[0], step, other_skip[1])
         if halt is None and other_halt is not None:
-            policy, rule = keys[other_halt[0]]
-            report.halt = Halt(policy, rule, step, f"rank {other_halt[1]} halted; every rank stops at the same step")
+            (policy, rule), rank = other_halt
+            report.halt = Halt(policy, rule, step, f"rank {rank} halted; every rank stops at the same step")
+
+    def _encode(self, name: Optional[Identity]) -> int:
+        """A decision's code: 1 + the rule's place in the sorted identities * world size + this rank; 0 for none."""
+        if name is None:
+            return 0
+        import torch.distributed as dist
+        return 1 + self._names.index(name) * dist.get_world_size() + dist.get_rank()
+
+    def _decode(self, code: int) -> Optional[tuple[Identity, int]]:
+        """(rule identity, rank) of a code; None for 0 (no rank decided)."""
+        if code == 0:
+            return None
+        import torch.distributed as dist
+        place, rank = divmod(code - 1, dist.get_world_size())
+        return self._names[place], rank  # the digests agree: the identities are the same list on every rank
+
+    def _differ(self, report: StepReport, step: int, rank: int, highest: int, lowest: int) -> None:
+        """The ranks hold different rules: drop this step's skip and halt on every rank, said when it begins."""
+        own = [f"skip by {'/'.join(report.skip_rule)}"] if report.skip_rule is not None else []
+        if report.halt is not None:
+            own.append(f"halt by {report.halt.policy}/{report.halt.rule}")
+        report.skip, report.skip_rule, report.halt = False, None, None
+        report.skip_by.clear()
+        if self._apart and not own:
+            return
+        self._apart = True
+        log.warning(
+            "rank %d holds other rules than another rank at step %d (%d rules of generation %d, digest %016x; the "
+            "group's digests run from %016x to %016x): no rank takes a skip or halt decision until every rank "
+            "holds the same rules%s", rank, step, len(self._names), self.generation, self._digest, lowest, highest,
+            f"; not taken here: {', '.join(own)}" if own else "")
 
 
 #: Set at the first agreement: from then on this process agrees at every step decision,
@@ -77,35 +153,14 @@ def agreeing(decides: bool) -> bool:
     return (decides or _AGREED) and dist.is_available() and dist.is_initialized()
 
 
-def agree(skip: int, halt: int) -> tuple[int, int]:
-    """The largest `skip` and `halt` codes over the default process group (0: no rank decided that).
-
-    A code is `1 + what * world_size + rank` (see `encode`), so the reduced code names one
-    rank that decided and what it decided.
-    """
+def _all_reduce_max(values: list[int]) -> list[int]:
+    """`values`, each the largest over the default process group: the one collective of a step's agreement."""
     import torch.distributed as dist
     global _AGREED
     _AGREED = True
-    flags = torch.tensor([skip, halt], dtype=torch.int64, device=_collective_device())
+    flags = torch.tensor(values, dtype=torch.int64, device=_collective_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    got = flags.tolist()
-    return int(got[0]), int(got[1])
-
-
-def encode(what: Optional[int]) -> int:
-    """A decision's code for `agree`: `what` (an index the same on every rank) and this rank; 0 for none."""
-    if what is None:
-        return 0
-    import torch.distributed as dist
-    return 1 + what * dist.get_world_size() + dist.get_rank()
-
-
-def decode(code: int) -> Optional[tuple[int, int]]:
-    """(what, rank) of a code; None for 0."""
-    if code == 0:
-        return None
-    import torch.distributed as dist
-    return divmod(code - 1, dist.get_world_size())
+    return [int(v) for v in flags.tolist()]
 
 
 def _collective_device() -> torch.device:

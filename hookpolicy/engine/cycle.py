@@ -64,7 +64,7 @@ class StepCycle:
 
     def __init__(
         self, model: torch.nn.Module, policies: Sequence[Policy], plan: Plan, store: ModelMetrics, rank: int,
-        audit: bool, start_step: int, halting: Callable[[Halt], Halt],
+        audit: bool, start_step: int, halting: Callable[[Halt], Halt], generation: int = 0,
     ) -> None:
         self.model = model
         self.policies = policies
@@ -83,7 +83,7 @@ class StepCycle:
         self.executor = Executor(self.rules, phase, self.ledger, self._faults, self.history)
         self.installer = HookInstaller(plan, self.rules, self.executor)
         self.readback = Readback(store, policies, output_root(), rank, self.history)
-        self._agreement = Agreement(self.rules, store)
+        self.agreement = Agreement(policies, self.rules, generation)
         self._steps = StepTracker(model, phase, self.rules, store.model)
         self._loss: Optional[LossTap] = None
         if any(rule.target == LOSS for policy in policies for rule in policy.rules):
@@ -162,7 +162,9 @@ class StepCycle:
         for rs, exc in decision.errors:
             self._faults.fail(rs, exc)
         if decide:
-            self._agreement.agree(decision, self.step)
+            self.agreement.agree(decision, self.step)
+        for key in decision.skip_by:
+            self.store.inc(SKIPPED_STEPS, key)
         if not decision.skip and not final:  # a skipped step did not happen: its values never become the baseline
             self.history.commit(decision.observed)
         if decision.halt is not None:

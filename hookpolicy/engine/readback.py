@@ -25,7 +25,7 @@ import torch
 
 from .actions import StatsOp
 from ..errors import Halt
-from ..export.metrics import ALERT_FIRING, ALERTS, CLIPPED, SKIPPED_STEPS, ModelMetrics, Labels, stat_family
+from ..export.metrics import ALERT_FIRING, ALERTS, CLIPPED, ModelMetrics, Labels, stat_family
 from ..policy.expr import NO_PAST, Past, Template
 from ..policy.model import Alert, Board, Capture, Clip, LogSink, Policy
 from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
@@ -45,7 +45,7 @@ class StepReport:
     """What one read-back decided, for the coordinator to act on."""
 
     skip: bool = False
-    #: the first rule whose alert skips the step (named to the other ranks, see distributed.agree)
+    #: the first rule whose alert skips the step (named to the other ranks, see agreement.py)
     skip_rule: Optional[tuple[str, str]] = None
     #: the rules whose alerts skip the step (each counts the step once, however many modules fired)
     skip_by: list[tuple[str, str]] = field(default_factory=list)
@@ -201,8 +201,7 @@ class Readback:
                     if action.then == "skip_step" and rs.key not in report.skip_by:
                         report.skip = True
                         report.skip_rule = report.skip_rule or rs.key
-                        report.skip_by.append(rs.key)
-                        self.store.inc(SKIPPED_STEPS, rs.key)  # once per step and rule
+                        report.skip_by.append(rs.key)  # counted once per step and rule, once agreed on
                     elif action.then == "halt" and report.halt is None:
                         report.halt = Halt(rs.policy.name, rs.rule.name, self._step, message)
         for (index, sink), records in logged.items():

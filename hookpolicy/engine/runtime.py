@@ -40,13 +40,15 @@ class Attached:
     number of optimizer steps evaluated so far (the step the next update belongs to),
     starting from `start_step` (a reloaded policy continues where the old one stopped).
     `on_halt(halt)` is called just before a `Halt` is raised, so a launcher learns of it
-    even when the script catches it.
+    even when the script catches it. `generation` names the policy generation (see
+    `agreement`): ranks agree on skips and halts only between rules of the same one.
     """
 
     def __init__(
         self, policies: Sequence[Policy], model: torch.nn.Module, *,
         registry: Optional[CollectorRegistry] = None, rank: Optional[int] = None, audit: bool = False,
         start_step: int = 0, on_halt: Optional[Callable[[Halt], object]] = None, strict: bool = False,
+        generation: int = 0,
     ) -> None:
         self.model = model
         self._on_halt = on_halt
@@ -56,7 +58,8 @@ class Attached:
             raise PolicyError(plan.unmatched)
         self.rank = environment.rank(os.environ) if rank is None else rank
         self.store: ModelMetrics = store_for(registry, self.rank).for_model(model, model_class(model))
-        self._cycle = StepCycle(model, self.policies, plan, self.store, self.rank, audit, start_step, self._halting)
+        self._cycle = StepCycle(model, self.policies, plan, self.store, self.rank, audit, start_step, self._halting,
+                                generation)
         self._removed = False
         for warning in plan.warnings:
             log.warning("%s", warning)
@@ -108,6 +111,15 @@ class Attached:
     def step(self) -> int:
         """The number of optimizer steps evaluated so far: the step the next update belongs to."""
         return self._cycle.step
+
+    @property
+    def generation(self) -> int:
+        """The policy generation these rules belong to: 0, or what a hot reload attached them as.
+
+        Ranks agree on a step's skip or halt only while they hold the same rules of the same
+        generation (see `agreement`); a reload protocol raises it with each swap.
+        """
+        return self._cycle.agreement.generation
 
     @property
     def plan(self) -> Plan:
