@@ -1,15 +1,17 @@
 """Guardrails on a real instability (issue 13): does a policy let a run survive a loss spike?
 
-    python bench/instability.py                      # the runs and a table (about 2-4 minutes on 2 cores)
+    python bench/instability.py                      # the runs and a table (11 runs of 37-53 s each on the shared 2-core machine: docs/guardrails.md)
     python bench/instability.py --out docs/instability.md
     python bench/instability.py train [--corrupt epoch|early]  # one run: the unmodified script the policies govern
+    hookpolicy apply policies/loss-spike-guard.yaml -- python bench/instability.py train --corrupt epoch --steps 100
+                                                     # the README's demo (seconds): exactly steps 80-87 skipped
     python bench/instability.py overhead             # what the history functions cost per step
 
 The bundled tiny GPT (`examples.charlm.TinyGPT`) learns a seeded random bigram language
 (a Markov chain over 24 symbols with peaked transition rows: a loss floor the model reaches in a few hundred steps,
 so a missing step costs little and damage shows). A corrupted shard comes round once per
 epoch of 100 steps: batches 80-87 of each epoch have scrambled targets (random labels),
-which sends the loss from about 1.7 to about 10 and the gradient norm up 5-10x; AdamW's
+which sends the loss from about 1.2-1.3 to about 5.4 and the gradient norm up 4-7x; AdamW's
 second moments remember that for hundreds of steps.
 
 A second corruption, `early`, scrambles single batches and a run of three at steps 20, 21,

@@ -306,7 +306,7 @@ def test_the_readme_example_command_runs_and_serves_metrics(free_port: int) -> N
     """The README's main-job command as written, on a free port and for 3 steps instead of 200."""
     example, _ = readme_commands()
     apply = example.split(" && ")[-1]
-    assert re.search(r"--metrics-port 9400 .*--steps 200$", apply), apply
+    assert re.search(r"--metrics-port 9400 .*--steps 200 --sleep 0.05$", apply), apply
     argv = apply.replace("--metrics-port 9400", f"--metrics-port {free_port}").replace("--steps 200", "--steps 3").split()
     assert argv[:2] == ["hookpolicy", "apply"] and argv[argv.index("--") + 1] == "python"
     argv[0:1] = [sys.executable, "-m", "hookpolicy"]

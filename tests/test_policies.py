@@ -7,6 +7,7 @@ patterns are tested against the names they are written for.
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import math
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from prometheus_client import CollectorRegistry
 
 import hookpolicy
-from helpers.outputs import metric
+from helpers.outputs import json_lines, metric
 
 from helpers.models import batch, lora, make_model, train_step, train_then_evaluate
 from helpers.references import ZClipReference, agc_reference
@@ -33,7 +34,7 @@ SCHEMA_LINE = "# yaml-language-server: $schema=../schemas/hookpolicy-v1.schema.j
 EXPECTED = {
     "nan-guard.yaml", "clip-per-layer.yaml", "clip-global.yaml", "gradient-monitor.yaml",
     "activation-sparsity.yaml", "feature-extraction.yaml", "explosion-guard.yaml", "freeze-embeddings.yaml",
-    "lora-gradient-health.yaml", "loss-spike-guard.yaml", "zclip.yaml", "agc.yaml",
+    "lora-gradient-health.yaml", "loss-spike-guard.yaml", "zclip.yaml", "agc.yaml", "observe.yaml",
 }
 #: policies that bind only a PEFT adapter: run on the model with LoRA on c_attn (tests/test_peft.py
 #: checks their effects on a real GPT-2 fine-tune)
@@ -686,3 +687,50 @@ def test_agc_equals_the_nfnets_equations_except_the_head(workdir: Path) -> None:
             twin_opt.zero_grad()
     clipped = [s.value for m in reg.collect() for s in m.samples if s.name == "hookpolicy_clipped_total"]
     assert sum(clipped) == total
+
+
+def test_observe_logs_what_its_header_says(workdir: Path) -> None:
+    """observe.yaml: the loss every step, each Linear's gradient l2 norm (weight and bias) every
+    step, output rms and zero fraction every 10th step, all in runs/observe.jsonl; nothing changed."""
+    import examples.charlm
+
+    model = examples.charlm.build_model()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [m.register_forward_hook(lambda mod, a, out, n=n: outputs.__setitem__(n, out.detach().clone()))
+               for n, m in linears.items()]
+    losses, norms, activations = [], [], {}
+    data = examples.charlm.encode()
+    with load("observe.yaml").attach(model, rank=0):
+        for step in range(12):
+            x, y = examples.charlm.batch(data, torch.arange(step, step + 64, 8), 32)
+            for m, o in ((model, opt), (reference, ref_opt)):
+                loss = m(x, y)[1]
+                o.zero_grad(set_to_none=True)
+                loss.backward()
+                if m is model:
+                    losses.append(loss.item())
+                    norms.append({n: torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in mod.parameters(
+                        recurse=False)])).item() for n, mod in linears.items()})
+                    if step % 10 == 0:
+                        activations[step] = {n: (o_.pow(2).mean().sqrt().item(), (o_ == 0).float().mean().item())
+                                             for n, o_ in outputs.items()}
+                o.step()
+    for h in handles:
+        h.remove()
+    records = json_lines(workdir / "runs" / "observe.jsonl")
+    by = collections.defaultdict(dict)
+    for r in records:
+        by[r["rule"]][(r["step"], r["module"])] = r["stats"]
+    assert {s: v["mean"] for (s, _), v in by["loss"].items()} == pytest.approx(dict(enumerate(losses)), rel=1e-6)
+    assert set(by["grad-norms"]) == {(s, n) for s in range(12) for n in linears}
+    for (s, n), v in by["grad-norms"].items():
+        assert v["l2_norm"] == pytest.approx(norms[s][n], rel=1e-5)
+    assert {s for s, _ in by["layer-outputs"]} == {0, 10}
+    for (s, n), v in by["layer-outputs"].items():
+        assert (v["rms"], v["zero_fraction"]) == pytest.approx(activations[s][n], rel=1e-5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)  # it only watches

@@ -1,0 +1,251 @@
+"""The README is a test: every shell command and code block in it (and in the docs' quick
+starts) runs as written, in a copy of the checkout, with the interpreter under test.
+
+The installs are not re-run: they are checked against `.ci/run`, which runs them. The
+benchmarks (their README comment says how many minutes they take) are not run either:
+their options are checked against the script's own `--help`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+#: file -> the heading its quick start ends at (docs/guardrails.md has its one command in the README)
+QUICK_STARTS = {"README.md": None, "docs/operations.md": "## 3. "}
+
+
+@dataclass(frozen=True)
+class Block:
+    """A code block of a Markdown file: its language ("" for an indented block) and text."""
+
+    file: str
+    line: int
+    lang: str
+    text: str
+
+
+def blocks(name: str) -> Iterator[Block]:
+    """The fenced blocks and the indented (4-space, after a blank line) blocks of a Markdown
+    file's quick start (the whole README)."""
+    text = (REPO / name).read_text("utf-8")
+    end = QUICK_STARTS.get(name)
+    lines = (text.split("\n" + end, 1)[0] if end else text).splitlines()
+    fence: list[str] = []
+    lang, start, blank, indented = None, 0, True, []
+    for number, line in enumerate(lines, 1):
+        if lang is not None:
+            if line.startswith("```"):
+                yield Block(name, start, lang, "\n".join(fence) + "\n")
+                lang, fence = None, []
+            else:
+                fence.append(line)
+            continue
+        if line.startswith("```"):
+            lang, start = line[3:].strip() or "text", number  # an untagged fence: a synopsis, not a command
+            continue
+        if line.startswith("    ") and (blank or indented):
+            indented.append(line[4:])
+            start = start if len(indented) > 1 else number
+        elif indented:
+            yield Block(name, start, "", "\n".join(indented) + "\n")
+            indented = []
+        blank = line.strip() == ""
+
+
+def commands(name: str) -> list[tuple[Block, str]]:
+    """Each shell command of a file: the lines of its indented and `sh` blocks (comments cut,
+    a trailing backslash joined), with the block it is in."""
+    out = []
+    for block in blocks(name):
+        if block.lang not in ("", "sh"):
+            continue
+        for line in block.text.replace("\\\n", " ").splitlines():
+            command = re.sub(r"\s+#.*$", "", line).strip()
+            if command and not command.startswith("#"):
+                out.append((block, command))
+    return out
+
+
+def is_install(command: str) -> bool:
+    return command.startswith(("pip install", "apt-get"))
+
+
+def is_bench(block: Block, command: str) -> bool:
+    """A benchmark: its comment in the block says it takes minutes."""
+    line = next(line for line in block.text.splitlines() if line.strip().startswith(command.split()[0]) and
+                command.split()[1] in line)
+    return command.startswith("python bench/") and "minute" in line
+
+
+def ci_script() -> str:
+    return (REPO / ".ci" / "run").read_text("utf-8")
+
+
+# -- what is not run: checked against what runs it ----------------------------------------
+
+
+def test_the_installs_are_the_ones_ci_runs() -> None:
+    """The README's system packages are the ones .ci/run installs, its test command is
+    .ci/run's, and the example's install is the same pinned torch without the test extra."""
+    readme = [command for _, command in commands("README.md") if is_install(command.split(" && ")[0])]
+    (apt,) = [c for c in readme if c.startswith("apt-get")]
+    assert apt == "apt-get update && apt-get install -y prometheus chromium"
+    ci_apt = re.findall(r"apt-get install -y -q ([\w .-]+)", ci_script())
+    assert ci_apt and {p for line in ci_apt for p in line.split()} == set(apt.split("-y ")[1].split())
+    tests = "pip install torch==2.13.0 && pip install torch==2.13.0 -e '.[test]' && python -m pytest"
+    assert tests in readme and tests in [line.strip() for line in ci_script().splitlines()]
+    example = [c for c in readme if "hookpolicy apply" in c]
+    assert example and all(c.startswith("pip install torch==2.13.0 && pip install -e . && hookpolicy apply ")
+                           for c in example)
+    # `pip install 'hookpolicy[report]'`: the extra exists, and the test extra (what CI has) holds it
+    assert "pip install 'hookpolicy[report]'" in readme
+    pyproject = (REPO / "pyproject.toml").read_text("utf-8")
+    assert re.search(r'^report = \["matplotlib', pyproject, re.M)
+    test_extra = pyproject.split("\ntest = [", 1)[1].split("]", 1)[0]
+    assert "matplotlib" in test_extra
+
+
+@pytest.mark.parametrize("name", QUICK_STARTS)
+def test_every_bench_command_names_options_its_script_has(name: str) -> None:
+    benches = [c for block, c in commands(name) if is_bench(block, c)]
+    for command in benches:
+        argv = shlex.split(command)
+        done = subprocess.run([sys.executable, argv[1], "--help"], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        for word in argv[2:]:
+            if word.startswith("--"):
+                assert word in done.stdout, f"{command}: {word} is not an option of {argv[1]}"
+
+
+# -- what is run: a copy of the checkout, the commands as written --------------------------
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the checkout without git and caches; `python` and `hookpolicy` on PATH are the
+    interpreter under test and its copy of hookpolicy."""
+    root = tmp_path_factory.mktemp("readme")
+    copy = root / "checkout"
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".mypy_cache",
+                                                              ".pytest_cache", ".hypothesis", "runs"))
+    shims = root / "bin"
+    shims.mkdir()
+    (shims / "python").symlink_to(sys.executable)
+    (shims / "hookpolicy").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m hookpolicy "$@"\n')
+    (shims / "hookpolicy").chmod(0o755)
+    return copy
+
+
+def environment(checkout: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKPOLICY_")}
+    env["PATH"] = f"{checkout.parent / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(checkout)
+    return env
+
+
+def listing(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if "__pycache__" not in p.parts}
+
+
+def run(checkout: Path, command: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """One command of the README through bash, in the copy; what it leaves must be in .gitignore's runs/."""
+    before = listing(checkout)
+    done = subprocess.run(["bash", "-c", command], cwd=checkout, env=environment(checkout), capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    left = {p for p in listing(checkout) - before if not p.startswith("runs")}
+    assert not left, f"{command!r} left {sorted(left)} in the checkout"
+    return done
+
+
+def runnable(name: str) -> list[str]:
+    """The commands of a file that the doc-test runs: all but installs and benchmarks; of a
+    command that installs first, the part after the installs."""
+    out = []
+    for block, command in commands(name):
+        parts = command.split(" && ")
+        while parts and is_install(parts[0]):
+            parts.pop(0)
+        if parts and parts != ["python -m pytest"] and not is_bench(block, command):  # not the suite itself
+            out.append(" && ".join(parts))
+    return list(dict.fromkeys(out))
+
+
+def test_the_doc_test_sees_every_command() -> None:
+    """The parser finds the README's commands (a changed layout must not make this test vacuous)."""
+    found = runnable("README.md")
+    assert "hookpolicy apply policies/loss-spike-guard.yaml -- python bench/instability.py train --corrupt epoch --steps 100" in found
+    assert any(c.startswith("hookpolicy report ") for c in found)
+    assert len(found) >= 5, found
+    assert "hookpolicy explain policies/gradient-monitor.yaml --model examples.charlm:build_model" in runnable(
+        "docs/operations.md")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", QUICK_STARTS)
+def test_every_command_runs_as_written(name: str, checkout: Path) -> None:
+    shutil.rmtree(checkout / "runs", ignore_errors=True)
+    for command in runnable(name):
+        done = run(checkout, command)
+        assert done.returncode == 0, f"{name}: {command}\n{done.stderr[-3000:]}"
+        check_output(command, done, checkout)
+
+
+def check_output(command: str, done: subprocess.CompletedProcess[str], checkout: Path) -> None:
+    """What the README says a newcomer sees, for the commands it describes."""
+    if "bench/instability.py train --corrupt epoch --steps 100" in command:
+        alerts = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+        skipped = [a["step"] for a in alerts if a.get("outcome") == "step skipped"]
+        assert skipped == list(range(80, 88)), done.stderr[-2000:]
+        quoted = (REPO / "README.md").read_text("utf-8").split("a message such as `", 1)[1].split("`", 1)[0]
+        assert " ".join(quoted.split()) in [a["message"] for a in alerts]
+        steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"step"')]
+        assert len(steps) == 100
+        assert [s["step"] for s in steps if not s["updated"]] == list(range(80, 88))
+        jumps = [s["loss"] for s in steps if s["corrupt"]], [s["loss"] for s in steps[60:80]]
+        assert 4.5 < min(jumps[0]) and max(jumps[1]) < 1.6  # "from about 1.2-1.3 to about 5.4"
+    if command.startswith("hookpolicy apply policies/observe.yaml"):
+        assert (checkout / "runs" / "observe.jsonl").is_file()
+    if command.startswith("hookpolicy report "):
+        assert (checkout / "runs" / "report.html").is_file()
+        assert any((checkout / "runs" / "figures").glob("*.png"))
+    if "--metrics-port 9400" in command:
+        assert "governing Sequential" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_python_blocks_run_as_written(checkout: Path) -> None:
+    python = [b for b in blocks("README.md") if b.lang == "python"]
+    assert python
+    for block in python:
+        done = run(checkout, f"python -c {shlex.quote(block.text)}")
+        assert done.returncode == 0, f"README.md:{block.line}: {done.stderr[-3000:]}"
+        printed = done.stdout.splitlines()
+        assert "None" not in printed, f"README.md:{block.line} printed None:\n{done.stdout}"
+        if "hookpolicy_steps_total" in block.text:
+            said = re.search(r'"hookpolicy_steps_total".*# (\S+)$', block.text, re.M)
+            assert said and printed[0] == said.group(1) == "20"  # the 20 steps, as the comment says
+            assert float(printed[-1]) > 0  # the last gradient norm of layer 4
+
+
+@pytest.mark.slow
+def test_the_readme_policy_checks_and_runs(checkout: Path) -> None:
+    (policy,) = [b for b in blocks("README.md") if b.lang == "yaml" and "kind: HookPolicy" in b.text]
+    (checkout / "runs").mkdir(exist_ok=True)
+    (checkout / "runs" / "readme-policy.yaml").write_text(policy.text)
+    done = run(checkout, "hookpolicy check runs/readme-policy.yaml "
+                         "&& hookpolicy apply --strict runs/readme-policy.yaml -- python -m examples.charlm --steps 20")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (checkout / "runs" / "activations.jsonl").is_file()
