@@ -95,6 +95,49 @@ def test_adaptive_max_norm_reproduces_zclip_step_by_step(tmp_path: Path, audit: 
     assert min(clipped_steps) >= 25  # not during the warm-up
 
 
+@pytest.mark.parametrize("spike_at", [4, 5], ids=["on-the-last-warm-up-step", "on-the-first-step-after"])
+def test_an_adaptive_clip_acts_from_the_first_step_after_its_warmup(tmp_path: Path, spike_at: int) -> None:
+    """`warmup: 5` and `max_norm: 2 * max(norm, 5)`: a spike at step 4 (the last evaluation of the
+    warm-up, 4 norms of past) passes untouched; one at step 5 (the first with 5 norms of past)
+    is clipped as `clip_grad_norm_` clips the same gradients to twice the largest of the 5
+    norms before it (each the norm the optimizer used: a clipped step enters at its threshold)."""
+    policy = load_policy(tmp_path, """
+        - name: adaptive
+          match: {modules: ["**"]}
+          trigger: {at: step}
+          actions: [{clip: {max_norm: "2 * max(norm, 5)", warmup: 5, per: rule}}]
+    """)
+    model, shadow = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    shadow_opt = torch.optim.SGD(shadow.parameters(), lr=0.05)
+    seen: list[list[torch.Tensor]] = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.append([p.grad.clone() for p in model.parameters()]))
+    reg = CollectorRegistry()
+    norms: list[float] = []
+    clipped_steps: list[int] = []
+    with policy.attach(model, registry=reg, rank=0):
+        for step in range(8):
+            for m in (model, shadow):
+                x, y = _batch(step)
+                (nn.functional.mse_loss(m(x), y) * (50.0 if step == spike_at else 1.0)).backward()
+            norm = torch.nn.utils.get_total_norm([p.grad for p in shadow.parameters()]).item()
+            if len(norms) >= 5 and norm > 2 * max(norms[-5:]):
+                threshold = 2 * max(norms[-5:])
+                torch.nn.utils.clip_grad_norm_(shadow.parameters(), threshold)
+                clipped_steps.append(step)
+                norm = threshold
+            norms.append(norm)
+            opt.step()
+            for got, want in zip(seen[-1], [p.grad for p in shadow.parameters()]):
+                torch.testing.assert_close(got, want, msg=f"step {step}")
+            shadow_opt.step()
+            opt.zero_grad()
+            shadow_opt.zero_grad()
+    assert clipped_steps == ([5] if spike_at == 5 else [])
+    assert (metric(reg, "hookpolicy_clipped_total", {"rule": "adaptive", "module": "", "mode": "enforce"}) or 0.0) \
+        == len(clipped_steps)
+
+
 def test_a_fixed_max_norm_counts_its_clips_per_group(tmp_path: Path) -> None:
     """per: tensor: one count per tensor whose norm was over max_norm, against vector_norm."""
     policy = load_policy(tmp_path, """
@@ -266,6 +309,51 @@ def test_warmup_holds_an_alert_back_until_its_series_has_n_values(tmp_path: Path
             model(torch.ones(2, 3)).sum().backward()
             torch.optim.SGD(model.parameters(), lr=0.0).step()
     assert [r["step"] for r in _alerts(capsys.readouterr().err)] == [4, 5, 6]
+
+
+#: two windows on one series: the ring keeps 8 values, the window of 3 reads the last 3 of them
+WINDOWS = """
+- name: windows
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  target: input
+  actions:
+    - alert:
+        if: "numel > 0"
+        severity: info
+        message: "{mean(mean, 3):.17g}|{std(mean, 3):.17g}|{min(mean, 3):.17g}|{max(mean, 3):.17g}|{median(mean, 3):.17g}|{mad(mean, 3):.17g}|{zscore(mean, 3):.17g}|{mean(mean, 8):.17g}|{min(mean, 8):.17g}"
+"""
+
+
+def test_a_window_shorter_than_the_series_reads_its_last_values(
+    tmp_path: Path, out: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """mean, std, min, max, median, mad and zscore over 3 next to mean and min over 8 of one
+    series, fed 30 values (the ring of 8 wraps three times), against `statistics` over the
+    last 3 and the last 8 values fed before each evaluation."""
+    policy = load_policy(tmp_path, WINDOWS)
+    model = nn.Sequential(nn.Linear(1, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    fed = [float(torch.tensor((7 * i) % 11 + 0.1 * i, dtype=torch.float32)) for i in range(30)]
+    with policy.attach(model, rank=0):
+        for v in fed:
+            model(torch.full((1, 1), v)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    shown = [r["message"] for r in _alerts(capsys.readouterr().err) if r["rule"] == "windows"]
+    assert len(shown) == len(fed)
+    for step, (message, x) in enumerate(zip(shown, fed)):
+        got = [float(part) for part in message.split("|")]
+        if step == 0:
+            assert all(math.isnan(g) for g in got)
+            continue
+        last3, last8 = fed[max(step - 3, 0):step], fed[max(step - 8, 0):step]
+        median = statistics.median(last3)
+        want = [statistics.fmean(last3), statistics.pstdev(last3), min(last3), max(last3), median,
+                statistics.median([abs(v - median) for v in last3]),
+                _ieee_divide(x - statistics.fmean(last3), statistics.pstdev(last3)),
+                statistics.fmean(last8), min(last8)]
+        assert got == pytest.approx(want, rel=1e-12, abs=1e-12, nan_ok=True), step
 
 
 # --------------------------------------------------------------------------- reload
