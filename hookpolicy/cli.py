@@ -331,7 +331,9 @@ def export() -> None:
 @click.argument("policies", nargs=-1, metavar="POLICY...")
 def export_prometheus_rules(policies: tuple[str, ...]) -> None:
     """Prometheus alerting rules for the policies' alerts (promtool check rules passes)."""
-    text = _export_module("rules").prometheus_rules(_load(_sources(policies)))
+    from .export.rules import prometheus_rules
+
+    text = prometheus_rules(_load(_sources(policies)))
     click.echo(text, nl=not text.endswith("\n"))
 
 
@@ -339,7 +341,9 @@ def export_prometheus_rules(policies: tuple[str, ...]) -> None:
 @click.argument("policies", nargs=-1, metavar="POLICY...")
 def export_grafana(policies: tuple[str, ...]) -> None:
     """A Grafana dashboard (JSON) for the policies' metrics."""
-    text = _export_module("grafana").grafana_dashboard(_load(_sources(policies)))
+    from .export.grafana import grafana_dashboard
+
+    text = grafana_dashboard(_load(_sources(policies)))
     click.echo(text, nl=not text.endswith("\n"))
 
 
@@ -369,13 +373,6 @@ def report(logs: tuple[str, ...], output: str, png_dir: Optional[str]) -> None:
     skipped = f", {records.ignored} other line(s) skipped" if records.ignored else ""
     click.echo(f"{output}: {len(figures)} figure(s), {len(records.rules)} rule(s) from "
                f"{len(records.files)} file(s){skipped}")
-
-
-def _export_module(name: str) -> Any:
-    try:
-        return importlib.import_module(f"hookpolicy.export.{name}")
-    except ImportError as exc:
-        raise click.ClickException(f"the exporters are not available in this installation ({exc})") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> NoReturn:

@@ -37,7 +37,7 @@ from helpers.processes import (
 from hookpolicy.apply.discovery import Discovery
 from hookpolicy.apply.reload import Reloader
 from hookpolicy.environment import ChildConfig
-from hookpolicy.export.metrics import RELOAD_GAUGE
+from hookpolicy.export.metrics import RELOAD_SUCCESSFUL
 from hookpolicy.export.exporter import RENDER_INTERVAL
 from hookpolicy.apply.launch import BOOTSTRAP_DIR
 from helpers.child_scripts import HOOK_REPORT
@@ -614,7 +614,7 @@ def test_a_failed_reload_reads_0_until_a_valid_one_even_across_attaches(
     reloader = Reloader(ChildConfig(sources=(str(policy),)), discovery.swaps, registry=discovery.registry)
 
     def gauge() -> Optional[float]:
-        return metric(discovery.registry, RELOAD_GAUGE, {"rank": "0"})
+        return metric(discovery.registry, RELOAD_SUCCESSFUL.name, {"rank": "0"})
 
     model = tiny(out=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -640,7 +640,7 @@ def test_only_the_metrics_store_spells_the_reload_gauge() -> None:
         if path.name == "metrics.py":
             continue
         strings = {n.value for n in ast.walk(ast.parse(path.read_text("utf-8"))) if isinstance(n, ast.Constant)}
-        assert RELOAD_GAUGE not in strings, path
+        assert RELOAD_SUCCESSFUL.name not in strings, path
 
 
 GLOB_NOTHING = """\

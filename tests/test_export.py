@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 import hookpolicy
 from hookpolicy.export.rules import exported_families, prometheus_rules
 from hookpolicy.export.grafana import grafana_dashboard
-from hookpolicy.export.metrics import ENGINE_FAMILIES, FAMILIES
+from hookpolicy.export.metrics import FAMILIES
 from hookpolicy.policy.model import Alert, Capture, Policy
 from helpers.models import lora, make_model, train_step
 
@@ -72,7 +72,7 @@ def really_exported(policies: list[Policy], tmp_path: Path, monkeypatch: pytest.
             for i in range(2):
                 train_step(model, opt, i)
             names |= {s.name for m in reg.collect() for s in m.samples}
-    engine = {f"{n}_total" if kind == "counter" else n for n, (kind, _, _) in ENGINE_FAMILIES.items()}
+    engine = {f"{f.name}_total" if f.kind == "counter" else f.name for f in FAMILIES}
     return names | engine
 
 

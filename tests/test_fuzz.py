@@ -36,7 +36,7 @@ import hookpolicy
 from hookpolicy import Halt, PolicyError, PolicySet, Problem
 from hookpolicy.policy import patterns
 from hookpolicy.policy.linear import compile_linear
-from hookpolicy.policy.loader import MAX_BYTES, MAX_DEPTH
+from hookpolicy.policy.loader import MAX_BYTES, MAX_NESTING
 from hookpolicy.policy.model import STATS
 
 from helpers.hooks import global_hook_counts, module_hook_count
@@ -333,7 +333,7 @@ def mutated_data(draw: st.DrawFn) -> Any:
         elif kind == "unicode":
             parent[last] = draw(UNICODE)
         elif kind == "deep":
-            depth = draw(st.integers(min_value=MAX_DEPTH - 8, max_value=MAX_DEPTH + 16))
+            depth = draw(st.integers(min_value=MAX_NESTING - 8, max_value=MAX_NESTING + 16))
             parent[last] = nested(depth, parent[last], draw(st.sampled_from(["list", "dict"])))
         elif kind == "add" and isinstance(parent, dict):
             parent[draw(KEY)] = draw(VALUE)

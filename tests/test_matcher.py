@@ -17,7 +17,6 @@ from hookpolicy.plan.matcher import (
     Matcher,
     ModuleEntry,
     iter_modules,
-    select,
     type_matches,
 )
 from hookpolicy.policy.model import Match
@@ -75,6 +74,11 @@ def block(model: TinyGPT, i: int) -> Block:
 @pytest.fixture
 def model() -> TinyGPT:
     return TinyGPT()
+
+
+def select(model: Any, match: Match) -> list[ModuleEntry]:
+    """The modules of `model` that `match` selects, as the planner selects them."""
+    return Matcher(match).select(iter_modules(model))
 
 
 def names(model: Any, **match: Any) -> list[str]:

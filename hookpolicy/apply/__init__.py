@@ -6,7 +6,3 @@ once it imports torch; `discovery` finds the models the script trains and attach
 policies to them; `reload` re-reads the policies and swaps them in between steps. What
 `apply` tells its children travels in the environment (`hookpolicy.environment`).
 """
-
-from ..say import say
-
-__all__ = ["say"]

@@ -47,7 +47,7 @@ from ..errors import Halt, PolicyError
 from ..process import Once
 from ..engine import heap, module_hooks, optimizer_hooks
 from ..engine.runtime import Attached
-from . import say
+from ..say import say
 from .reload import Governed, Swaps
 
 __all__ = ["Discovery"]

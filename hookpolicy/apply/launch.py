@@ -31,7 +31,7 @@ from types import FrameType
 from typing import Mapping, Optional, Sequence
 
 from ..environment import DEFAULT_METRICS_ADDR, apply_variables
-from . import say
+from ..say import say
 
 __all__ = ["BOOTSTRAP_DIR", "HALT_STATUS", "Launch", "child_environment", "resolve_command", "run"]
 

@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 from ..export.exporter import Exporter
 from ..process import start_thread
-from . import say
+from ..say import say
 
 __all__ = ["UNWIND_GRACE", "ORPHAN_POLL", "end_if_stuck", "unwinding", "release_when_orphaned"]
 

@@ -41,8 +41,8 @@ from ..export.metrics import store_for
 from ..policy.loader import MAX_BYTES
 from ..policy.sources import expand_sources
 from ..process import start_thread
+from ..say import say
 from .validate import load_elsewhere
-from . import say
 
 __all__ = ["Governed", "Swaps", "Reloader", "fingerprint"]
 

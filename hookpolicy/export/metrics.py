@@ -33,8 +33,8 @@ from ..policy.model import STATS, TARGETS, Policy
 from ..process import Once
 
 __all__ = [
-    "ACTIONS", "ALERTS", "ALERT_FIRING", "CLIPPED", "ENGINE_FAMILIES", "FAMILIES", "Family", "HOOK_ERRORS", "HOOK_SECONDS",
-    "LAST_STEP_TIMESTAMP", "POLICY_INFO", "RELOAD_GAUGE", "RELOAD_SUCCESSFUL", "SERIES_DROPPED", "SKIPPED_STEPS", "STAT_LABELS",
+    "ACTIONS", "ALERTS", "ALERT_FIRING", "CLIPPED", "FAMILIES", "Family", "HOOK_ERRORS", "HOOK_SECONDS",
+    "LAST_STEP_TIMESTAMP", "POLICY_INFO", "RELOAD_SUCCESSFUL", "SERIES_DROPPED", "SKIPPED_STEPS", "STAT_LABELS",
     "STEPS", "Labels", "MODEL_FAMILIES", "MetricsStore", "ModelMetrics", "StoreCollector", "split_family", "stat_family",
     "store_for",
 ]
@@ -110,16 +110,10 @@ FAMILIES: tuple[Family, ...] = (
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 
-#: name (without `_total` for counters) -> (type, help, label names besides `rank`)
-ENGINE_FAMILIES: dict[str, tuple[str, str, Labels]] = {f.name: (f.kind, f.help, f.labels) for f in FAMILIES}
-
 STAT_LABELS: Labels = ("policy", "rule", "module", "tensor", "model")
 
 #: The engine families whose series belong to one governed model (their last label is `model`).
 MODEL_FAMILIES = frozenset(f for f in FAMILIES if f.labels[-1:] == ("model",))
-
-#: The name of `RELOAD_SUCCESSFUL`, written only by `MetricsStore.config_loaded`.
-RELOAD_GAUGE = RELOAD_SUCCESSFUL.name
 
 
 def stat_family(target: str, stat: str) -> str:
@@ -185,13 +179,13 @@ class MetricsStore:
             self._engine[name][labels] = value
 
     def config_loaded(self, ok: Optional[bool] = None) -> None:
-        """Write RELOAD_GAUGE, and nothing else does: `ok` is a (re)load's outcome.
+        """Write RELOAD_SUCCESSFUL, and nothing else does: `ok` is a (re)load's outcome.
 
         An attach calls it with None: the gauge then reads 1 (its policies did load)
         unless a reload has already reported an outcome, which an attach never hides.
         """
         with self._lock:
-            series = self._engine[RELOAD_GAUGE]
+            series = self._engine[RELOAD_SUCCESSFUL.name]
             if ok is not None or () not in series:
                 series[()] = 0.0 if ok is False else 1.0
 

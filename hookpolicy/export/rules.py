@@ -2,7 +2,7 @@
 
 A pure function of the typed policies (no model, no torch): the metric families a policy
 exports are known from its rules alone, `hookpolicy_<target>_<stat>` for every statistic
-a `capture` action names, plus the engine families of `hookpolicy.metrics.ENGINE_FAMILIES`.
+a `capture` action names, plus the engine families of `hookpolicy.export.metrics.FAMILIES`.
 `exported_families` lists them, and everything generated here and in `hookpolicy.grafana`
 names only those.
 
@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from .metrics import ENGINE_FAMILIES, stat_family
+from .metrics import FAMILIES, stat_family
 from ..policy.model import Alert, Capture, Policy, Rule
 
 __all__ = [
@@ -79,10 +79,7 @@ def exported_families(policies: Sequence[Policy]) -> dict[str, str]:
 
     Counters carry their `_total` suffix, as a scrape shows them.
     """
-    families = {
-        (f"{name}_total" if kind == "counter" else name): kind
-        for name, (kind, _, _) in ENGINE_FAMILIES.items()
-    }
+    families = {(f"{f.name}_total" if f.kind == "counter" else f.name): f.kind for f in FAMILIES}
     families.update((name, "gauge") for name in stat_families(policies))
     return families
 

@@ -27,7 +27,7 @@ from ..policy.patterns import NamePattern, compile_glob
 from .adapters import ADAPTER_ROLES, TunerLayer, tuner_layer
 
 __all__ = [
-    "WRAPPER_SEGMENTS", "ModuleEntry", "iter_modules", "model_class", "type_matches", "Matcher", "Target", "select",
+    "WRAPPER_SEGMENTS", "ModuleEntry", "iter_modules", "model_class", "type_matches", "Matcher", "Target",
 ]
 
 #: wrapper attribute -> the parent class names under which it is removed (None: always).
@@ -211,6 +211,10 @@ class Matcher:
             return False
         return is_root or not self.match.root
 
+    def select(self, entries: list[ModuleEntry]) -> list[ModuleEntry]:
+        """The entries of `iter_modules(model)` this rule selects, in model order (the root is named "")."""
+        return [e for e in entries if self.matches(e.name, e.typed, e.name == "")]
+
     def param_names(self, module: Any) -> list[str]:
         """The module's own parameter names that `params` selects (all when it is empty)."""
         return [n for n, _ in self._select_params([(n, n) for n, _ in module.named_parameters(recurse=False)])]
@@ -259,10 +263,3 @@ class Target(NamedTuple):
 def _any_fullmatch(patterns: tuple[NamePattern, ...], name: str) -> bool:
     return any(p.fullmatch(name) is not None for p in patterns)
 
-
-def select(model: Any, match: Match) -> list[ModuleEntry]:
-    """The modules of `model` that `match` selects, in model order."""
-    matcher = Matcher(match)
-    entries = iter_modules(model)
-    root = entries[0]
-    return [e for e in entries if matcher.matches(e.name, e.typed, e is root)]

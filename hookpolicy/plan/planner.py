@@ -164,7 +164,7 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
 
     for *_, policy, rule in ordered:
         matcher = Matcher(rule.match)
-        found = [e for e in entries if matcher.matches(e.name, e.typed, e.name == "")]
+        found = matcher.select(entries)
         where = f"{policy.name}/{rule.name}"
         if rule.target == LOSS:  # the model's loss: the rule binds the model (its root) or nothing
             root = next((e for e in found if e.name == ""), None)

@@ -43,12 +43,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 __all__ = [
-    "Arith", "Call", "Compare", "Condition", "ExprError", "FUNCTIONS", "Junction", "MAD_SCALE", "MAX_DEPTH",
+    "Arith", "Call", "Compare", "Condition", "ExprError", "FUNCTIONS", "Junction", "MAD_SCALE", "MAX_EXPR_NESTING",
     "MAX_WINDOW", "Name", "Neg", "Num", "NO_PAST", "Past", "STATS", "Template", "Value", "names_with", "parse",
     "parse_value",
 ]
 
-MAX_DEPTH = 32
+#: An expression nested deeper than this many parentheses or signs is refused (the parser recurses).
+MAX_EXPR_NESTING = 32
 #: The largest window a function may name: each series keeps at most this many floats.
 MAX_WINDOW = 10000
 
@@ -519,8 +520,8 @@ class _Depth:
 
     def __enter__(self) -> None:
         self.parser.depth += 1
-        if self.parser.depth > MAX_DEPTH:
-            raise ExprError(f"nested deeper than {MAX_DEPTH} parentheses or signs", self.offset)
+        if self.parser.depth > MAX_EXPR_NESTING:
+            raise ExprError(f"nested deeper than {MAX_EXPR_NESTING} parentheses or signs", self.offset)
 
     def __exit__(self, *exc: object) -> None:
         self.parser.depth -= 1

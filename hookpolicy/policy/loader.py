@@ -38,12 +38,12 @@ from yaml.scanner import Scanner
 from ..errors import PolicyError, Problem
 from .document import Document, JsonPath, Position, json_path
 
-__all__ = ["MAX_BYTES", "MAX_DEPTH", "Source", "read_document", "parse_document"]
+__all__ = ["MAX_BYTES", "MAX_NESTING", "Source", "read_document", "parse_document"]
 
 #: A policy file larger than this is refused before it is parsed.
 MAX_BYTES = 1 << 20
-#: Collections nested deeper than this are refused while composing.
-MAX_DEPTH = 64
+#: Collections (mappings, lists) nested deeper than this are refused while composing.
+MAX_NESTING = 64
 #: After this many problems in one file the YAML layer stops looking for more.
 MAX_PROBLEMS = 100
 
@@ -180,12 +180,12 @@ class _StrictLoader(Reader, Scanner, Parser, Composer, SafeConstructor, Resolver
         return node
 
     def _enter(self, mark: Mark) -> None:
-        """Count one more level of nesting; refuse the level past MAX_DEPTH."""
+        """Count one more level of nesting; refuse the level past MAX_NESTING."""
         self._depth += 1
-        if self._depth > MAX_DEPTH:
+        if self._depth > MAX_NESTING:
             self.problems.append(Problem(
                 self.file, mark.line + 1, mark.column + 1, json_path(tuple(self.path)),
-                f"nested deeper than {MAX_DEPTH} levels; a policy needs no more than 8",
+                f"nested deeper than {MAX_NESTING} levels; a policy needs no more than 8",
             ))
             raise _Abort()
 

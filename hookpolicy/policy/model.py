@@ -16,7 +16,7 @@ from .expr import STATS, Call, Condition, Value
 
 __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "LOSS", "STATS", "Mode", "OnError", "HookPoint",
-    "Phase", "Per", "Adapters", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
+    "TriggerPhase", "Per", "Adapters", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
     "LogSink", "Board", "Clip", "Scale", "Alert", "Action", "Rule", "Policy",
 ]
 
@@ -26,7 +26,7 @@ KIND = "HookPolicy"
 Mode = Literal["enforce", "audit"]
 OnError = Literal["continue", "halt"]
 HookPoint = Literal["forward_pre", "forward", "backward", "step"]
-Phase = Literal["train", "eval", "any"]
+TriggerPhase = Literal["train", "eval", "any"]
 Per = Literal["tensor", "module", "rule"]
 Severity = Literal["info", "warning", "critical"]
 Then = Literal["log", "skip_step", "halt"]
@@ -66,7 +66,7 @@ class Trigger:
     every: int = 1
     steps_from: int = 0
     steps_until: Optional[int] = None
-    phase: Phase = "train"
+    phase: TriggerPhase = "train"
 
     def active_at(self, step: int) -> bool:
         """Whether the rule is evaluated on `step` (phase is checked by the hook itself)."""
