@@ -7,7 +7,8 @@ import math
 import pytest
 
 from hookpolicy.policy import build
-from hookpolicy.policy.build import build_policy, check_semantics
+from hookpolicy.policy.build import build_policy
+from hookpolicy.policy.checks import check_semantics
 from hookpolicy.errors import PolicyError, Problem
 from hookpolicy.policy.expr import parse
 from hookpolicy.policy.loader import parse_document

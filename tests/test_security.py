@@ -34,7 +34,7 @@ from hookpolicy.policy.expr import FUNCTIONS, STATS, Arith, Call, Compare, ExprE
 from hookpolicy.export.sinks import SinkError, TensorWriter, file_name, safe_path
 from hookpolicy.policy.linear import LinearPattern
 from hookpolicy.engine import readback
-from hookpolicy.policy.build import MAX_FIELD_WIDTH
+from hookpolicy.policy.messages import MAX_FIELD_WIDTH
 from hookpolicy.policy.model import Alert, TensorFiles
 from hookpolicy.policy.patterns import compile_glob
 

@@ -1,8 +1,8 @@
 """A policy file as plain data plus where every value came from: `Document`, `JsonPath`.
 
 Its own module so that every stage of the policy side can name a Document without
-importing the one that makes it: `loader` produces Documents, `schema` and `build`
-consume them, `sources` ties the two together; none of them imports another's callers.
+importing the one that makes it: `loader` produces Documents, `schema`, `checks` and
+`build` consume them, `sources` ties the two together; none of them imports another's callers.
 """
 
 from __future__ import annotations

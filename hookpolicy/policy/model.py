@@ -1,6 +1,6 @@
 """The typed policy model: what a validated policy file means, with no YAML or torch in it.
 
-Built by `hookpolicy.build` from a document that passed the schema and the semantic
+Built by `policy/build.py` from a document that passed the schema and the semantic
 checks, so every value here is already known to be valid. Everything is frozen: a
 policy, once loaded, never changes; a reload builds a new one.
 """
