@@ -1,7 +1,7 @@
 """Find the models a script trains and keep the policies attached to them.
 
 `Discovery` is what `hookpolicy apply` runs in every Python process of its COMMAND (set up
-by `hookpolicy.child.bootstrap`): it attaches the policies to each model the script
+by `hookpolicy.apply.child.bootstrap`): it attaches the policies to each model the script
 trains, without a line of the script changed:
 
 1. A module called through `__call__` while grad mode is on, that has parameters

@@ -3,7 +3,7 @@
 A pure function of the typed policies, like `hookpolicy.export`: datasource, job and rank
 template variables; one panel per captured statistic family with a series per module;
 panels for alerts, skipped steps, hook errors and the step rate. Every `expr` names a
-family of `hookpolicy.export.exported_families` (tests/test_export.py checks it against
+family of `hookpolicy.export.rules.exported_families` (tests/test_export.py checks it against
 a real run's scrape).
 """
 

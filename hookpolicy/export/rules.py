@@ -3,7 +3,7 @@
 A pure function of the typed policies (no model, no torch): the metric families a policy
 exports are known from its rules alone, `hookpolicy_<target>_<stat>` for every statistic
 a `capture` action names, plus the engine families of `hookpolicy.export.metrics.FAMILIES`.
-`exported_families` lists them, and everything generated here and in `hookpolicy.grafana`
+`exported_families` lists them, and everything generated here and in `hookpolicy.export.grafana`
 names only those.
 
 Mapping an alert's step count (`for: N`) to Prometheus

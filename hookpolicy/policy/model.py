@@ -48,7 +48,7 @@ LOSS = "loss"
 
 @dataclass(frozen=True)
 class Match:
-    """Which modules a rule selects; see `hookpolicy.matcher` for the pattern syntax."""
+    """Which modules a rule selects; see `plan/matcher.py` and `policy/patterns.py` for the pattern syntax."""
 
     modules: tuple[str, ...] = ()
     types: tuple[str, ...] = ()
