@@ -160,6 +160,11 @@ class Scopes:
         self._current.add(optimizer)
         self._groups[optimizer] = self._current
 
+    def used_up(self) -> None:
+        """A step without an optimizer (one per backward pass) was evaluated: every write so far is its."""
+        self._written.clear()
+        self._unseen.clear()
+
     def stepped(self, optimizer: Optimizer) -> None:
         """`optimizer` updated its parameters: what was written to them is used up."""
         ids = self.param_ids(optimizer)

@@ -161,6 +161,7 @@ class StepTracker:
             log.debug("step mode: %s", self.mode)
         if self.mode == "manual":
             self._evaluated_seq = self.backward_seq
+            self._scopes.used_up()
             return True
         return False
 
