@@ -7,7 +7,8 @@ Three parties set them:
 - `hookpolicy apply`, for every process of its COMMAND (`apply_variables` writes them,
   `ChildConfig.from_env` reads them back in the child): `HOOKPOLICY_BOOTSTRAP`,
   `HOOKPOLICY_POLICIES`, `HOOKPOLICY_AUDIT`, `HOOKPOLICY_STRICT`, `HOOKPOLICY_WATCH`,
-  `HOOKPOLICY_METRICS_PORT`, `HOOKPOLICY_METRICS_ADDR`, `HOOKPOLICY_RUN_DIR`;
+  `HOOKPOLICY_METRICS_PORT`, `HOOKPOLICY_METRICS_ADDR`, `HOOKPOLICY_RUN_DIR`; and, set by each
+  process of COMMAND that imports torch, for the processes it starts: `HOOKPOLICY_PARENT`;
 - the launcher (torchrun, Lightning, accelerate): `RANK` and `LOCAL_RANK`, read by the
   one rank rule here (`rank`), which both `attach` and the `apply` child use.
 
@@ -25,9 +26,9 @@ from typing import Mapping, Optional, Sequence
 
 __all__ = [
     "ENV_POLICY_DIRS", "ENV_OUTPUT_DIR", "ENV_WATCH_INTERVAL", "ENV_BOOTSTRAP", "ENV_POLICIES",
-    "ENV_AUDIT", "ENV_STRICT", "ENV_WATCH", "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_RUN_DIR", "ENV_RANK",
+    "ENV_AUDIT", "ENV_STRICT", "ENV_WATCH", "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_RUN_DIR", "ENV_PARENT", "ENV_RANK",
     "ENV_LOCAL_RANK", "DEFAULT_METRICS_ADDR", "ChildConfig", "apply_variables", "local_rank",
-    "output_dir", "policy_dirs", "rank",
+    "output_dir", "policy_dirs", "rank", "rank_identity",
 ]
 
 # -- set by you
@@ -56,6 +57,10 @@ ENV_METRICS_ADDR = "HOOKPOLICY_METRICS_ADDR"
 #: A folder private to one `apply` run: `halt` (the halt line), `reload` (bumped on
 #: SIGHUP), `governed-<pid>` (one per process that governs a model).
 ENV_RUN_DIR = "HOOKPOLICY_RUN_DIR"
+#: The rank (`rank_identity`) of the nearest process above that imported torch under
+#: `apply`: a process started by exec with the same rank is a helper, not governed.
+#: Remove it from a helper's environment to have that helper governed.
+ENV_PARENT = "HOOKPOLICY_PARENT"
 
 # -- set by the launcher
 #: The global rank: the `rank` label of every sample.
@@ -85,6 +90,11 @@ def rank(environ: Mapping[str, str]) -> int:
         if value is not None:
             return value
     return 0
+
+
+def rank_identity(environ: Mapping[str, str]) -> str:
+    """RANK/LOCAL_RANK as the launcher set them: a launcher gives each rank its own."""
+    return "/".join(environ.get(name, "") for name in (ENV_RANK, ENV_LOCAL_RANK))
 
 
 def local_rank(environ: Mapping[str, str]) -> int:

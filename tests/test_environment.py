@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,7 +50,9 @@ def test_local_rank_is_the_port_offset() -> None:
     assert ChildConfig.from_env({"RANK": "5", "LOCAL_RANK": "1"}).local_rank == 1
 
 
-@pytest.mark.parametrize("value, expected", [(None, 1.0), ("2.5", 2.5), ("soon", 1.0), ("0", 0.05)])
+@pytest.mark.parametrize("value, expected", [
+    (None, 1.0), ("2.5", 2.5), ("soon", 1.0), ("0", 0.05),
+])
 def test_watch_interval(value: str | None, expected: float) -> None:
     environ = {} if value is None else {"HOOKPOLICY_WATCH_INTERVAL": value}
     assert ChildConfig.from_env(environ).interval == expected
@@ -56,6 +60,7 @@ def test_watch_interval(value: str | None, expected: float) -> None:
 
 @pytest.mark.parametrize("launch", [
     Launch(sources=("/p/a.yaml", "/p/guardrails")),
+
     Launch(sources=("/p/a.yaml",), metrics_port=9400, metrics_addr="0.0.0.0", audit=True, watch=True),
 ])
 def test_what_apply_writes_the_child_reads_back(launch: Launch) -> None:
@@ -76,7 +81,23 @@ def test_the_bootstrap_spells_its_variable_as_the_contract_does() -> None:
         node.value for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("HOOKPOLICY_")
     }
-    assert literals == {environment.ENV_BOOTSTRAP}
+    assert literals == {environment.ENV_BOOTSTRAP, environment.ENV_PARENT}
+
+
+@pytest.mark.parametrize("environ", [{}, {"RANK": "1"}, {"LOCAL_RANK": "1"}, {"RANK": "3", "LOCAL_RANK": "1"}])
+def test_the_bootstrap_tells_a_rank_as_the_contract_does(environ: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    spec = importlib.util.spec_from_file_location("bootstrap_copy", Path(BOOTSTRAP_DIR, "sitecustomize.py"))
+    assert spec is not None and spec.loader is not None
+    bootstrap = importlib.util.module_from_spec(spec)
+    monkeypatch.delenv(environment.ENV_BOOTSTRAP, raising=False)  # loaded inert
+    monkeypatch.delitem(sys.modules, "sitecustomize", raising=False)  # put back after: it chains to any other
+    spec.loader.exec_module(bootstrap)
+    assert bootstrap._rank_identity() == environment.rank_identity(environ)
+    assert len({environment.rank_identity(e) for e in ({}, {"RANK": "1"}, {"LOCAL_RANK": "1"})}) == 3
 
 
 def test_no_other_module_spells_a_variable_name() -> None:

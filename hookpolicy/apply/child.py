@@ -1,7 +1,9 @@
-"""The child side of `hookpolicy apply`: what every Python process of COMMAND runs.
+"""The child side of `hookpolicy apply`: what every governed Python process of COMMAND runs.
 
-`bootstrap()` runs right after the process has imported torch (`_bootstrap/sitecustomize.py`
-arranges it). It reads what `apply` asked for from the environment (`environment.ChildConfig`), loads
+`bootstrap()` runs right after a process that is to be governed has imported torch
+(`_bootstrap/sitecustomize.py` arranges it and decides which processes are). It marks the
+environment its own children inherit (HOOKPOLICY_PARENT: a helper it starts by exec with
+the same rank is not governed), makes a child it forks inert (see `_Session.forked`), reads what `apply` asked for from the environment (`environment.ChildConfig`), loads
 the policies named by HOOKPOLICY_POLICIES, and starts a `_Session`: a `Discovery` that
 attaches them to each model the script trains, the metrics endpoint (at the first governed
 model), the reload watcher, the signal handlers (SIGTERM unwinds like Ctrl-C; SIGHUP
@@ -27,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from ..api import PolicySet
 from ..say import LOGGER, say
 from .discovery import Discovery
-from ..environment import ENV_LOCAL_RANK, ChildConfig
+from ..environment import ENV_LOCAL_RANK, ENV_PARENT, ChildConfig, rank_identity
 from ..errors import Halt, PolicyError
 from ..export.exporter import metrics_url, serve
 from ..policy.sources import load_sources
@@ -70,6 +72,19 @@ class _Session:
         """At exit (normal, Ctrl-C, SIGTERM, halt): detach everything, which flushes the logs."""
         self.reloader.stop()
         self.discovery.remove()
+
+    def forked(self) -> None:
+        """In a child forked from this process (`os.fork`, a fork DataLoader worker): be inert.
+
+        The child is not governed: it discovers no model, flushes nothing at its exit (the
+        parent's pending step is the parent's to write), and dies of SIGTERM as it would
+        without hookpolicy. The exporter closes its listening socket by itself
+        (`exporter.py`); the reload watcher's thread did not survive the fork.
+        """
+        atexit.unregister(self.close)
+        self.discovery.forget()
+        if signal.getsignal(signal.SIGTERM) is _exit_on_signal:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def _governed(self, module: torch.nn.Module, attached: Attached) -> None:
         bindings = len(attached.plan.bindings)
@@ -146,8 +161,12 @@ def _warnings_as_hookpolicy_lines() -> None:
     LOGGER.propagate = False
 
 
-def bootstrap() -> None:
+def bootstrap(*call: Any) -> None:
     """Start governing this process (called once, right after it imported torch).
+
+    `call` is `(module, args)` when it starts inside a module call (a rank of
+    `torch.multiprocessing.spawn`, see `_bootstrap/sitecustomize.py`): discovery sees that
+    call as its own, so the model's first step is governed.
 
     A policy that no longer validates (changed since `apply` checked it) stops the
     process with status 1 and the problems on stderr: nothing runs ungoverned.
@@ -158,6 +177,7 @@ def bootstrap() -> None:
     config = ChildConfig.from_env(os.environ)
     if not config.sources:
         return
+    os.environ[ENV_PARENT] = rank_identity(os.environ)
     files = fingerprint(config.sources)
     try:
         policies = PolicySet(load_sources(list(config.sources)))
@@ -166,4 +186,12 @@ def bootstrap() -> None:
             say(str(problem))
         raise SystemExit(1) from None
     _SESSION = _Session(config, policies, files)
+    os.register_at_fork(after_in_child=_forked)
     _SESSION.start()
+    if call:
+        _SESSION.discovery.call(*call)
+
+
+def _forked() -> None:
+    if _SESSION is not None:
+        _SESSION.forked()

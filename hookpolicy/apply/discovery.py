@@ -116,6 +116,15 @@ class Discovery:
         self._covered.clear()
         self._watching.remove()
 
+    def forget(self) -> None:
+        """Stop discovering (in a forked child): take the global hooks off, detach nothing, flush nothing."""
+        self._removed = True
+        self._retire_forward()
+        if self._steps is not None:
+            self._steps.remove()
+            self._steps = None
+        self._pending.clear()
+
     def govern(self, module: torch.nn.Module) -> Optional[Attached]:
         """Attach the policies to `module` now (replacing governed models it contains)."""
         modules = [id(m) for m in module.modules()]
@@ -156,6 +165,11 @@ class Discovery:
             self._covered[id(value)] = root
 
     # -- the global forward pre-hook ---------------------------------------------------
+    def call(self, module: torch.nn.Module, args: Any) -> None:
+        """A module call under way when discovery was installed (its global hook missed it)."""
+        if self._forward is not None:
+            self._on_call(module, args)
+
     def _on_call(self, module: torch.nn.Module, args: Any) -> None:
         """hook(module, args) -> None: called before every module call while installed."""
         root = self._inside.get(id(module))

@@ -17,15 +17,21 @@ No client can hold the others back: one asyncio loop on one daemon thread serves
 connection at once; a connection has `REQUEST_DEADLINE` seconds in all (not per read) to
 send its request and take the answer; at most `MAX_CONNECTIONS` are open, and a new one
 beyond that closes the oldest (so a flood of idle connections cannot keep Prometheus out).
+
+A child forked from the process (`os.fork`, a fork DataLoader worker, a helper) closes its
+copy of the listening socket at once: a child outliving the training would otherwise hold
+the port, so that scrapes hang unanswered and the next run cannot bind it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable, Optional
 from urllib.parse import unquote
 
@@ -140,6 +146,7 @@ class Exporter:
         # reaches its loop (a script that ends at once, a busy machine) must still stop it
         self._stopped = asyncio.Event()
         self._thread = start_thread("exporter", self._run)
+        _LISTENING.add(self)
 
     def start(self) -> None:
         self._thread.start()
@@ -205,6 +212,20 @@ class Exporter:
         self._next_answer = slot + 1.0 / self.rate
         if slot > now:
             await asyncio.sleep(slot - now)
+
+
+#: Every exporter of this process whose socket may be open; a forked child closes them.
+_LISTENING: "weakref.WeakSet[Exporter]" = weakref.WeakSet()
+
+
+def _close_in_forked_child() -> None:
+    """os.register_at_fork(after_in_child=...): the child serves nothing (its exporter thread did not survive)."""
+    for exporter in list(_LISTENING):
+        exporter.server_close()
+    _LISTENING.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 def _environ(head: bytes) -> Optional[dict[str, Any]]:

@@ -1,8 +1,23 @@
 """hookpolicy's start-up hook for `hookpolicy apply`; inert unless HOOKPOLICY_BOOTSTRAP is set.
 
 `hookpolicy apply` puts this folder first on PYTHONPATH, so every Python process of the
-COMMAND (the script, a launcher such as torchrun, its workers) imports this module at
-start-up, as `site` does with any `sitecustomize`. It must cost (close to) nothing:
+COMMAND (the script, a launcher such as torchrun, its workers, their helpers) imports this
+module at start-up, as `site` does with any `sitecustomize`. Only the training processes
+are governed (`docs/reliability.md`, "Which processes are governed"):
+
+- a process started by exec whose rank (RANK, LOCAL_RANK) is not that of the nearest
+  process above it that imported torch under `apply` (HOOKPOLICY_PARENT, which that process
+  sets): the COMMAND, and each rank a launcher starts (torchrun, Lightning, accelerate);
+- a `multiprocessing` child only when `torch.multiprocessing.spawn` (or `start_processes`)
+  started it: a rank of `mp.spawn`, decided at the child's first module call (`_start`);
+- nothing else: a helper started by exec with the same rank (an evaluation or tokenizer
+  child, `subprocess.Popen`), a DataLoader worker or any other `multiprocessing` child, and
+  a forked child (`child.py` makes a fork inert) are not governed, and cost what this module
+  costs: a helper by exec imports nothing more; a `multiprocessing` child holds one
+  global forward pre-hook until its first module call, and imports hookpolicy only if it
+  is a rank.
+
+It must cost (close to) nothing:
 
 - it imports neither torch nor hookpolicy (importing torch takes over a second);
 - it puts a one-shot finder on `sys.meta_path` that notices when the process imports
@@ -31,6 +46,14 @@ from typing import Any, Optional, Sequence
 _HERE = os.path.dirname(os.path.abspath(__file__))
 #: = hookpolicy.environment.ENV_BOOTSTRAP
 _ENV_BOOTSTRAP = "HOOKPOLICY_BOOTSTRAP"
+#: = hookpolicy.environment.ENV_PARENT
+_ENV_PARENT = "HOOKPOLICY_PARENT"
+#: = hookpolicy.environment.ENV_RANK, ENV_LOCAL_RANK
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK")
+#: The last argument of a `multiprocessing` child started by spawn (multiprocessing/spawn.py).
+_MULTIPROCESSING_CHILD = "--multiprocessing-fork"
+#: The module of the target `torch.multiprocessing.spawn` gives each rank (`_wrap`).
+_TORCH_SPAWN = "torch.multiprocessing.spawn"
 
 
 class _TorchImportHook(importlib.abc.MetaPathFinder):
@@ -77,7 +100,59 @@ class _AfterTorch(importlib.abc.Loader):
         return getattr(self._inner, name)
 
 
+def _rank_identity() -> str:
+    """= hookpolicy.environment.rank_identity(os.environ): what a helper shares with its parent."""
+    return "/".join(os.environ.get(name, "") for name in _RANK_VARIABLES)
+
+
+def _helper_by_exec() -> bool:
+    """Started by exec from a process of the same rank that imported torch under `apply`."""
+    return os.environ.get(_ENV_PARENT) == _rank_identity()
+
+
+#: Read at start-up: spawn's `prepare()` replaces sys.argv with the parent's before the
+#: child imports its main module (and torch with it).
+_IS_MULTIPROCESSING_CHILD = getattr(sys, "argv", [])[-1:] == [_MULTIPROCESSING_CHILD]
+
+
+_PENDING: Any = None  # the forward pre-hook that waits for a multiprocessing child's first module call
+
+
 def _start() -> None:
+    """torch is imported: start governing, or, in a `multiprocessing` child, wait for its target.
+
+    A spawned child imports torch while it re-imports the main module, before it knows
+    its target (what it was started to run). It is decided at its first module call,
+    from inside the target: governed if `torch.multiprocessing.spawn` started it (a rank),
+    left alone otherwise (a DataLoader worker, a Pool worker), the hook removed either way.
+    This module holds its only process-wide hook outside `engine/module_hooks.py`: it
+    must not import hookpolicy before the process is known to be governed.
+    """
+    global _PENDING
+    if not _IS_MULTIPROCESSING_CHILD:
+        _bootstrap()
+        return
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    _PENDING = register_module_forward_pre_hook(_first_call)
+
+
+def _first_call(module: Any, args: Any) -> None:
+    """hook(module, args) -> None: the first module call of a spawned child, once its target is known."""
+    from multiprocessing import process
+
+    current = process.current_process()
+    if getattr(current, "_inheriting", False):  # still re-importing the main module
+        return None
+    _PENDING.remove()
+    target = getattr(current, "_target", None)
+    if getattr(target, "__module__", None) == _TORCH_SPAWN:
+        _bootstrap(module, args)
+    return None
+
+
+def _bootstrap(*call: Any) -> None:
+    """Govern this process; `call` is the module call under way, if any (it is governed too)."""
     try:
         from hookpolicy.apply.child import bootstrap
     except ImportError as exc:
@@ -86,7 +161,7 @@ def _start() -> None:
             "hookpolicy in the Python that runs the training, or name that Python in COMMAND\n"
         )
         raise SystemExit(1) from None
-    bootstrap()
+    bootstrap(*call)
 
 
 def _chain() -> None:
@@ -100,7 +175,7 @@ def _chain() -> None:
     spec.loader.exec_module(module)
 
 
-if os.environ.get(_ENV_BOOTSTRAP):
+if os.environ.get(_ENV_BOOTSTRAP) and (_IS_MULTIPROCESSING_CHILD or not _helper_by_exec()):
     if "torch" in sys.modules:
         _start()
     else:
