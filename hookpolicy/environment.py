@@ -20,6 +20,8 @@ must not import the package at all (a test keeps the two spellings equal).
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
@@ -42,7 +44,8 @@ ENV_WATCH_INTERVAL = "HOOKPOLICY_WATCH_INTERVAL"
 # -- set by `hookpolicy apply` for its COMMAND
 #: Set to 1: the bootstrap is on (without it `_bootstrap/sitecustomize.py` does nothing).
 ENV_BOOTSTRAP = "HOOKPOLICY_BOOTSTRAP"
-#: The policy files and folders to apply, absolute, os.pathsep-separated (CLI + HOOKPOLICY_POLICY_DIRS).
+#: The policy files and folders to apply, absolute, a JSON list (CLI + HOOKPOLICY_POLICY_DIRS):
+#: a path may hold os.pathsep.
 ENV_POLICIES = "HOOKPOLICY_POLICIES"
 #: Set to 1: every rule runs in audit mode (`--audit`).
 ENV_AUDIT = "HOOKPOLICY_AUDIT"
@@ -71,6 +74,7 @@ ENV_LOCAL_RANK = "LOCAL_RANK"
 DEFAULT_METRICS_ADDR = "127.0.0.1"
 _DEFAULT_INTERVAL = 1.0
 _MIN_INTERVAL = 0.05
+_MAX_INTERVAL = 3600.0  # threading's waits refuse some larger timeouts (OverflowError)
 
 
 def policy_dirs(environ: Mapping[str, str]) -> list[str]:
@@ -110,11 +114,26 @@ def _count(environ: Mapping[str, str], name: str) -> Optional[int]:
 
 
 def _watch_interval(environ: Mapping[str, str]) -> float:
+    """HOOKPOLICY_WATCH_INTERVAL within [0.05, 3600] s; not a finite number: the default."""
     try:
         interval = float(environ.get(ENV_WATCH_INTERVAL) or _DEFAULT_INTERVAL)
     except ValueError:
         interval = _DEFAULT_INTERVAL
-    return max(interval, _MIN_INTERVAL)
+    if not math.isfinite(interval):
+        interval = _DEFAULT_INTERVAL
+    return min(max(interval, _MIN_INTERVAL), _MAX_INTERVAL)
+
+
+def _sources(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """HOOKPOLICY_POLICIES: a JSON list of paths (os.pathsep-separated if it is not one)."""
+    text = environ.get(ENV_POLICIES, "")
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(s for s in value if s)
+    return tuple(s for s in text.split(os.pathsep) if s)
 
 
 def apply_variables(
@@ -124,7 +143,7 @@ def apply_variables(
     """What `hookpolicy apply` sets for its COMMAND; None means "remove it if inherited"."""
     return {
         ENV_BOOTSTRAP: "1",
-        ENV_POLICIES: os.pathsep.join(sources),
+        ENV_POLICIES: json.dumps(list(sources)),
         ENV_RUN_DIR: run_dir,
         ENV_AUDIT: "1" if audit else "",
         ENV_STRICT: "1" if strict else "",
@@ -152,7 +171,7 @@ class ChildConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "ChildConfig":
         return cls(
-            sources=tuple(s for s in environ.get(ENV_POLICIES, "").split(os.pathsep) if s),
+            sources=_sources(environ),
             audit=bool(environ.get(ENV_AUDIT)),
             strict=bool(environ.get(ENV_STRICT)),
             watch=bool(environ.get(ENV_WATCH)),

@@ -52,6 +52,8 @@ def test_local_rank_is_the_port_offset() -> None:
 
 @pytest.mark.parametrize("value, expected", [
     (None, 1.0), ("2.5", 2.5), ("soon", 1.0), ("0", 0.05),
+    # nan spun the watcher at ~97% of a core; inf and 1e12 killed it (OverflowError in its wait)
+    ("nan", 1.0), ("inf", 1.0), ("-inf", 1.0), ("1e12", 3600.0),
 ])
 def test_watch_interval(value: str | None, expected: float) -> None:
     environ = {} if value is None else {"HOOKPOLICY_WATCH_INTERVAL": value}
@@ -60,6 +62,7 @@ def test_watch_interval(value: str | None, expected: float) -> None:
 
 @pytest.mark.parametrize("launch", [
     Launch(sources=("/p/a.yaml", "/p/guardrails")),
+    Launch(sources=("/p/with:colon.yaml", "/p/a folder:x", "/p/\u00e9t\u00e9.yaml")),  # the child split on ':'
 
     Launch(sources=("/p/a.yaml",), metrics_port=9400, metrics_addr="0.0.0.0", audit=True, watch=True),
 ])
