@@ -44,12 +44,20 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 __all__ = [
     "Arith", "Call", "Compare", "Condition", "ExprError", "FUNCTIONS", "Junction", "MAD_SCALE", "MAX_EXPR_NESTING",
-    "MAX_WINDOW", "Name", "Neg", "Num", "NO_PAST", "Past", "STATS", "Template", "Value", "names_with", "parse",
-    "parse_value",
+    "MAX_OPERATIONS_DEEP", "MAX_TOKENS", "MAX_WINDOW", "Name", "Neg", "Num", "NO_PAST", "Past", "STATS", "Template",
+    "Value", "names_with", "parse", "parse_value",
 ]
 
 #: An expression nested deeper than this many parentheses or signs is refused (the parser recurses).
 MAX_EXPR_NESTING = 32
+#: Operations nested in one another, at most: every arithmetic operator, comparison,
+#: `and`/`or` and sign counts, so a flat chain `a + b + c` is two deep. Evaluation (and
+#: comparing or printing an expression) recurses once or twice per level, inside hooks
+#: that may already run deep in a model's forward; 64 levels keep it far from Python's
+#: recursion limit. (A chain of ~1,000 terms raised RecursionError at every evaluation.)
+MAX_OPERATIONS_DEEP = 64
+#: Tokens in one expression, at most: what one evaluation costs is bounded with it.
+MAX_TOKENS = 1000
 #: The largest window a function may name: each series keeps at most this many floats.
 MAX_WINDOW = 10000
 
@@ -80,6 +88,7 @@ _TOKEN = re.compile(
     r"|(?P<op>>=|<=|==|!=|>|<)|(?P<arith>[-+*/])|(?P<paren>[()])|(?P<comma>,)"
     r"|(?P<word>[A-Za-z_][A-Za-z0-9_]*))"
 )
+_SPACE = re.compile(r"\s*")
 
 
 class ExprError(ValueError):
@@ -336,6 +345,7 @@ class _Parser:
         self.i = 0
         self.depth = 0
         self.at: dict[int, int] = {}  # id(node) -> its offset, for the kind errors
+        self.deep: dict[int, int] = {}  # id(node) -> operations nested in it, itself included
 
     def stats(self, root: Node) -> frozenset[str]:
         return frozenset(n.series for n in _walk(root) if isinstance(n, (Name, Call)) and n.series in _STAT_SET)
@@ -354,6 +364,16 @@ class _Parser:
     def placed(self, node: Node, at: int) -> Node:
         self.at[id(node)] = at
         return node
+
+    def operation(self, node: Node, at: int, operands: Sequence[Node]) -> Node:
+        """`placed`, for a node over `operands`: refused past MAX_OPERATIONS_DEEP, at `at` (its operator)."""
+        deep = 1 + max(self.deep.get(id(o), 0) for o in operands)
+        if deep > MAX_OPERATIONS_DEEP:
+            raise ExprError(
+                f"more than {MAX_OPERATIONS_DEEP} operations deep (each operator, comparison, 'and', 'or' and "
+                f"sign counts; a + b + c is two): split the expression", at)
+        self.deep[id(node)] = deep
+        return self.placed(node, at)
 
     def whole(self) -> Node:
         root = self.disjunction()
@@ -377,7 +397,7 @@ class _Parser:
         if len(parts) == 1:
             return parts[0]
         truths = tuple(self.truth(part, f"'{kind}' joins comparisons") for part in parts)
-        return self.placed(Junction(kind, truths), at)
+        return self.operation(Junction(kind, truths), at, truths)
 
     def comparison(self) -> Node:
         at = self.peek()[2]
@@ -385,10 +405,11 @@ class _Parser:
         kind, op, _ = self.peek()
         if kind != "op":
             return left
-        self.take()
+        _, _, op_at = self.take()
         right = self.sum()
-        return self.placed(Compare(op, self.number(left, f"'{op}' compares numbers"),
-                                   self.number(right, f"'{op}' compares numbers")), at)
+        compare = Compare(op, self.number(left, f"'{op}' compares numbers"), self.number(right, f"'{op}' compares numbers"))
+        self.operation(compare, op_at, (left, right))
+        return self.placed(compare, at)
 
     def sum(self) -> Node:
         return self.chain(("+", "-"), self.term)
@@ -400,10 +421,11 @@ class _Parser:
         at = self.peek()[2]
         node = sub()
         while self.peek()[0] == "arith" and self.peek()[1] in ops:
-            _, op, _ = self.take()
+            _, op, op_at = self.take()
             right = sub()
-            node = self.placed(Arith(op, self.number(node, f"'{op}' takes numbers"),
-                                     self.number(right, f"'{op}' takes numbers")), at)
+            arith = Arith(op, self.number(node, f"'{op}' takes numbers"), self.number(right, f"'{op}' takes numbers"))
+            self.operation(arith, op_at, (node, right))
+            node = self.placed(arith, at)
         return node
 
     def factor(self) -> Node:
@@ -413,7 +435,9 @@ class _Parser:
                 operand = self.number(self.factor(), f"unary '{text}' takes a number")
             if text == "+":
                 return operand
-            return self.placed(Num(-operand.value) if isinstance(operand, Num) else Neg(operand), at)
+            if isinstance(operand, Num):
+                return self.placed(Num(-operand.value), at)
+            return self.operation(Neg(operand), at, (operand,))
         if (kind, text) == ("paren", "("):
             with self.nested(at):
                 inner = self.disjunction()
@@ -538,20 +562,25 @@ def _did_you_mean(text: str, options: Mapping[str, Any]) -> str:
 
 
 def _tokenize(text: str) -> list[tuple[str, str, int]]:
+    """The tokens of `text`, in time linear in its length (at most MAX_TOKENS of them)."""
     tokens: list[tuple[str, str, int]] = []
-    pos = 0
+    pos = _after_space(text, 0)
     while pos < len(text):
-        if text[pos:].strip() == "":
-            break
         m = _TOKEN.match(text, pos)
         if m is None or m.end() == pos:
-            start = len(text) - len(text[pos:].lstrip())
-            raise ExprError(f"unexpected character {text[start]!r}", start)
+            raise ExprError(f"unexpected character {text[pos]!r}", pos)
         kind = m.lastgroup or ""
+        if len(tokens) == MAX_TOKENS:
+            raise ExprError(f"longer than {MAX_TOKENS} tokens (numbers, names, operators, parentheses)", m.start(kind))
         tokens.append((kind, m.group(kind), m.start(kind)))
-        pos = m.end()
+        pos = _after_space(text, m.end())
     tokens.append(("end", "", len(text)))
     return tokens
+
+
+def _after_space(text: str, pos: int) -> int:
+    space = _SPACE.match(text, pos)
+    return pos if space is None else space.end()
 
 
 # --------------------------------------------------------------------------- message templates
