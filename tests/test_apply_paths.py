@@ -8,7 +8,9 @@ from typing import Callable
 
 import pytest
 
-from conftest import REPO, Run, apply, write_policy  # noqa: F401 - apply is a fixture
+from helpers import REPO
+from helpers.policies import write_policy
+from helpers.processes import Run
 
 
 @pytest.mark.slow

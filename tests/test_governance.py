@@ -22,7 +22,8 @@ from typing import Callable
 
 import pytest
 
-from conftest import Run, apply, child_env, free_port, write_policy  # noqa: F401 - fixtures
+from helpers.policies import write_policy
+from helpers.processes import Run, child_env
 
 #: Rules on the trainer's `Sequential`: `--strict` stops any process whose model lacks a `0`.
 RULES = """\
