@@ -6,13 +6,30 @@ PyTorch and every other library. What hookpolicy changes there, and who gives it
 | change                                            | made by (the one owner)            | given back                                   |
 |---------------------------------------------------|------------------------------------|----------------------------------------------|
 | optimizer step pre/post hooks                     | `engine/optimizer_hooks.py`        | last `Subscription.remove()` outside a step  |
-| module call hooks (every module's forward)        | `engine/module_hooks.py` (`calls`) | last remove() of a `global_forward_*` handle |
-| the filter for torch.compile's global-hook warning| `engine/module_hooks.py` (`calls`) | with the module call hooks                   |
-| module/parameter registration hooks               | `engine/module_hooks.py` (`watch`) | last `Watching.remove()`                     |
+| module call hooks (every module's forward)        | `engine/module_hooks.py` (`_CALLS`) | last remove() of a `global_forward_*` handle |
+| the filter for torch.compile's global-hook warning| `engine/module_hooks.py` (`_CALLS`) | with the module call hooks                   |
+| module/parameter registration hooks               | `engine/module_hooks.py` (`_WATCH`) | last `Watching.remove()`                     |
 | `torch.nn.Module.__reduce_ex__`                    | `engine/module_hooks.py`           | last `OwnHandle.remove()`                    |
 | threads `hookpolicy-*`                            | `start_thread` (exporter, reload, lifetime) | their owner's shutdown/stop                  |
 | what was said once                                | `Once`                             | never: "once" is per process or per owner    |
 | SIGTERM/SIGHUP handlers, the signal wakeup fd     | `apply/child.py`, `apply/lifetime.py` (`apply` children only) | never: the process ends with them |
+
+hookpolicy's own process-wide state (module-level singletons; they change nothing outside
+hookpolicy, and each is the one home of what it holds):
+
+| singleton                     | module                      | holds                                                     |
+|-------------------------------|-----------------------------|-----------------------------------------------------------|
+| `_OWNER`                      | `engine/optimizer_hooks.py` | the optimizer step subscribers, in order                  |
+| `_CALLS`, `_WATCH`            | `engine/module_hooks.py`    | module call subscribers; the modules watched for changes  |
+| `_ours`, `_saved`             | `engine/module_hooks.py`    | ids of hookpolicy's module hooks; the previous reducer     |
+| `_MODULES`                    | `engine/loss.py`            | the loss modules met, the loss taps joined                |
+| `_ATTACHED`                   | `engine/runtime.py`         | the policies attached to each model (weak keys)           |
+| `_AGREED`                     | `engine/agreement.py`       | ranks agree at every step once they agreed at one         |
+| `_DTENSOR`                    | `engine/distributed.py`     | the DTensor class, once torch.distributed.tensor is in    |
+| `_local`                      | `engine/stats.py`           | per-thread scratch buffers                                |
+| `_CHECKED_CLASSES`            | `engine/cycle.py`           | the `Once` of classes checked for their own reducer       |
+| `_SESSION`                    | `apply/child.py`            | the `apply` child's session                               |
+| `_SHARED`, `_FILTERS`         | here                        | every `Shared` and `WarningFilter`, for `snapshot()`      |
 
 Each change that several users share is a `Shared`: made when the first user comes,
 undone when the last one leaves, so after the last `remove()` the process is as it was.

@@ -8,6 +8,7 @@ global module hook in place (PyTorch's own `OptimizedModule.__call__`).
 from __future__ import annotations
 
 import ast
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -153,3 +154,15 @@ def test_the_snapshot_shows_hookpolicy_filter_while_it_is_in() -> None:
     finally:
         handle.remove()
     assert process.snapshot()["warnings filters"] == []
+
+
+def test_the_singletons_listed_exist_where_the_list_says() -> None:
+    """process.py's table of hookpolicy's own singletons names real module attributes (it cannot go stale silently)."""
+    import importlib
+
+    rows = re.findall(r"^\| (`_\w+`(?:, `_\w+`)*) +\| `([\w/]+)\.py` +\|", process.__doc__ or "", re.MULTILINE)
+    assert len(rows) >= 9
+    for names, path in rows:
+        module = importlib.import_module("hookpolicy." + path.replace("/", "."))
+        for name in re.findall(r"`(\w+)`", names):
+            assert hasattr(module, name), f"{path}.py has no {name}"
