@@ -33,7 +33,7 @@ from hookpolicy.policy import loader
 from hookpolicy.policy.expr import FUNCTIONS, STATS, Arith, Call, Compare, ExprError, Junction, Name, Neg, Num, parse
 from hookpolicy.export.sinks import SinkError, TensorWriter, file_name, safe_path
 from hookpolicy.policy.linear import LinearPattern
-from hookpolicy.engine import readback
+from hookpolicy.engine import alerts
 from hookpolicy.policy.messages import MAX_FIELD_WIDTH
 from hookpolicy.policy.model import Alert, TensorFiles
 from hookpolicy.policy.patterns import compile_glob
@@ -313,8 +313,8 @@ def test_a_rendered_alert_message_is_cut_to_a_bounded_length() -> None:
     """The template is bounded at check time; a module name is not, so the rendering is cut."""
     alert = Alert(condition=parse("nonfinite > 0"), source="nonfinite > 0", message="{module} at {step}")
     base = {"module": "m" * 100_000, "step": 3, "policy": "p", "rule": "r", "rank": 0, "target": "grad", "tensor": ""}
-    rendered = readback._render(alert, base, {"nonfinite": 1.0})
-    assert len(rendered) == readback.MAX_RENDERED_CHARS and rendered.startswith("mmm")
+    rendered = alerts.render(alert, base, {"nonfinite": 1.0})
+    assert len(rendered) == alerts.MAX_RENDERED_CHARS and rendered.startswith("mmm")
 
 
 @pytest.mark.parametrize("kind, make, said", [

@@ -41,7 +41,7 @@ import torch
 
 from ..errors import Halt
 from ..policy.model import Alert, Policy
-from .readback import StepReport
+from .decision import StepReport
 from .rulestate import RuleState
 
 __all__ = ["Agreement", "digest", "identities"]

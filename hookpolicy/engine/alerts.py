@@ -1,0 +1,96 @@
+"""Alert evaluation and message rendering: `for:` streaks, warm-ups over a history, messages.
+
+`Alerts.evaluate` says whether an alert fires (its condition held `for:` evaluations in a
+row, after its warm-up), `Alerts.observe` hands what an alert with history functions saw
+to the step's report; `render` writes its message, never claiming an effect (a skip, a
+halt) that did not happen.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Union
+
+from ..policy.expr import NO_PAST, Past, Template
+from ..policy.model import Alert
+from .decision import StepReport
+from .history import History, Tracked
+from .rulestate import RuleState
+
+__all__ = ["Alerts", "MAX_RENDERED_CHARS", "json_number", "outcome", "render"]
+
+
+class Alerts:
+    """The alerts of one attachment: their streaks, and their histories in `history`."""
+
+    def __init__(self, history: History) -> None:
+        self.history = history
+        self._streaks: dict[tuple[Any, ...], int] = {}
+
+    def observe(
+        self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
+        report: StepReport,
+    ) -> Optional[Tracked]:
+        """The history of an alert that keeps one (None for one that does not); its values go to `report`."""
+        if not action.remembers:
+            return None
+        tracked = self.history.tracking(rs.key, index, action.stats, action.calls, action.warmup)
+        report.observed.append(tracked.observe(module, tensor, stats))
+        return tracked
+
+    def evaluate(
+        self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
+        tracked: Optional[Tracked],
+    ) -> bool:
+        """Whether the alert fires: its condition held `for:` evaluations in a row, after its warmup."""
+        if tracked is None:
+            holds = action.condition.evaluate(stats)
+        else:
+            holds = tracked.ready(module, tensor) and action.condition.evaluate(stats, tracked.past(module, tensor))
+        key = (rs.key, index, module, tensor)
+        streak = self._streaks.get(key, 0) + 1 if holds else 0
+        self._streaks[key] = streak
+        return streak >= action.for_
+
+
+class _StatFormat(dict[str, Any]):
+    def __missing__(self, key: str) -> float:
+        return math.nan
+
+
+#: A rendered alert message is cut to this many characters: the template and its widths are
+#: bounded at check time, a module name (the one field of unbounded length) is not.
+MAX_RENDERED_CHARS = 4096
+
+
+def outcome(then: str, applied: bool, mode: str) -> str:
+    """What an alert's `then` did this time, in words: a message must not claim a skip that did not happen."""
+    if then == "log":
+        return "logged"
+    done = "step skipped" if then == "skip_step" else "halting"
+    if applied:
+        return done
+    undone = "step not skipped" if then == "skip_step" else "not halted"
+    return f"{undone} ({'audit mode' if mode == 'audit' else 'the policy was being removed'})"
+
+
+def render(
+    action: Alert, base: dict[str, Any], stats: dict[str, float], applied: bool = True, past: Past = NO_PAST,
+) -> str:
+    """The alert's message; when its `then` did not take effect and the template does not
+    say so through `{outcome}`, the outcome is appended, so no message claims an effect that
+    did not happen (a shipped "...; step skipped" under `--audit`). Expression fields
+    (`{zscore(loss, 100):.1f}`) are evaluated against the same past as the condition."""
+    fields = _StatFormat(base, severity=action.severity, condition=action.source, **stats)
+    fields["module"] = base["module"] or "<root>"
+    message = Template(dict(action.fields), stats, past).vformat(action.message, (), fields)
+    if action.then != "log" and not applied and "outcome" not in action.message:
+        message += f" [{base['outcome']}]"
+    return message if len(message) <= MAX_RENDERED_CHARS else message[: MAX_RENDERED_CHARS - 1] + "…"
+
+
+def json_number(value: float) -> Union[float, int]:
+    """Counts print as ints; NaN and Inf stay floats (JSON `NaN`/`Infinity`), never hidden."""
+    if value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value

@@ -1,0 +1,40 @@
+"""The decision a read-back returns: skip the step, halt, or go on; and what the cycle still has to act on."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import Halt
+from .history import Observation
+from .rulestate import MAX_ERRORS, RuleState
+
+__all__ = ["SinkHalts", "StepReport"]
+
+
+@dataclass
+class StepReport:
+    """What one read-back decided, for the step cycle to act on."""
+
+    skip: bool = False
+    #: the first rule whose alert skips the step (named to the other ranks, see agreement.py)
+    skip_rule: Optional[tuple[str, str]] = None
+    #: the rules whose alerts skip the step (each counts the step once, however many modules fired)
+    skip_by: list[tuple[str, str]] = field(default_factory=list)
+    #: the first alert with `then: halt` in enforce mode
+    halt: Optional[Halt] = None
+    #: sinks that could not write, in order: each is a fault of its rule, handled by `onError`
+    errors: list[tuple[RuleState, Exception]] = field(default_factory=list)
+    #: time spent per rule, for `hookpolicy_hook_seconds_total`
+    seconds: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    #: what was evaluated against a history, appended to it (`History.commit`) unless the step is skipped
+    observed: list[Observation] = field(default_factory=list)
+
+    def off(self, rs: RuleState) -> bool:
+        """Whether `rs` is switched off, counting the errors this report still has to hand over."""
+        return rs.errors + sum(1 for r, _ in self.errors if r is rs) >= MAX_ERRORS
+
+
+class SinkHalts(Exception):
+    """A sink of a rule with `onError: halt` failed: the read-back stops there."""
