@@ -187,14 +187,14 @@ def test_no_host_sync_inside_the_step_hook(tmp_path: Path, monkeypatch: pytest.M
         loss(m, x, y).backward()
     agc_reference(list(ref.named_parameters()), 0.02, 1e-3)
     with pol.attach(model, registry=reg) as attached:
-        executor = attached._cycle.executor
-        run_step_rules = executor.run_step_rules
+        programs = attached._cycle.programs
+        run_step_rules = programs.run_step_rules
 
         def guarded(rules: Any, *loss: Any, **kwargs: Any) -> None:
             with no_host_sync():
                 run_step_rules(rules, *loss, **kwargs)
 
-        monkeypatch.setattr(executor, "run_step_rules", guarded)
+        monkeypatch.setattr(programs, "run_step_rules", guarded)
         opt.step()
     # a sync would have raised inside the hook, where onError contains it: so check both
     assert metric(reg, "hookpolicy_hook_errors_total", {"rule": "agc"}) == 0

@@ -194,7 +194,7 @@ def test_an_adaptive_clip_reads_no_value_back_inside_its_hook(tmp_path: Path) ->
         with no_host_sync():
             _backward(model, 10)
             cycle = attached._cycle
-            cycle.executor.run_step_rules(cycle.installer.step_rules())
+            cycle.programs.run_step_rules(cycle.installer.step_rules())
         assert any(type(e).__name__ == "ClipEntry" for e in cycle.ledger.entries)
         for rule in ("zclip", "robust", "bwd"):
             assert metric(reg, "hookpolicy_hook_errors_total", {"rule": rule}) == 0

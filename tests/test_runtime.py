@@ -649,12 +649,12 @@ def test_failing_rule_is_contained_then_switched_off(tmp_path: Path, monkeypatch
           trigger: {at: forward}
           actions: [{capture: {stats: [l2_norm]}}]
     """)
-    from hookpolicy.engine import executor
+    from hookpolicy.engine import programs
 
     def explode(*a: Any, **k: Any) -> Any:
         raise RuntimeError("kaboom")
 
-    monkeypatch.setattr(executor, "tensor_partials", explode)
+    monkeypatch.setattr(programs, "tensor_partials", explode)
     model, opt = fresh()
     reg = CollectorRegistry()
     with pol.attach(model, registry=reg):
@@ -672,9 +672,9 @@ def test_on_error_halt_stops_training(tmp_path: Path, monkeypatch: pytest.Monkey
           trigger: {at: forward}
           actions: [{capture: {stats: [l2_norm]}}]
     """, spec="onError: halt\n")
-    from hookpolicy.engine import executor
+    from hookpolicy.engine import programs
 
-    monkeypatch.setattr(executor, "tensor_partials", lambda *a: 1 / 0)
+    monkeypatch.setattr(programs, "tensor_partials", lambda *a: 1 / 0)
     model, opt = fresh()
     with pol.attach(model), pytest.raises(Halt, match="ZeroDivisionError"):
         train(model, opt, batches(2))

@@ -12,7 +12,7 @@ next step's rules.
 The parts below the cycle do one job each and return what they found; none calls the
 cycle back. `steps.StepTracker` tells where steps begin and end (and which parameters a
 step covers, `scopes`); `installer.HookInstaller` says which rules are active; the hook
-bodies (`executor.Executor`) append to the step's `Ledger`, which the cycle owns; the
+bodies (`executor.Executor`, through `programs.Programs`) append to the step's `Ledger`, which the cycle owns; the
 read-back (`readback.Readback`) reads the ledger's entries and returns a decision (skip,
 halt, faults of sinks, time); `agreement.Agreement` makes that decision every rank's;
 `history.History.commit` keeps what a step that happened saw. The cycle also installs the
@@ -40,6 +40,7 @@ from ..policy.model import LOSS, Alert, Policy
 from . import module_hooks, optimizer_hooks
 from .agreement import Agreement
 from .executor import Executor
+from .programs import Programs
 from .faults import Faults
 from .history import History
 from .installer import HookInstaller
@@ -80,7 +81,8 @@ class StepCycle:
         self.ledger = Ledger()
         self._faults = Faults(store, lambda: self.step, halting, self.ledger)
         phase = Phase()
-        self.executor = Executor(self.rules, phase, self.ledger, self._faults, self.history)
+        self.programs = Programs(self.rules, self.ledger, self._faults, self.history)
+        self.executor = Executor(self.rules, phase, self._faults, self.programs)
         self.installer = HookInstaller(plan, self.rules, self.executor)
         self.readback = Readback(store, policies, output_root(), rank, self.history)
         self.agreement = Agreement(policies, self.rules, generation)
@@ -141,7 +143,7 @@ class StepCycle:
         self._replan_if_changed()
         rules = self.installer.step_rules()
         loss = self._take_loss(rules)
-        self.executor.run_step_rules(rules, loss, left_out)
+        self.programs.run_step_rules(rules, loss, left_out)
         return self._read_back(decide=True)
 
     def _take_loss(self, rules: Sequence[RuleState]) -> Optional[torch.Tensor]:
@@ -281,6 +283,7 @@ class StepCycle:
         for rs in rebind(self.rules, plan, self._audit):
             publish_rule_series(self.store, rs)
         self.executor.rules_changed()
+        self.programs.rules_changed()
         self.installer.rebind(plan)
         self._activate()
         self._steps.refresh()

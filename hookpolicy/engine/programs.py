@@ -1,0 +1,215 @@
+"""Program execution: a rule's compiled program run on tensors, recorded into the step's ledger.
+
+`Programs.execute` runs a rule's `actions.Program` on tensors a hook or the step handed
+over: a statistics pass appends an `Entry` (device-side partials) to the ledger, a clip a
+`ClipEntry` (its measured norms and what it clipped), every action the module it ran on;
+a clip or scale returns replacement tensors (or changes gradients in place at `step`).
+`run_step_rules` gathers the tensors of `step` rules (gradients, weights, the loss) and
+executes them in order. Nothing here reads back from the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional, Sequence, cast
+
+import torch
+
+from ..plan.planner import param as find_param
+from ..policy.expr import Value
+from ..policy.model import LOSS, Clip
+from ..process import Once
+from .actions import MutateOp, StatsOp, clip_norm, clip_unitwise, mutate
+from .distributed import Shards, local_shards, shard_name, shard_partials, sum_over_groups, unit_shards
+from .faults import Faults
+from .history import History, group_key
+from .ledger import ClipEntry, Entry, Ledger
+from .rulestate import RuleState
+from .stats import tensor_partials
+
+__all__ = ["Programs"]
+
+log = logging.getLogger("hookpolicy")
+
+
+class Programs:
+    """Executes the programs of one attachment's rules, recording into `ledger`; see the module docstring."""
+
+    def __init__(
+        self, rules: dict[tuple[str, str], RuleState], ledger: Ledger, faults: Faults, history: History,
+    ) -> None:
+        self.rules = rules
+        self.history = history
+        self._ledger = ledger
+        self._faults = faults
+        self.guarded = faults.guarded
+        self.rules_changed()
+        self._said_limits = Once()  # (rule key, action index): adaptive thresholds that are not positive
+
+    def rules_changed(self) -> None:
+        """Derive what execution needs from `rules` (again, after a rule joined on a rebind)."""
+        # A step rule's count of finite elements waits for the readback (no pass over the
+        # gradients in a normal step, see stats.resolve_counts) unless some step rule clips or
+        # scales the gradients in between, which could change what the count would see.
+        self._defer_step_counts = not any(
+            not isinstance(op, StatsOp) for rs in self.rules.values() if rs.rule.trigger.at == "step" for op in rs.program
+        )
+
+    def run_step_rules(
+        self, rules: Sequence[RuleState], loss: Optional[torch.Tensor] = None, left_out: frozenset[int] = frozenset(),
+    ) -> None:
+        """Run `step` rules on their parameters' gradients or weights (in place), in order.
+
+        `loss` is the step's micro-batch losses (`loss.LossTap.take`), the tensor of the
+        `target: loss` rules; when None (none seen) those rules evaluate nothing.
+        `left_out`: ids of parameters another optimizer updates, not this step (`scopes`).
+        """
+        for rs in rules:
+            if rs.rule.target != LOSS:
+                self.guarded(rs, self._run_step_rule, rs, left_out)
+            elif loss is not None:
+                self.guarded(rs, self.execute, rs, LOSS, [("", "")], [loss], False)
+
+    def _run_step_rule(self, rs: RuleState, left_out: frozenset[int]) -> None:
+        rows: list[tuple[str, str]] = []
+        tensors: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []  # AGC's: the weight of each gradient in `tensors`
+        unitwise = any(isinstance(op, MutateOp) and op.unitwise for op in rs.program)
+        for b in rs.bindings:
+            for pname, path in zip(b.params, b.paths()):
+                param = find_param(b.obj, path)
+                if left_out and id(param) in left_out:
+                    continue
+                t = param.grad if rs.rule.target == "grad" else param.detach()
+                if t is not None and t.numel() > 0:
+                    rows.append((b.module, pname))
+                    tensors.append(t)
+                    if unitwise:
+                        weights.append(param)
+        if tensors:
+            self.execute(rs, rs.rule.target, rows, tensors, inplace=True, defer=self._defer_step_counts,
+                          weights=weights)
+
+    def execute(
+        self, rs: RuleState, target: str, rows: list[tuple[str, str]], tensors: list[torch.Tensor], inplace: bool,
+        defer: bool = False, weights: Sequence[torch.Tensor] = (),
+    ) -> Optional[list[torch.Tensor]]:
+        """Run a rule's program on tensors; returns replacements when a mutation applied."""
+        changed = False
+        modules = {module for module, _ in rows}
+        for op, count_keys in zip(rs.program, rs.count_keys):
+            if isinstance(op, StatsOp):
+                sharded = local_shards(tensors)
+                copies = _copies(op, rows, tensors, sharded) if op.tensors else []
+                deferred = defer and "finite" in op.kinds and sharded is None
+                if sharded is not None:
+                    matrix = shard_partials(sharded[0], op.kinds)
+                elif deferred:
+                    matrix = tensor_partials(tensors, op.kinds, defer_counts=True)
+                else:
+                    matrix = tensor_partials(tensors, op.kinds)
+                self._ledger.entries.append(Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies,
+                                         list(tensors) if deferred else None,
+                                         None if sharded is None else sharded[1]))
+                self._ledger.ran.update((key, module) for key in count_keys for module in modules)
+            elif op.unitwise:
+                self._ledger.ran.update((count_keys[0], module) for module in modules)
+                counts = self._clip_units(rs, op, rows, tensors, list(weights))
+                # what it clipped (audit: would have) goes to the read-back; AGC measures no group norm
+                report = torch.stack([torch.full_like(counts, math.nan), counts], dim=1)
+                self._ledger.entries.append(ClipEntry(rs, op.index, list(rows), report, [None] * len(rows)))
+            else:
+                self._ledger.ran.update((count_keys[0], module) for module in modules)
+                action = op.action
+                if isinstance(action, Clip) and action.max_norm is not None:
+                    tensors, clipped = self._clip(rs, op.index, action, rows, tensors, inplace)
+                    changed |= clipped
+                elif rs.enforce:
+                    tensors = mutate(action, list(tensors), _groups(rows, getattr(action, "per", "tensor")), inplace)
+                    changed = True
+        return tensors if changed else None
+
+    def _clip_units(
+        self, rs: RuleState, op: MutateOp, rows: list[tuple[str, str]], grads: list[torch.Tensor],
+        weights: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """AGC on a step rule's gradients (in place when enforced); per tensor, the units it clipped.
+
+        On DTensors it works on the local shards, and the counts are those of the full
+        tensors, the same on every rank (see `distributed.unit_shards`).
+        """
+        clip = cast(Clip, op.action)
+        assert clip.unitwise_ratio is not None  # op.unitwise
+        flat = next((rows[k] for k, w in enumerate(weights) if getattr(w, "_fsdp_flattened", False)), None)
+        if flat is not None:  # FSDP1 marks the parameters it flattened (torch/distributed/fsdp/_flat_param.py)
+            raise ValueError(
+                f"{flat[0] or '<root>'}.{flat[1]} is flattened by FSDP1 (FullyShardedDataParallel): its gradient "
+                "is a 1-D slice of a flat buffer whose units (rows) cannot be told apart, so AGC is not applied; "
+                "FSDP2 (fully_shard) is supported")
+        units = unit_shards(grads, weights)
+        if units is None:
+            return clip_unitwise(grads, weights, clip.unitwise_ratio, clip.eps, rs.enforce)
+        counts = clip_unitwise(units.grads, units.weights, clip.unitwise_ratio, clip.eps, rs.enforce,
+                               units.split, sum_over_groups)
+        return torch.cat(sum_over_groups(list(torch.split(counts, 1)), units.apart))
+
+    def _clip(
+        self, rs: RuleState, index: int, action: Clip, rows: list[tuple[str, str]], tensors: list[torch.Tensor],
+        inplace: bool,
+    ) -> tuple[list[torch.Tensor], bool]:
+        """A norm clip (in audit mode: its measurement only); what it did goes to the read-back as a `ClipEntry`."""
+        groups = _groups(rows, action.per)
+        keys = [group_key(*rows[group[0]], action.per) for group in groups]
+        limits = self._limits(rs, index, action, keys)
+        new, report = clip_norm(list(tensors), limits, action.norm_type, groups, inplace, apply=rs.enforce)
+        self._ledger.entries.append(ClipEntry(rs, index, keys, report, limits))
+        applied = rs.enforce and any(limit is not None for limit in limits)
+        return (new, True) if applied else (tensors, False)
+
+    def _limits(self, rs: RuleState, index: int, action: Clip, keys: list[tuple[str, str]]) -> list[Optional[float]]:
+        """Each group's max_norm now: the number, or the expression evaluated on its norm's history.
+
+        A group whose series has fewer than `warmup` values, or whose threshold is NaN (no
+        history yet) or not positive, is not clipped this time (a threshold <= 0 is said once).
+        """
+        if not isinstance(action.max_norm, Value):
+            return [action.max_norm] * len(keys)
+        expression = action.max_norm
+        tracked = self.history.tracking(rs.key, index, ("norm",), action.calls, action.warmup)
+        limits: list[Optional[float]] = []
+        for module, tensor in keys:
+            if not tracked.ready(module, tensor):
+                limits.append(None)
+                continue
+            limit = tracked.threshold(expression, module, tensor)
+            if limit <= 0 and self._said_limits((rs.key, index)):
+                log.warning("%s/%s: max_norm %s is %g at step %d for %s, which clips nothing; a threshold that is "
+                            "not positive never clips (said once)", *rs.key, expression, limit, self._faults.step(),
+                            module or "<root>")
+            limits.append(limit if limit > 0 else None)  # NaN > 0 is False: no history, no clip
+        return limits
+
+
+def _groups(rows: Sequence[tuple[str, str]], per: str) -> list[list[int]]:
+    if per == "tensor":
+        return [[i] for i in range(len(rows))]
+    if per == "rule":
+        return [list(range(len(rows)))]
+    by_module: dict[str, list[int]] = {}
+    for i, (module, _) in enumerate(rows):
+        by_module.setdefault(module, []).append(i)
+    return list(by_module.values())
+
+
+def _copies(
+    op: StatsOp, rows: list[tuple[str, str]], tensors: list[torch.Tensor],
+    sharded: Optional[tuple[list[torch.Tensor], Shards]],
+) -> list[tuple[int, str, str, torch.Tensor]]:
+    """Detached copies for tensor files; of a DTensor, this rank's shard (the whole would take a collective)."""
+    if sharded is None:
+        return [(index, module, name, t.detach().clone())
+                for index, _ in op.tensors for (module, name), t in zip(rows, tensors)]
+    names = [shard_name(name) if groups else name for (_, name), groups in zip(rows, sharded[1].groups)]
+    return [(index, module, names[i], sharded[0][i].detach().clone())
+            for index, _ in op.tensors for i, (module, _) in enumerate(rows)]
