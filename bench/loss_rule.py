@@ -1,17 +1,19 @@
-"""What `target: loss` costs: per module call while loss modules are looked for, and per training step.
+"""What `target: loss` costs: per backward call, and per training step.
 
     python bench/loss_rule.py            # about a minute on 2 CPU cores
 
-1. Per module call (a `Linear(8, 8)` on one row, 20,000 calls, the fastest of 7 rounds): no
-   hook; PyTorch's process-wide forward hook as `LossModules` installs it during the first
-   active step of a loss rule (every module of the process pays it); a loss module with
-   its own per-instance hook, as every later step has it.
+1. Per backward call (`Linear(8, 8)` on one row, `out.sum().backward()`, 5,000 calls, the
+   fastest of 7 rounds): torch alone; with the post-accumulate-grad hooks step tracking
+   puts on every governed parameter (`scopes.Scopes`, two here); with those and the
+   wrapped `torch.autograd.backward` feeding an active loss rule (`loss.LossTap`): the
+   root's value detached before the call, handed to the model after it.
 2. Per training step of the bundled tiny GPT (`examples.charlm`, AdamW, batch 16 x 32),
    interleaved, medians over 100 steps: no policy; the loss policy attached but not active
-   (`steps: {from: 10**9}`); a `target: loss` capture and NaN alert whose loss is the
-   model's `(logits, loss)`; the same script with an `nn.CrossEntropyLoss()` module as
-   the source; the policy with `every: 10`; for comparison, the same capture and alert on
-   one small gradient (`lm_head.bias`, `target: grad`).
+   (`steps: {from: 10**9}`); a `target: loss` capture and NaN alert on the root the
+   script backpropagates, the model's `(logits, loss)`; the same with the loss computed
+   by an `nn.CrossEntropyLoss()` module in the script; the policy with `every: 10`; for
+   comparison, the same capture and alert on one small gradient (`lm_head.bias`,
+   `target: grad`).
 Timings are printed, never asserted.
 """
 
@@ -33,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookpolicy  # noqa: E402
 from timing import step_table  # noqa: E402
 from examples.charlm import batch, build_model, encode  # noqa: E402
-from hookpolicy.engine import module_hooks  # noqa: E402
-from hookpolicy.engine.loss import LossModules  # noqa: E402
+from hookpolicy.engine.loss import LossTap  # noqa: E402
+from hookpolicy.engine.scopes import Scopes  # noqa: E402
 
 POLICY = """\
 apiVersion: hookpolicy/v1
@@ -57,7 +59,7 @@ GRAD_POLICY = POLICY.replace("match: {root: true}", "match: {modules: [lm_head],
     "target: loss", "target: grad")
 
 
-def per_call_us(call: Callable[[], object], calls: int = 20000, rounds: int = 7) -> float:
+def per_call_us(call: Callable[[], object], calls: int = 5000, rounds: int = 7) -> float:
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -67,23 +69,24 @@ def per_call_us(call: Callable[[], object], calls: int = 20000, rounds: int = 7)
     return min(times)  # the least disturbed round: the machine is shared
 
 
-def calls() -> None:
+def backward_calls() -> None:
     layer, x = nn.Linear(8, 8), torch.randn(1, 8)
-    criterion, y = nn.MSELoss(), torch.randn(1, 8)
-    with torch.no_grad():
-        bare = per_call_us(lambda: layer(x))
-        bare_loss = per_call_us(lambda: criterion(x, y))
-        watcher = LossModules()
-        handle = module_hooks.global_forward_hook(watcher._any_call)
-        every = per_call_us(lambda: layer(x))
-        handle.remove()
-        own = module_hooks.forward_hook(criterion, watcher._called)
-        hooked_loss = per_call_us(lambda: criterion(x, y))
-        own.remove()
-    print(f"per module call: Linear bare {bare:.2f} us; with the global hook of the first active step "
-          f"{every:.2f} us (+{every - bare:.2f})")
-    print(f"per loss-module call: MSELoss bare {bare_loss:.2f} us; with its own hook {hooked_loss:.2f} us "
-          f"(+{hooked_loss - bare_loss:.2f})")
+
+    def backward() -> None:
+        layer(x).sum().backward()
+        layer.zero_grad(set_to_none=True)
+
+    bare = per_call_us(backward)
+    scopes = Scopes(lambda: list(layer.parameters()))
+    hooked = per_call_us(backward)
+    tap = LossTap("bench", scopes)
+    tap.set_active(True)
+    wrapped = per_call_us(backward)
+    tap.remove()
+    scopes.remove()
+    print(f"per backward call: torch alone {bare:.2f} us; with the parameters' post-accumulate-grad hooks "
+          f"{hooked:.2f} us (+{hooked - bare:.2f} for 2 parameters); and the wrapped torch.autograd.backward "
+          f"of an active loss rule {wrapped:.2f} us (+{wrapped - hooked:.2f})")
 
 
 def steps(rounds: int = 100) -> None:
@@ -125,5 +128,5 @@ def steps(rounds: int = 100) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    calls()
+    backward_calls()
     steps()

@@ -1,14 +1,16 @@
-"""`target: loss`: the loss a script backpropagates, per micro-batch, reduced per step.
+"""`target: loss`: the tensor a script backpropagates into the model, one value per backward root, per step.
 
-Each test computes the loss itself (the value the script backpropagated, read with
-`.item()` in the test, never in a hook) and compares it with what hookpolicy captured
-at each step: from a loss module, from the model's `(logits, loss)` output, from a
-closure's return value. A script whose loss no source can see gets one `hookpolicy:` line.
+Each test computes the value the script backpropagated itself (read with `.item()` in
+the test, never in a hook) and compares it with what hookpolicy captured at each step,
+whatever the script did after its criterion: a division, a regulariser, a NaN
+multiplied in, a closure returning something else, GradScaler's scaling. A step whose
+NaN any backward root carries is skipped: parameters bit for bit those of an unguarded
+run that does not take it. A script whose loss has no backward root gets one
+`hookpolicy:` line.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 from pathlib import Path
@@ -18,13 +20,14 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 from torch import nn
+from torch.amp.grad_scaler import GradScaler
+from torch.utils.checkpoint import checkpoint
 
 import hookpolicy
-from helpers.hooks import global_hook_counts, module_hook_count, no_host_sync
+from helpers.hooks import no_host_sync
 from helpers.models import batch, make_model
-from helpers.outputs import json_lines
+from helpers.outputs import json_lines, metric
 from helpers.policies import load_policy, policy_text
-from hookpolicy.engine import loss as loss_engine
 from hookpolicy.errors import PolicyError
 
 pytestmark = pytest.mark.usefixtures("out")  # the captures' logs go to a test's own folder
@@ -36,6 +39,9 @@ CAPTURE = """
       target: loss
       actions:
         - capture: {stats: [mean, max, min, nonfinite, numel], log: {path: loss.jsonl}}
+"""
+GUARD = CAPTURE + """
+        - alert: {if: "nonfinite > 0", then: skip_step}
 """
 
 
@@ -50,109 +56,155 @@ def classifier(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-@pytest.mark.parametrize("criterion", [nn.CrossEntropyLoss(), nn.Sequential(nn.LogSoftmax(-1)), nn.NLLLoss()],
-                         ids=["cross-entropy", "log-softmax-model", "nll"])
-def test_a_loss_module_gives_each_micro_batch_and_the_step_mean(tmp_path: Path, out: Path, criterion: nn.Module) -> None:
-    """Three steps of four accumulated micro-batches: mean, max, min and numel per step equal the script's own."""
-    model = classifier()
-    if isinstance(criterion, nn.Sequential):  # a model ending in LogSoftmax, NLLLoss as the criterion
-        model, criterion = nn.Sequential(model, criterion), nn.NLLLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    seen: list[list[float]] = []
-    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
-        for step in range(3):
-            seen.append([])
-            for _ in range(4):
-                x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-                loss = criterion(model(x), y)
-                seen[-1].append(loss.item())
-                (loss / 4).backward()
-            opt.step()
-            opt.zero_grad()
+def data(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def check(out: Path, roots: list[list[float]]) -> None:
+    """Per step: numel, mean, max, min and mean * numel (the loss whose gradient is applied) = the script's roots."""
     got = captured(out)
-    assert [r["step"] for r in got] == [0, 1, 2]
-    for record, losses in zip(got, seen):
-        assert record["numel"] == 4 and record["nonfinite"] == 0
-        assert record["mean"] == pytest.approx(sum(losses) / 4, rel=1e-6)
-        assert record["max"] == pytest.approx(max(losses), rel=1e-6)
-        assert record["min"] == pytest.approx(min(losses), rel=1e-6)
+    assert [r["step"] for r in got] == list(range(len(roots)))
+    for record, values in zip(got, roots):
+        assert record["numel"] == len(values) and record["nonfinite"] == 0
+        assert record["mean"] == pytest.approx(sum(values) / len(values), rel=1e-6)
+        assert record["mean"] * record["numel"] == pytest.approx(sum(values), rel=1e-6)
+        assert record["max"] == pytest.approx(max(values), rel=1e-6)
+        assert record["min"] == pytest.approx(min(values), rel=1e-6)
         assert record["module"] == "" and record["target"] == "loss"
 
 
+#: how a script backpropagates `loss`: (backward it, the value it backpropagated)
+BACKWARDS: dict[str, Callable[[torch.Tensor], float]] = {
+    "tensor.backward": lambda loss: (loss.backward(), loss.item())[1],
+    "autograd.backward": lambda loss: (torch.autograd.backward(loss), loss.item())[1],
+    "autograd.backward-list": lambda loss: (torch.autograd.backward([loss]), loss.item())[1],
+    "with-gradient": lambda loss: (loss.backward(torch.tensor(3.0)), 3 * loss.item())[1],
+    "non-scalar-root": lambda loss: (
+        torch.stack([loss, loss]).backward(torch.tensor([1.0, 0.5])), 1.5 * loss.item())[1],
+}
+
+
+@pytest.mark.parametrize("how", BACKWARDS)
+def test_each_backward_root_is_a_value_of_its_step(tmp_path: Path, out: Path, how: str) -> None:
+    """Three steps of four micro-batches, `(loss / 4)` backpropagated: each root is one value of its step.
+
+    The optimizer applies the gradient of the roots' sum: `mean * numel`, the average
+    micro-batch loss here. A gradient passed to backward makes the root's value the
+    scalar whose gradient that call backpropagates, `(root * gradient).sum()`.
+    """
+    model, criterion = classifier(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    roots: list[list[float]] = []
+    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+        for step in range(3):
+            roots.append([])
+            for micro in range(4):
+                roots[-1].append(BACKWARDS[how](criterion(model(data(step, micro)[0]), data(step, micro)[1]) / 4))
+            opt.step()
+            opt.zero_grad()
+    check(out, roots)
+
+
 def test_the_tiny_gpt_returning_logits_and_loss(tmp_path: Path, out: Path) -> None:
-    """nanoGPT's `(logits, loss)`: the model's own output is the source; metrics are hookpolicy_loss_<stat>."""
+    """nanoGPT's `(logits, loss)`, backpropagated as is; metrics are hookpolicy_loss_<stat>."""
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     registry = CollectorRegistry()
     seen = []
     with load_policy(tmp_path, CAPTURE).attach(model, registry=registry):
         for step in range(4):
-            idx, targets = batch(step)
-            _, loss = model(idx, targets)
-            seen.append(loss.item())
+            _, loss = model(*batch(step))
+            seen.append([loss.item()])
             loss.backward()
             opt.step()
             opt.zero_grad()
-        last = registry.get_sample_value("hookpolicy_loss_mean", {"policy": "p", "rule": "loss", "module": "",
-                                                                 "tensor": "", "model": "GPT", "rank": "0"})
-    assert [r["mean"] for r in captured(out)] == pytest.approx(seen, rel=1e-6)
-    assert last == pytest.approx(seen[-1], rel=1e-6)
+        last = metric(registry, "hookpolicy_loss_mean", {"policy": "p", "rule": "loss", "model": "GPT"})
+    check(out, seen)
+    assert last == pytest.approx(seen[-1][0], rel=1e-6)
 
 
-def test_a_closure_return_value_is_preferred(tmp_path: Path, out: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A closure returns the loss times 3 while the model returns the loss: the closure's value is the step's loss."""
+class Scored(nn.Module):
+    """A model returning what scripts often return: `(accuracy, loss)` or `(aux_loss, loss, logits)`."""
+
+    def __init__(self, aux_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.aux_first = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)), aux_first
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        if self.aux_first:
+            return logits.pow(2).mean(), loss, logits
+        return (logits.argmax(-1) == y).float().mean(), loss
+
+
+@pytest.mark.parametrize("aux_first", [False, True], ids=["accuracy-loss", "aux-loss-logits"])
+def test_the_root_not_an_element_of_the_models_output(tmp_path: Path, out: Path, aux_first: bool) -> None:
+    """The element a model returns first (an accuracy, an auxiliary loss) is not the loss: the root is."""
+    model = Scored(aux_first)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    roots = []
+    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+        for step in range(3):
+            first, loss, *_ = model(*data(step))
+            total = loss + 0.01 * first if aux_first else loss
+            total.backward()
+            roots.append([total.item()])
+            opt.step()
+            opt.zero_grad()
+    check(out, roots)
+
+
+def test_the_root_not_the_closure_return_value(tmp_path: Path, out: Path) -> None:
+    """A closure returns the loss times 3 while it backpropagates the loss: the root is the step's loss."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    seen = []
-    with caplog.at_level(logging.WARNING, logger="hookpolicy"), \
-            load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+    roots = []
+    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
         for step in range(3):
             def closure() -> torch.Tensor:
                 opt.zero_grad()
                 _, loss = model(*batch(step))
                 loss.backward()
-                seen.append(3 * loss.item())
+                roots.append([loss.item()])
                 return loss * 3
             opt.step(closure)
-    assert [r["mean"] for r in captured(out)] == pytest.approx(seen, rel=1e-6)
-    assert [r["numel"] for r in captured(out)] == [1, 1, 1]
-    assert not caplog.records  # the closure zeroes the gradients: nothing was accumulated outside it
+    check(out, roots)
 
 
-def test_a_closure_after_micro_batches_outside_step_is_said(
-    tmp_path: Path, out: Path, caplog: pytest.LogCaptureFixture,
-) -> None:
-    """As Lightning accumulates: micro-batch 1 run by the script, micro-batch 2 in the closure, no zero_grad between.
+def test_micro_batches_outside_and_inside_the_closure_all_count(tmp_path: Path, out: Path) -> None:
+    """As Lightning accumulates: micro-batch 1 backpropagated by the script, micro-batch 2 in the closure.
 
-    The step's loss is what the closure returned (micro-batch 2's) and one line says that
-    the earlier micro-batches' losses are not in it.
+    Both roots are the step's: their sum is the loss whose gradient the optimizer applies.
     """
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    seen = []
-    with caplog.at_level(logging.WARNING, logger="hookpolicy"), \
-            load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+    roots = []
+    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
         for step in range(3):
             opt.zero_grad()
             _, first = model(*batch(2 * step))
             (first / 2).backward()
 
+            inside: list[float] = []
+
             def closure() -> torch.Tensor:
                 _, loss = model(*batch(2 * step + 1))
                 (loss / 2).backward()
-                seen.append(loss.item() / 2)
+                inside.append(loss.item() / 2)
                 return loss / 2
             opt.step(closure)
-    assert [r["mean"] for r in captured(out)] == pytest.approx(seen, rel=1e-6)
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and said[0].startswith("GPT: the closure passed to optimizer.step() added its gradients")
+            roots.append([first.item() / 2, *inside])
+    check(out, roots)
 
 
 def test_lbfgs_gives_the_first_closure_call_of_a_step(tmp_path: Path, out: Path) -> None:
-    model = classifier()
-    criterion = nn.CrossEntropyLoss()
+    """The step is evaluated after the first closure call: its root; the later calls' belong to no step."""
+    model, criterion = classifier(), nn.CrossEntropyLoss()
     opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
-    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    x, y = data(0)
     firsts = []
     with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
         for _ in range(2):
@@ -166,84 +218,111 @@ def test_lbfgs_gives_the_first_closure_call_of_a_step(tmp_path: Path, out: Path)
                 return loss
             opt.step(closure)
             assert len(calls) > 1
-            firsts.append(calls[0])
-    assert [r["mean"] for r in captured(out)] == pytest.approx(firsts, rel=1e-6)
+            firsts.append([calls[0]])
+    check(out, firsts)
 
 
-def test_a_criterion_made_anew_at_each_call_is_seen_at_every_step(tmp_path: Path, out: Path) -> None:
-    model = classifier()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    seen = []
-    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
-        for _ in range(4):
-            loss = nn.CrossEntropyLoss()(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
-            seen.append(loss.item())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        assert loss_engine._MODULES.watching_every_call  # such criteria are found only by watching every call
-    assert [r["mean"] for r in captured(out)] == pytest.approx(seen, rel=1e-6)
+@pytest.mark.parametrize("nan_at", ["input", "after-criterion", "regulariser"])
+def test_a_nan_any_root_carries_skips_its_step(tmp_path: Path, nan_at: str) -> None:
+    """A NaN in the root, however it got there, skips the step: parameters = an unguarded run without that step.
 
-
-def test_the_global_hook_lasts_one_step_and_nothing_stays(tmp_path: Path) -> None:
-    """Every call watched only in the first active step; after it one hook on the criterion; nothing after remove()."""
-    model, criterion = classifier(), nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = global_hook_counts()
-    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
-        assert global_hook_counts()[3] == before[3] + 1
-        for _ in range(2):
-            criterion(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
-            opt.step()
-            opt.zero_grad()
-            assert global_hook_counts()[3] == before[3]
-            assert len(criterion._forward_hooks) == 1
-    assert global_hook_counts() == before
-    assert module_hook_count(criterion) == 0 and module_hook_count(model) == 0
-
-
-def test_a_loss_rule_not_active_watches_nothing(tmp_path: Path) -> None:
-    """`every: 2`: the criterion's hook is there on even steps only, and no statistic on odd ones."""
-    model, criterion = classifier(), nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    policy = load_policy(tmp_path, CAPTURE.replace("at: step}", "at: step, every: 2}"))
-    hooked = []
-    with policy.attach(model, registry=CollectorRegistry()) as attached:
-        for _ in range(4):
-            criterion(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
-            hooked.append(len(criterion._forward_hooks))
-            opt.step()
-            opt.zero_grad()
-        numel = attached.last_values()["hookpolicy_loss_numel"][("p", "loss", "", "")]
-    assert hooked == [1, 0, 1, 0]  # step 0 watched through the global hook (it hooks the criterion), ...
-    assert numel == 1
-
-
-def test_alert_skips_the_step_with_a_nan_loss(tmp_path: Path) -> None:
-    """`nonfinite > 0` on the loss skips the step: parameters bit-identical to before it."""
-    rules = CAPTURE + """
-        - alert: {if: "nonfinite > 0", then: skip_step, message: "loss {max} at step {step}"}
+    `after-criterion`: the script multiplies its loss by NaN after the criterion (as
+    examples/train_mlp.py --nan-at does); `regulariser`: a NaN weight-decay term added to
+    the criterion's loss. The other micro-batch of the step is finite.
     """
-    model, criterion = classifier(), nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    changed = []
-    registry = CollectorRegistry()
-    with load_policy(tmp_path, rules).attach(model, registry=registry):
+    criterion = nn.CrossEntropyLoss()
+
+    def train(model: nn.Module, take: Callable[[int], bool]) -> list[bool]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        changed = []
         for step in range(4):
             before = [p.detach().clone() for p in model.parameters()]
             for micro in range(2):
-                x = torch.randn(8, 4) * (float("nan") if (step, micro) == (2, 1) else 1.0)
-                criterion(model(x), torch.randint(0, 3, (8,))).backward()
-            opt.step()
+                poisoned = (step, micro) == (2, 1)
+                x, y = data(step, micro)
+                if poisoned and nan_at == "input":
+                    x = x * float("nan")
+                loss = criterion(model(x), y)
+                if poisoned and nan_at == "after-criterion":
+                    loss = loss * float("nan")
+                if poisoned and nan_at == "regulariser":
+                    loss = loss + float("nan") * sum(p.pow(2).sum() for p in model.parameters())
+                (loss / 2).backward()
+            if take(step):
+                opt.step()
             opt.zero_grad()
             changed.append(not all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+        return changed
+
+    model, registry = classifier(), CollectorRegistry()
+    with load_policy(tmp_path, GUARD).attach(model, registry=registry):
+        changed = train(model, lambda step: True)
     assert changed == [True, True, False, True]
-    assert registry.get_sample_value("hookpolicy_skipped_steps_total", {"policy": "p", "rule": "loss", "model": "Sequential", "rank": "0"}) == 1
+    assert metric(registry, "hookpolicy_skipped_steps_total", {"rule": "loss"}) == 1
+    unguarded = classifier()
+    train(unguarded, lambda step: step != 2)
+    for got, want in zip(model.parameters(), unguarded.parameters()):
+        assert torch.equal(got, want)
 
 
-def test_a_functional_loss_is_said_once_and_evaluates_nothing(
+def test_a_functional_loss_and_no_optimizer(tmp_path: Path, out: Path) -> None:
+    """`F.mse_loss` in the script, a manual SGD update (no optimizer: a step per backward pass): the root is seen."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    roots = []
+    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+        for step in range(3):
+            x = data(step)[0]
+            loss = nn.functional.mse_loss(model(x), x[:, :1]) + 1e-3 * model[0].weight.pow(2).sum()
+            loss.backward()
+            roots.append([loss.item()])
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad  # type: ignore[operator]
+                    p.grad = None
+    check(out, roots)
+
+
+def test_reentrant_checkpointing_backpropagates_inside_the_root_and_adds_no_root(tmp_path: Path, out: Path) -> None:
+    """`checkpoint(use_reentrant=True)` calls torch.autograd.backward inside the backward pass: not a root."""
+    model, criterion = classifier(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    roots = []
+    with load_policy(tmp_path, CAPTURE).attach(model, registry=CollectorRegistry()):
+        for step in range(2):
+            x, y = data(step)
+            loss = criterion(checkpoint(model, x.requires_grad_(), use_reentrant=True), y)
+            loss.backward()
+            roots.append([loss.item()])
+            opt.step()
+            opt.zero_grad()
+    check(out, roots)
+
+
+def test_a_backward_that_does_not_reach_the_model_is_not_its_loss(tmp_path: Path, out: Path) -> None:
+    """Two models, each backpropagated on its own (a discriminator on a detached output): each gets only its roots."""
+    generator, discriminator = classifier(0), nn.Sequential(nn.Linear(3, 1))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (generator, discriminator)]
+    roots = []
+    with load_policy(tmp_path, CAPTURE).attach(generator, registry=CollectorRegistry()):
+        for step in range(3):
+            fake = generator(data(step)[0])
+            d_loss = discriminator(fake.detach()).pow(2).mean() * 7
+            d_loss.backward()  # reaches the discriminator only
+            opts[1].step()
+            opts[1].zero_grad()
+            g_loss = fake.pow(2).mean()
+            g_loss.backward()
+            roots.append([g_loss.item()])
+            opts[0].step()
+            opts[0].zero_grad()
+    check(out, roots)
+
+
+def test_gradients_from_autograd_grad_are_said_once_and_evaluate_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """`torch.autograd.grad` assigned to `.grad`: no backward root, one line, no statistic, no halt."""
     rules = CAPTURE + """
         - alert: {if: "mean > -1", then: halt}
     """
@@ -251,38 +330,73 @@ def test_a_functional_loss_is_said_once_and_evaluates_nothing(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with caplog.at_level(logging.WARNING, logger="hookpolicy"), \
             load_policy(tmp_path, rules).attach(model, registry=CollectorRegistry()) as attached:
-        for _ in range(3):
-            nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+        for step in range(3):
+            loss = nn.functional.cross_entropy(model(data(step)[0]), data(step)[1])
+            for p, g in zip(model.parameters(), torch.autograd.grad(loss, list(model.parameters()))):
+                p.grad = g
             opt.step()  # the halt would raise here had the rule evaluated anything
             opt.zero_grad()
         assert "hookpolicy_loss_mean" not in attached.last_values()
-        assert not loss_engine._MODULES.watching_every_call  # a rule that sees nothing costs nothing after its line
     said = [r.getMessage() for r in caplog.records if "no loss seen" in r.getMessage()]
     assert len(said) == 1
-    assert said[0].startswith("p/loss: no loss seen at step 0 of Sequential; looked for: an optimizer closure's")
-    assert "nn.CrossEntropyLoss()(logits, y)" in said[0]
+    assert said[0].startswith("p/loss: no loss seen at step 0 of Sequential: no backward pass reached its parameters")
+    assert "torch.autograd.grad" in said[0]
 
 
-def test_no_host_sync_in_the_loss_hooks(tmp_path: Path) -> None:
-    """The criterion's hook, the model-output and closure taps only detach: a sync inside one would raise."""
+def test_no_host_sync_and_nothing_left_behind(tmp_path: Path) -> None:
+    """The wrapped backward and GradScaler.scale only detach; both are torch's own again after remove()."""
     model, criterion = classifier(), nn.CrossEntropyLoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     registry = CollectorRegistry()
-    with load_policy(tmp_path, CAPTURE.replace(", log: {path: loss.jsonl}", "")).attach(model, registry=registry) as attached:
+    backward, scale = torch.autograd.backward, GradScaler.__dict__["scale"]
+    scaler = GradScaler("cpu")
+    policy = load_policy(tmp_path, CAPTURE.replace(", log: {path: loss.jsonl}", ""))
+    with policy.attach(model, registry=registry) as attached:
         for step in range(2):
-            def closure() -> torch.Tensor:
-                opt.zero_grad()
-                loss = criterion(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
-                loss.backward()
-                return loss
-
             with no_host_sync():
-                closure()  # an accumulated micro-batch outside step(): the criterion's hook
-                assert attached._cycle._loss is not None and attached._cycle._loss._sources[2]
-            opt.step(closure)
-        assert registry.get_sample_value("hookpolicy_hook_errors_total", {"policy": "p", "rule": "loss",
-                                                                         "model": "Sequential", "rank": "0"}) == 0
-        assert attached.last_values()["hookpolicy_loss_numel"][("p", "loss", "", "")] == 1  # the closure's
+                loss = criterion(model(data(step)[0]), data(step)[1])
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        assert torch.autograd.backward is not backward
+        assert metric(registry, "hookpolicy_hook_errors_total", {"rule": "loss"}) == 0
+        assert attached.last_values()["hookpolicy_loss_numel"][("p", "loss", "", "")] == 1
+        assert attached.last_values()["hookpolicy_loss_mean"][("p", "loss", "", "")] == pytest.approx(loss.item())
+    assert torch.autograd.backward is backward and GradScaler.__dict__["scale"] is scale
+
+
+def test_a_loss_rule_not_active_keeps_nothing(tmp_path: Path) -> None:
+    """`every: 2`: odd steps keep no root (the statistic of step 2 has its own one root)."""
+    model, criterion = classifier(), nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy = load_policy(tmp_path, CAPTURE.replace("at: step}", "at: step, every: 2}"))
+    with policy.attach(model, registry=CollectorRegistry()) as attached:
+        for step in range(3):
+            criterion(model(data(step)[0]), data(step)[1]).backward()
+            opt.step()
+            opt.zero_grad()
+        numel = attached.last_values()["hookpolicy_loss_numel"][("p", "loss", "", "")]
+    assert numel == 1
+
+
+def test_two_governed_models_get_their_own_roots(tmp_path: Path) -> None:
+    """Two models, one criterion, each backpropagated on its own: each model's loss is its own root."""
+    policy = load_policy(tmp_path, CAPTURE.replace(", log: {path: loss.jsonl}", ""))
+    first, second, criterion = classifier(0), classifier(1), nn.CrossEntropyLoss()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (first, second)]
+    roots: list[list[list[float]]] = [[], []]
+    with policy.attach(first, registry=CollectorRegistry()) as a, \
+            policy.attach(second, registry=CollectorRegistry()) as b:
+        for step in range(2):
+            for k, (model, opt) in enumerate(zip((first, second), optimizers)):
+                loss = criterion(model(data(step, k)[0]), data(step, k)[1]) * (k + 1)
+                loss.backward()
+                roots[k].append([loss.item()])
+                opt.step()
+                opt.zero_grad()
+        means = [x.last_values()["hookpolicy_loss_mean"][("p", "loss", "", "")] for x in (a, b)]
+    assert means == pytest.approx([roots[0][-1][0], roots[1][-1][0]], rel=1e-6)
 
 
 # -- the policy language --------------------------------------------------------------
@@ -315,7 +429,7 @@ def test_match_selects_the_model_at_its_root(tmp_path: Path, match: str, binds: 
     plan = policy.plan(classifier())
     assert [(b.module, b.hook, b.target) for b in plan.bindings] == ([("", "step", "loss")] if binds else [])
     if binds:
-        assert plan.notes and "looked for at each step in an optimizer closure's return value" in plan.notes[0]
+        assert plan.notes and "is the tensor the script calls backward() on" in plan.notes[0]
     else:
         assert "target: loss is the loss of the whole model, so match must select its root" in plan.warnings[0]
 
@@ -363,42 +477,8 @@ def test_loss_is_no_name_outside_a_loss_rule(tmp_path: Path) -> None:
         caught.value)
 
 
-def test_criteria_built_per_call_leave_nothing_behind(tmp_path: Path) -> None:
-    """Each collected criterion lets go of its hook: module_hooks holds no id of a dead module's hook."""
-    from hookpolicy.engine import module_hooks
-
-    model = classifier()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with load_policy(tmp_path, CAPTURE.replace(", log: {path: loss.jsonl}", "")).attach(model, registry=CollectorRegistry()):
-        held = []
-        for _ in range(6):
-            nn.CrossEntropyLoss()(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
-            opt.step()
-            opt.zero_grad()
-            gc.collect()  # a criterion is freed by the cyclic collector: count after it ran, not when it happens to
-            held.append(len(module_hooks._ours))
-    assert held[-1] == held[1]  # not one more per step
-    assert not module_hooks._ours
-
-
-def test_no_host_sync_when_the_model_returns_its_loss(tmp_path: Path) -> None:
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    registry = CollectorRegistry()
-    with load_policy(tmp_path, CAPTURE.replace(", log: {path: loss.jsonl}", "")).attach(model, registry=registry) as attached:
-        for step in range(2):
-            with no_host_sync():
-                _, loss = model(*batch(step))  # the root's forward hook takes the loss from (logits, loss)
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-        assert registry.get_sample_value("hookpolicy_hook_errors_total", {"policy": "p", "rule": "loss",
-                                                                         "model": "GPT", "rank": "0"}) == 0
-        assert attached.last_values()["hookpolicy_loss_numel"][("p", "loss", "", "")] == 1
-
-
 def test_a_compiled_model_under_autocast_and_grad_scaler(tmp_path: Path, out: Path) -> None:
-    """torch.compile (no warning about the global hook of the first step), bf16 autocast, GradScaler: the unscaled loss."""
+    """torch.compile (no warning), bf16 autocast, GradScaler: the root is `scale * loss`, the value the loss itself."""
     model, criterion = classifier(), nn.CrossEntropyLoss()
     compiled = torch.compile(model, backend="eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -416,26 +496,4 @@ def test_a_compiled_model_under_autocast_and_grad_scaler(tmp_path: Path, out: Pa
             scaler.update()
             opt.zero_grad()
     assert [str(w.message) for w in caught] == ["the test's own, so that pytest.warns has one"]
-    assert [r["mean"] for r in captured(out)] == pytest.approx(seen, rel=1e-6)
-
-
-def test_a_loss_module_shared_by_two_governed_models_is_said(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A GAN-like pair: one criterion, two models with a loss rule; its value goes to both, and one line says so."""
-    loss_engine._MODULES._said_shared = False
-    policy = load_policy(tmp_path, CAPTURE.replace(", log: {path: loss.jsonl}", ""))
-    first, second, criterion = classifier(0), classifier(1), nn.CrossEntropyLoss()
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (first, second)]
-    registry = CollectorRegistry()
-    with caplog.at_level(logging.WARNING, logger="hookpolicy"), \
-            policy.attach(first, registry=registry), policy.attach(second, registry=registry):
-        for _ in range(2):
-            for model, opt in zip((first, second), optimizers):
-                criterion(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
-                opt.step()
-                opt.zero_grad()
-    said = [r.getMessage() for r in caplog.records if "cannot tell whose loss it is" in r.getMessage()]
-    assert said == ["a CrossEntropyLoss's loss goes to every governed model with a loss rule active (Sequential, "
-                    "Sequential#2): hookpolicy cannot tell whose loss it is; return each model's loss from its "
-                    "forward to keep them apart"]
+    check(out, [[v] for v in seen])

@@ -89,7 +89,7 @@ class StepCycle:
         self._steps = StepTracker(model, phase, self.rules, store.model)
         self._loss: Optional[LossTap] = None
         if any(rule.target == LOSS for policy in policies for rule in policy.rules):
-            self._loss = LossTap(store.model)
+            self._loss = LossTap(store.model, self._steps.scopes)
         self._stale = False  # the model's tree changed since the plan was built
         self._forwarded = False  # a training forward ran in this step
         self._removed = False
@@ -204,22 +204,6 @@ class StepCycle:
         if self._loss is not None:
             self._loss.set_active(any(rs.rule.target == LOSS for rs in self.installer.step_rules()))
 
-    def closure_starting(self, optimizer: torch.optim.Optimizer) -> None:
-        """`optimizer_hooks` subscriber: before the step's closure, note a gradient (for `closure_returned`)."""
-        if self._loss is not None and self._loss.active:
-            self._steps.grad_before_closure(optimizer)
-
-    def closure_returned(self, optimizer: torch.optim.Optimizer, loss: Any) -> None:
-        """`optimizer_hooks` subscriber: the first closure call of a step returned `loss`.
-
-        A closure that added its gradients to ones already there ran after micro-batches
-        accumulated outside `step()`, whose losses it does not return: the tap says so once.
-        """
-        if self._loss is not None:
-            accumulated = self._steps.closure_accumulated(optimizer)
-            if accumulated is not None:
-                self._loss.closure_loss(loss, accumulated)
-
     # -- the root's forward and backward passes ---------------------------------------------
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
         if not self._steps.forward_starts(module):
@@ -239,8 +223,6 @@ class StepCycle:
             if self.ledger.entries:
                 self._read_back()  # an evaluation loop steps no optimizer: read back per batch
         elif training:
-            if self._loss is not None:
-                self._loss.model_output(output)
             for _, t in named_tensors(output, lambda name: True):
                 if t.requires_grad:
                     t.register_hook(self._output_grad)  # type: ignore[no-untyped-call]

@@ -1,239 +1,259 @@
-"""`target: loss`: the loss a script backpropagates, one value per micro-batch, stacked at the step.
+"""`target: loss`: the loss a script backpropagates into the governed model, one value per backward root.
 
-The loss is not a tensor of the governed model, so it is looked for where a training
-script hands it over, from three sources, preferred in this order at each step:
+The loss is what reaches the weights: the tensor(s) on which the script runs backward
+during the step, whatever it did after its criterion (a `/ accum`, a regulariser added,
+a NaN multiplied in). Every `Tensor.backward(...)` and `torch.autograd.backward(...)` of
+the process goes through `torch.autograd.backward` (`Tensor.backward` calls it by that
+name), so while a loss rule is attached that one function is wrapped (`_Roots`, the one
+owner of the patch, a `process.Shared`): for each call that is not nested in another
+backward pass (reentrant activation checkpointing backpropagates inside one), the value
+of each root is taken before the call, detached on its device (no graph kept, no host
+sync), and after it the value goes to every governed model whose parameters that call
+wrote (their post-accumulate-grad hooks fired, `scopes.Scopes.touched`) or whose root
+output it reached (the model's own backward marker, for stacks that write gradients
+themselves). A backward call whose gradients go elsewhere (another model, a
+discriminator's own pass) is not this model's loss.
 
-1. an optimizer closure's return value (`optimizer.step(closure)`, Lightning's automatic
-   optimization; the first call of the step, as the step rules see it);
-2. the governed model's own output at a training forward: `ModelOutput.loss` / a `loss`
-   key, a 0-dim floating tensor returned alone, or the first one in a returned tuple or
-   list (nanoGPT's `(logits, loss)`);
-3. the outputs of loss modules (`torch.nn.modules.loss._Loss` subclasses such as
-   `nn.CrossEntropyLoss()`) called through `__call__` with grad mode on, which a script
-   usually holds outside the model.
+The value of a root `r`: `r` itself for a scalar root with no explicit gradient (the
+usual `loss.backward()`); `(r * g).sum()` when the call passes a gradient `g` (the scalar
+whose gradient the call backpropagates); divided by a GradScaler's scale when the root
+is `scaler.scale(loss)` (`torch.amp.GradScaler.scale` is wrapped by the same owner to
+note the scale tensor it multiplied by; the scale is a power of two, so the division
+gives the loss back exactly unless `loss * scale` overflowed).
 
-Every value is detached (no graph kept, no host sync) and kept on its device; at the
-step the values of the most preferred source that saw any are stacked into one vector,
-the rule's tensor: `mean` is the step's average loss, `max` the worst micro-batch,
-`numel` the number of micro-batches. A step on which no source saw a loss evaluates
-nothing and says so once (`LossTap.take`): never a silent no-op.
+At the step the values are stacked into one vector, the rule's tensor, one element per
+root of the step: the optimizer applies the gradient of their **sum** (the gradients of
+the step's backward calls accumulate), so `mean * numel` is the step's loss, `mean` the
+average root (with `(loss / N).backward()` over N micro-batches: the average micro-batch
+loss divided by N), `max` the worst root, `nonfinite` how many carried NaN or Inf and
+`numel` how many roots the step had. Roots recorded after the step was evaluated (LBFGS's
+later closure calls inside the same `step()`) belong to no step and are dropped.
 
-Loss modules are found without a process-wide hook on every call: `LossModules` watches
-all module calls (PyTorch's global forward hook, 1-4 us a call) only during the first
-step a loss rule is active, and hooks the loss modules it meets one by one; when that
-step ends the global hook comes off and only those instances carry a hook, and only
-while a loss rule is active. A loss module first called later is not seen. A script that builds its
-criterion anew at each call (`nn.MSELoss()(out, y)`) is recognised when that instance is
-garbage-collected, and keeps the global hook while a loss rule is active.
+`torch.autograd.grad` is not a root: it writes no `.grad` (the optimizer applies
+`.grad`), and scripts call it for parts of a loss (a gradient penalty). A step on which a
+loss rule is active and no root reached the model says so once (`LossTap.take`) and the
+rule evaluates nothing: never a silent no-op.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
-from collections.abc import Mapping
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
-from torch.nn.modules.loss import _Loss
-from torch.utils.hooks import RemovableHandle
+from torch.amp.grad_scaler import GradScaler
+from torch.autograd.graph import GradientEdge
 
-from . import module_hooks
-from ..plan.planner import LOSS_SOURCES
+from .. import process
 
-__all__ = ["LossModules", "LossTap", "loss_in_output"]
+__all__ = ["LossTap", "Reached"]
 
 log = logging.getLogger("hookpolicy")
 
 
-def loss_in_output(output: Any) -> Optional[torch.Tensor]:
-    """The loss a model's forward returned, if it returned one (see the module docstring)."""
-    if isinstance(output, torch.Tensor):
-        return output if _scalar(output) else None
-    if isinstance(output, Mapping):
-        found = output.get("loss")
-        return found if isinstance(found, torch.Tensor) and _scalar(found) else None
-    if isinstance(output, (tuple, list)):
-        return next((t for t in output if isinstance(t, torch.Tensor) and _scalar(t)), None)
-    found = getattr(output, "loss", None)
-    return found if isinstance(found, torch.Tensor) and _scalar(found) else None
+class Reached(Protocol):
+    """What tells a tap whether a backward call reached its model (`scopes.Scopes`)."""
 
-
-def _scalar(t: torch.Tensor) -> bool:
-    return t.dim() == 0 and t.is_floating_point()
+    touched: bool
 
 
 class LossTap:
-    """The losses one governed model's step handed over, per source; `take()` stacks them at the step.
+    """The backward roots that reached one governed model during the step; `take()` stacks them.
 
-    `active` is set by the runtime at each step boundary (a loss rule is evaluated on this
-    step); while it is off nothing is collected and no loss module is watched for it.
+    `active` is set at each step boundary (`set_active`: a loss rule is evaluated on this
+    step); while it is off no root is kept for this model.
     """
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, reached: Reached) -> None:
         self.model = model
-        self._sources: tuple[list[torch.Tensor], ...] = ([], [], [])
+        self._reached = reached
+        self._values: list[torch.Tensor] = []
+        self._pending: Optional[list[torch.Tensor]] = None  # the roots of the backward call in progress
+        self._taken = False  # the step was evaluated: roots from here on belong to no step
         self.active = False
-        self._searched = False  # a step with this tap active has ended: its loss modules are known
-        self.fleeting = False  # a loss module met while it was joined was collected: its script makes them anew
+        self._joined = False
         self._warned = False
-        self._warned_partial = False
 
     def set_active(self, active: bool) -> None:
-        if active != self.active:
-            self.active = active
-            if active:
-                _MODULES.join(self, search=not self._searched)
-            else:
-                _MODULES.leave(self)
+        """At a step boundary (or a re-plan): whether a loss rule is evaluated on this step."""
+        if self._taken:  # the step ended: what came after its evaluation is no step's
+            self._taken = False
+            self._values.clear()
+        if active and not self._joined:
+            self._joined = True
+            _ROOTS.join(self)
+        self.active = active
 
-    def closure_loss(self, loss: Any, accumulated: bool = False) -> None:
-        """What the step's closure returned; `accumulated`: its gradients were added to earlier micro-batches'."""
-        if self.active and isinstance(loss, torch.Tensor) and _scalar(loss):
-            self._sources[0].append(loss.detach())
-            if accumulated and not self._warned_partial:
-                self._warned_partial = True
-                log.warning("%s: the closure passed to optimizer.step() added its gradients to ones already there "
-                            "(micro-batches accumulated outside step(), as with Lightning's accumulate_grad_batches, "
-                            "or a zero_grad(set_to_none=False)): target: loss is what the closure returned, "
-                            "one value a step, not the earlier micro-batches' losses (Lightning: the last "
-                            "micro-batch's loss divided by accumulate_grad_batches)", self.model)
+    # -- called by the owner of the patch, around one backward call ------------------------
+    def backward_starts(self, values: list[torch.Tensor]) -> None:
+        self._pending = values
+        self._reached.touched = False
 
-    def model_output(self, output: Any) -> None:
-        if self.active:
-            found = loss_in_output(output)
-            if found is not None:
-                self._sources[1].append(found.detach())
+    def backward_ends(self, completed: bool) -> None:
+        if completed:
+            self._settle()
+        self._pending = None
 
-    def module_loss(self, loss: torch.Tensor) -> None:
-        self._sources[2].append(loss.detach())
+    def _settle(self) -> None:
+        """The backward call in progress reached the model: its roots are the step's."""
+        if self._pending is not None and self._reached.touched:
+            self._values.extend(self._pending)
+            self._pending = None
 
+    # -- the step --------------------------------------------------------------------------
     def clear(self) -> None:
-        for source in self._sources:
-            source.clear()
+        """A step no optimizer took (GradScaler found inf): its roots go with it."""
+        self._values.clear()
 
     def take(self, step: int, rules: Sequence[str]) -> Optional[torch.Tensor]:
-        """The step's losses as one vector from the preferred source, or None (said once) when none was seen.
+        """The step's roots as one vector, or None (said once) when none reached the model.
 
-        `rules` names the loss rules evaluated on this step (`policy/rule`), for the warning.
+        `rules` names the loss rules evaluated on this step (`policy/rule`), for the line.
+        A step evaluated when its backward pass ends (no optimizer) is evaluated inside
+        that call: its roots count if the call has written the model by then.
         """
-        values = next((source for source in self._sources if source), None)
+        self._settle()
+        values, self._values = self._values, []
+        self._taken = True
         vector = None
-        if values is not None:
+        if values:
             dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
             vector = torch.stack([v.to(dtype) for v in values])
-        self.clear()
-        if self.active:
-            self._searched = True
-            _MODULES.searched(self)
         if vector is None and rules and not self._warned:
             self._warned = True
-            log.warning("%s: no loss seen at step %d of %s; looked for: %s. A loss computed by a function "
-                        "outside these (F.cross_entropy(...) in the script) cannot be seen: call a loss module "
-                        "(nn.CrossEntropyLoss()(logits, y)), return the loss from forward, or pass a closure to "
-                        "optimizer.step(); until then the rule evaluates nothing",
-                        ", ".join(rules), step, self.model, "; ".join(LOSS_SOURCES))
+            log.warning("%s: no loss seen at step %d of %s: no backward pass reached its parameters during the "
+                        "step. target: loss is the tensor the script calls backward() on (loss.backward(), "
+                        "torch.autograd.backward); gradients computed with torch.autograd.grad and assigned to "
+                        ".grad have no such root. Until one is seen the rule evaluates nothing",
+                        ", ".join(rules), step, self.model)
         return vector
 
     def remove(self) -> None:
-        self.set_active(False)
-        self.clear()
+        self.active = False
+        self._values.clear()
+        self._pending = None
+        if self._joined:
+            self._joined = False
+            _ROOTS.leave(self)
 
 
-class LossModules:
-    """The one watcher of loss modules for every `LossTap` of the process (see the module docstring)."""
+class _Roots:
+    """The one owner of the wrapped `torch.autograd.backward` and `GradScaler.scale`, and of the taps they feed.
+
+    The wrappers are put in place when the first tap joins and taken out when the last
+    one leaves (`process.Shared`); one that another library wrapped again in the meantime
+    is left where it is, calling straight through. `GradScaler.scale` is wrapped on
+    `torch.amp.GradScaler` and on each subclass imported by then that defines its own
+    (`ShardedGradScaler`).
+    """
 
     def __init__(self) -> None:
-        self._taps: list[LossTap] = []
-        self._searching: set[int] = set()  # ids of joined taps whose first active step has not ended
-        self._known: "weakref.WeakKeyDictionary[_Loss, _Hooked]" = weakref.WeakKeyDictionary()
-        self._global: Optional[RemovableHandle] = None
-        self._said_shared = False  # a loss module's value went to several models (said once a process)
+        self._taps: tuple[LossTap, ...] = ()
+        self._local = threading.local()  # depth: a call inside one of ours (a tensor subclass dispatching again)
+        self._scaled: dict[int, tuple["weakref.ref[torch.Tensor]", torch.Tensor]] = {}
+        self._backward: Optional[Callable[..., Any]] = None
+        self._scales: list[tuple[type, Callable[..., Any], Callable[..., Any]]] = []  # (class, its scale, ours)
+        self._shared = process.Shared("torch.autograd.backward and GradScaler.scale (target: loss)",
+                                      self._install, self._uninstall)
 
-    @property
-    def watching_every_call(self) -> bool:
-        return self._global is not None
-
-    def join(self, tap: LossTap, search: bool) -> None:
-        if tap not in self._taps:
-            self._taps.append(tap)
-        if search:
-            self._searching.add(id(tap))
-        self._sync()
+    def join(self, tap: LossTap) -> None:
+        self._taps = (*self._taps, tap)
+        self._shared.acquire()
 
     def leave(self, tap: LossTap) -> None:
-        if tap in self._taps:
-            self._taps.remove(tap)
-        self._searching.discard(id(tap))
-        self._sync()
+        self._taps = tuple(t for t in self._taps if t is not tap)
+        self._shared.release()
 
-    def searched(self, tap: LossTap) -> None:
-        """`tap`'s first active step ended: the loss modules of its script have been met."""
-        if id(tap) in self._searching:
-            self._searching.discard(id(tap))
-            self._sync()
+    def _install(self) -> None:
+        self._backward = torch.autograd.backward
+        setattr(torch.autograd, "backward", self._wrapped_backward)
+        classes, found = [GradScaler], [GradScaler]
+        while found:
+            found = [sub for cls in found for sub in cls.__subclasses__()]
+            classes += [cls for cls in found if "scale" in cls.__dict__]
+        for cls in classes:
+            self._scales.append((cls, cls.__dict__["scale"], self._scale_of(cls.__dict__["scale"])))
+            setattr(cls, "scale", self._scales[-1][2])
 
-    def _sync(self) -> None:
-        """Hooks for exactly what is needed now: per-instance hooks while a tap is joined, the global one while searching."""
-        wanted = bool(self._taps)
-        for module, hooked in list(self._known.items()):
-            if wanted and hooked.handle is None:
-                hooked.handle = module_hooks.forward_hook(module, self._called)
-            elif not wanted:
-                hooked.remove()
-        every_call = bool(self._searching) or any(tap.fleeting for tap in self._taps)
-        if every_call and self._global is None:
-            self._global = module_hooks.global_forward_hook(self._any_call)
-        elif not every_call and self._global is not None:
-            self._global.remove()
-            self._global = None
+    def _uninstall(self) -> None:
+        if torch.autograd.backward == self._wrapped_backward:
+            setattr(torch.autograd, "backward", self._backward)
+        for cls, theirs, ours in self._scales:
+            if cls.__dict__.get("scale") is ours:
+                setattr(cls, "scale", theirs)
+        self._scales.clear()
+        self._scaled.clear()
 
-    def _any_call(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """hook(module, args, output) -> None, on every module call of the process while searching."""
-        if not isinstance(module, _Loss) or module in self._known:
-            return
-        hooked = self._known[module] = _Hooked(module_hooks.forward_hook(module, self._called))
-        finders = [weakref.ref(tap) for tap in self._taps if id(tap) in self._searching]
-        weakref.finalize(module, self._collected, finders, hooked)
-        self._called(module, args, output)  # its own hook joins the next call, not this one
+    def _scale_of(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A class's `scale(self, outputs)` that notes the scale tensor each returned tensor was multiplied by."""
+        def scale(scaler: GradScaler, outputs: Any) -> Any:
+            scaled = original(scaler, outputs)
+            factor = scaler._scale
+            if scaler._enabled and factor is not None:
+                for t in _tensors(scaled):
+                    self._remember(t, factor)
+            return scaled
+        return scale
 
-    def _called(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """hook(module, args, output) -> None, on each call of a known loss module."""
-        if isinstance(output, torch.Tensor) and _scalar(output) and output.requires_grad and torch.is_grad_enabled():
-            for tap in self._taps:
-                tap.module_loss(output)
-            if len(self._taps) > 1 and not self._said_shared:
-                self._said_shared = True
-                log.warning("a %s's loss goes to every governed model with a loss rule active (%s): hookpolicy "
-                            "cannot tell whose loss it is; return each model's loss from its forward to keep them "
-                            "apart", type(module).__name__, ", ".join(tap.model for tap in self._taps))
+    # -- the wrappers ----------------------------------------------------------------------
+    def _wrapped_backward(self, tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """torch.autograd.backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, ...)."""
+        original = self._backward
+        assert original is not None
+        taps = [tap for tap in self._taps if tap.active]
+        depth = getattr(self._local, "depth", 0)
+        if not taps or depth or torch._C._current_graph_task_id() != -1:
+            return original(tensors, grad_tensors, *args, **kwargs)
+        values = self._values(tensors, kwargs.get("grad_variables", grad_tensors))
+        for tap in taps:
+            tap.backward_starts(values)
+        self._local.depth = depth + 1
+        completed = False
+        try:
+            result = original(tensors, grad_tensors, *args, **kwargs)
+            completed = True
+            return result
+        finally:
+            self._local.depth = depth
+            for tap in taps:
+                tap.backward_ends(completed)
 
-    def _collected(self, finders: list["weakref.ref[LossTap]"], hooked: "_Hooked") -> None:
-        """A loss module is gone: the taps that found it have a script that makes a new one per call.
+    def _remember(self, t: torch.Tensor, factor: torch.Tensor) -> None:
+        if len(self._scaled) > 64:  # scaled outputs never backpropagated: forget the dead ones
+            self._scaled = {k: v for k, v in self._scaled.items() if v[0]() is not None}
+        self._scaled[id(t)] = (weakref.ref(t), factor)
 
-        Its hook's handle is let go too, or `module_hooks` would keep its id (and the reduce
-        filter) for ever, one id per criterion a script builds.
-        """
-        hooked.remove()
-        fresh = [tap for tap in (ref() for ref in finders) if tap is not None and not tap.fleeting]
-        for tap in fresh:
-            tap.fleeting = True
-        if any(tap in self._taps for tap in fresh):
-            self._sync()
+    def _values(self, tensors: Any, grads: Any) -> list[torch.Tensor]:
+        """Each root's value (see the module docstring), detached, on its device."""
+        roots = (tensors,) if isinstance(tensors, (torch.Tensor, GradientEdge)) else tuple(tensors)
+        if grads is None:
+            grads = (None,) * len(roots)
+        elif isinstance(grads, torch.Tensor):
+            grads = (grads,)
+        values = []
+        for root, grad in zip(roots, tuple(grads)):
+            if not isinstance(root, torch.Tensor) or not root.is_floating_point():
+                continue  # a GradientEdge has no value
+            value = root.detach()
+            if isinstance(grad, torch.Tensor):
+                value = (value * grad.detach()).sum()
+            elif value.dim():
+                if value.numel() != 1:
+                    continue  # backward() itself refuses a non-scalar root without a gradient
+                value = value.reshape(())
+            scaled = self._scaled.pop(id(root), None) if self._scaled else None
+            if scaled is not None and scaled[0]() is root:
+                value = value / scaled[1].to(value.device)
+            values.append(value)
+        return values
 
 
-class _Hooked:
-    """The handle of a known loss module's own hook, while it has one."""
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: Optional[module_hooks.OwnHandle]) -> None:
-        self.handle = handle
-
-    def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
+def _tensors(scaled: Any) -> list[torch.Tensor]:
+    """The tensors `GradScaler.scale` returned (a tensor, or a list or tuple of them; a lazy `map` is not looked at)."""
+    items = [scaled] if isinstance(scaled, torch.Tensor) else list(scaled) if isinstance(scaled, (list, tuple)) else []
+    return [t for t in items if isinstance(t, torch.Tensor)]
 
 
-_MODULES = LossModules()
+_ROOTS = _Roots()

@@ -92,7 +92,11 @@ class StepTracker:
         self._stepping = False  # between before_update and after_update: updates are the optimizer's
         self._last_backward: Optional[tuple[torch.nn.Parameter, int, int]] = None  # probe, its version, _hooked_steps
         self._reported = process.Once()
-        self._grad_before: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None  # (a parameter, its .grad)
+
+    @property
+    def scopes(self) -> Scopes:
+        """What backward passes wrote to this model's parameters, and which optimizers step it together."""
+        return self._scopes
 
     def remove(self) -> None:
         """Take the parameters' hooks off (`scopes`)."""
@@ -143,6 +147,7 @@ class StepTracker:
     # -- backward passes ---------------------------------------------------------------
     def backward_starts(self) -> bool:
         """A gradient reached a root output: True for the first of a backward pass."""
+        self._scopes.touched = True  # a backward call reached the model (`loss`), also where no parameter hook fires
         if self._in_backward:
             return False
         self._in_backward = True
@@ -261,22 +266,6 @@ class StepTracker:
     def evaluated(self, optimizer: torch.optim.Optimizer, skip: bool) -> None:
         """The step `optimizer` began was evaluated: `skip` it or not."""
         self.skipping = skip
-
-    def grad_before_closure(self, optimizer: torch.optim.Optimizer) -> None:
-        """Note a gradient before the step's closure runs (for `closure_accumulated`)."""
-        self._grad_before = None
-        if self.owns(optimizer):
-            param = next((p for g in optimizer.param_groups for p in g["params"] if id(p) in self._param_ids), None)
-            if param is not None:
-                self._grad_before = (param, param.grad)
-
-    def closure_accumulated(self, optimizer: torch.optim.Optimizer) -> Optional[bool]:
-        """After the first closure call of `optimizer`'s step: whether it added its gradients to ones already
-        there (the same `.grad` tensor before and after it); None when it is not this model's optimizer."""
-        if not self.owns(optimizer):
-            return None
-        before, self._grad_before = self._grad_before, None
-        return before is not None and before[1] is not None and before[0].grad is before[1]
 
     def update_ends(self, optimizer: torch.optim.Optimizer) -> bool:
         """After `optimizer`'s update: put hidden gradients and its state back; True when the step ends."""

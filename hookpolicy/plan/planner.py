@@ -19,15 +19,12 @@ from ..errors import Problem
 from ..policy.patterns import compile_glob
 from ..policy.model import LOSS, PARAM_TARGETS, Action, Alert, Capture, Clip, Policy, Rule, Scale
 
-__all__ = ["LOSS_SOURCES", "Binding", "Plan", "build_plan", "describe_action", "param"]
+__all__ = ["LOSS_SOURCE", "Binding", "Plan", "build_plan", "describe_action", "param"]
 
-#: where `target: loss` finds a step's loss, in order of preference (engine/loss.py looks there)
-LOSS_SOURCES = (
-    "an optimizer closure's return value",
-    "the model's output at a training forward (ModelOutput.loss, a 'loss' key, a 0-dim tensor alone or "
-    "first in a tuple)",
-    "torch.nn loss modules (nn.CrossEntropyLoss(), ...) called in training",
-)
+#: what `target: loss` is (engine/loss.py takes it there)
+LOSS_SOURCE = ("the tensor the script calls backward() on (loss.backward(), torch.autograd.backward), at each "
+               "backward call of the step that reaches its parameters, divided by GradScaler's scale when one "
+               "scaled it: one value per root; the optimizer applies the gradient of their sum (mean * numel)")
 
 #: Modules whose inputs are integer indices: no gradient ever reaches them.
 _INDEX_INPUT_TYPES = ("Embedding", "EmbeddingBag")
@@ -173,8 +170,7 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
                                 f"its root (root: true, or types: [{type(model).__name__}]); it does not")
             else:
                 bindings.append(Binding(policy, rule, "", root.qualname, "step", LOSS, obj=root.module))
-                notes.append(f"{where}: the loss of {type(model).__name__} is looked for at each step in "
-                             + "; else ".join(LOSS_SOURCES) + " (the first of these that saw one)")
+                notes.append(f"{where}: the loss of {type(model).__name__} is {LOSS_SOURCE}")
             continue
         if not found:
             selects_nothing(policy, rule, f"matches no module of {type(model).__name__}")
