@@ -14,8 +14,6 @@ The subscriber contract, as a literal signature:
 
     subscriber.before_update(optimizer) -> None   # the step's gradients are final
     subscriber.after_update(optimizer) -> None    # the update happened (or was skipped)
-    subscriber.closure_starting(optimizer) -> None         # optional: the step's closure is about to run
-    subscriber.closure_returned(optimizer, loss) -> None   # optional: what the step's closure returned
 
 `before_update` is called when the gradients the optimizer will apply exist:
 
@@ -31,8 +29,7 @@ The subscriber contract, as a literal signature:
 - An optimizer that calls its closure several times in one `step()` (LBFGS with
   `max_iter > 1` or a line search) gets `before_update` after the **first** call only:
   the gradients at the point the step starts from, which decide its first direction and
-  its convergence test (`closure_returned` also gets that first call's return value,
-  the step's loss, just before). Hiding them (a skipped step) makes LBFGS see a zero gradient and
+  its convergence test. Hiding them (a skipped step) makes LBFGS see a zero gradient and
   return before it moves. Later evaluations inside the same step are not seen; this is
   reported once per optimizer class as a `hookpolicy:` warning.
 
@@ -154,18 +151,6 @@ class _Owner:
             if not subscription.removed:
                 subscription.subscriber.before_update(optimizer)
 
-    def closure_starting(self, optimizer: torch.optim.Optimizer) -> None:
-        for subscription in self._subscriptions:
-            tell = getattr(subscription.subscriber, "closure_starting", None)
-            if tell is not None and not subscription.removed:
-                tell(optimizer)
-
-    def closure_returned(self, optimizer: torch.optim.Optimizer, loss: Any) -> None:
-        for subscription in self._subscriptions:
-            tell = getattr(subscription.subscriber, "closure_returned", None)
-            if tell is not None and not subscription.removed:
-                tell(optimizer, loss)
-
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         wrapped = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if isinstance(wrapped, _ClosureThenUpdate):
@@ -185,12 +170,9 @@ class _ClosureThenUpdate:
         self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.calls == 0:
-            self.owner.closure_starting(self.optimizer)
         loss = self.closure(*args, **kwargs)
         self.calls += 1
         if self.calls == 1:
-            self.owner.closure_returned(self.optimizer, loss)
             self.owner.before_update(self.optimizer)
         return loss
 
