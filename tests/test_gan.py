@@ -163,6 +163,54 @@ def test_a_clip_over_the_model_clips_only_the_stepping_part(tmp_path: Path, thro
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def three_optimizers(gan: GAN, iterations: int, clip: bool) -> list[list[torch.Tensor]]:
+    """The discriminator's SGD steps after its own backward pass; then the generator's two layers'
+    SGDs step together after one backward pass. Returns the gradients each optimizer stepped
+    with (read by its own step pre-hook, which runs after hookpolicy's global one); `clip`: the
+    reference, `clip_grad_norm_(..., 0.05)` over the discriminator, then over both generator layers."""
+    d_opt = torch.optim.SGD(gan.discriminator.parameters(), lr=0.1)
+    g_opts = [torch.optim.SGD(gan.generator[i].parameters(), lr=0.1) for i in (0, 2)]
+    seen: list[list[torch.Tensor]] = []
+    for opt in (d_opt, *g_opts):
+        opt.register_step_pre_hook(
+            lambda o, a, k: seen.append([p.grad.clone() for g in o.param_groups for p in g["params"]]))
+    data = torch.Generator().manual_seed(1)
+    for _ in range(iterations):
+        z, real = torch.randn(8, 2, generator=data), torch.randn(8, 4, generator=data) + 2
+        d_opt.zero_grad()
+        (nn.functional.softplus(gan.discriminator(gan.generator(z).detach())).mean()
+         + nn.functional.softplus(-gan.discriminator(real)).mean()).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(gan.discriminator.parameters(), 0.05)
+        d_opt.step()
+        for opt in g_opts:
+            opt.zero_grad()
+        nn.functional.softplus(-gan.discriminator(gan.generator(z))).mean().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(gan.generator.parameters(), 0.05)
+        for opt in g_opts:
+            opt.step()
+    return seen
+
+
+def test_two_optimizers_stepping_together_and_one_apart(tmp_path: Path) -> None:
+    """Three optimizers: the two of the generator's layers step together (one step, one `per: rule`
+    clip over both layers' gradients), the discriminator's apart (a step of its own). Reference:
+    `clip_grad_norm_` over the discriminator's parameters, then over the whole generator's."""
+    gan = GAN()
+    with load_policy(tmp_path, CLIP).attach(gan) as attached:
+        got = three_optimizers(gan, 4, clip=False)
+        assert attached.step == 8
+    reference = GAN()
+    want = three_optimizers(reference, 4, clip=True)
+    assert len(got) == len(want) == 12
+    for i, (stepped, expected) in enumerate(zip(got, want)):
+        for g, w in zip(stepped, expected):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=f"optimizer step {i}")
+    for (name, p), q in zip(gan.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_gradients_no_backward_pass_wrote_are_said_and_refused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
