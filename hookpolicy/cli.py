@@ -282,10 +282,12 @@ def _dash_dash_hint(args: Sequence[str]) -> Optional[str]:
 @click.option("--watch", is_flag=True, help="Reload changed policy files between two steps (SIGHUP also reloads).")
 @click.option("--strict", is_flag=True,
               help="A rule that selects nothing on the trained model stops the process (status 1) instead of a warning.")
+@click.option("--report", "report_page", type=click.Path(dir_okay=False), default=None, metavar="PAGE",
+              help="When COMMAND ends, draw the policies' capture logs into this HTML page (hookpolicy report).")
 @click.pass_context
 def apply(
     ctx: click.Context, policies: tuple[str, ...], metrics_port: Optional[int], metrics_addr: str,
-    audit: bool, watch: bool, strict: bool,
+    audit: bool, watch: bool, strict: bool, report_page: Optional[str],
 ) -> None:
     """Run COMMAND with the policies on every model it trains, unmodified.
 
@@ -305,10 +307,16 @@ def apply(
         hint = _dash_dash_hint(policies)
         raise click.UsageError("missing '-- COMMAND': " + (hint or "e.g. hookpolicy apply policy.yaml -- python train.py"))
     sources = _sources(policies)
-    _load(sources, not_done=f"nothing was started: {' '.join(command)} did not run")
+    loaded = _load(sources, not_done=f"nothing was started: {' '.join(command)} did not run")
+    logs: tuple[str, ...] = ()
+    if report_page is not None:
+        from .export.report import capture_logs
+
+        logs = tuple(str(p) for p in capture_logs(loaded))
     launch = Launch(
         sources=tuple(os.path.abspath(s) for s in sources), metrics_port=metrics_port,
         metrics_addr=metrics_addr, audit=audit, watch=watch, strict=strict,
+        report=None if report_page is None else os.path.abspath(report_page), report_logs=logs,
     )
     ctx.exit(run(launch, command))
 

@@ -218,8 +218,12 @@ def check_output(command: str, done: subprocess.CompletedProcess[str], checkout:
         assert 4.5 < min(jumps[0]) and max(jumps[1]) < 1.6  # "from about 1.2-1.3 to about 5.4"
     if command.startswith("hookpolicy apply policies/observe.yaml"):
         assert (checkout / "runs" / "observe.jsonl").is_file()
+        if "--report runs/report.html" in command:
+            said = (REPO / "README.md").read_text("utf-8").split("one line says so:\n`", 1)[1].split("`", 1)[0]
+            line = said.replace(".../", f"{checkout}/")
+            assert line in done.stderr and (checkout / "runs" / "report.html").is_file(), done.stderr[-2000:]
     if command.startswith("hookpolicy report "):
-        assert (checkout / "runs" / "report.html").is_file()
+        assert (checkout / "runs" / "again.html").is_file()
         assert any((checkout / "runs" / "figures").glob("*.png"))
     if "--metrics-port 9400" in command:
         assert "governing Sequential" in done.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -17,9 +18,11 @@ from torch import nn
 
 import hookpolicy
 from hookpolicy.cli import cli
-from hookpolicy.export.report import MISSING_MATPLOTLIB, read_logs
+from hookpolicy.export.report import MISSING_MATPLOTLIB, figures, read_logs
 
 pytest.importorskip("matplotlib")
+
+REPO = Path(__file__).resolve().parent.parent
 
 POLICY = """\
 apiVersion: hookpolicy/v1
@@ -120,7 +123,8 @@ def test_report_command_writes_self_contained_html_and_pngs(logs: list[str], tmp
     assert "default-src 'none'" in page
     images = re.findall(r'src="data:image/png;base64,', page)
     names = sorted(p.name for p in pngs.iterdir())
-    assert names == ["alerts.png", "watch-grads-grad-abs_max.png", "watch-grads-grad-l2_norm.png"]
+    assert names == ["alerts.png", "watch-grads-grad-abs_max-layers.png", "watch-grads-grad-abs_max.png",
+                     "watch-grads-grad-l2_norm-layers.png", "watch-grads-grad-l2_norm.png"]
     assert len(images) == len(names)
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in pngs.iterdir())
     assert "watch/guard" in page and "critical 2" in page
@@ -157,18 +161,25 @@ def test_report_in_a_real_browser(logs: list[str], tmp_path: Path) -> None:
     done = subprocess.run(
         [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
          "--enable-logging=stderr", "--v=0", f"--user-data-dir={tmp_path / 'profile'}",
-         "--window-size=1000,1400", f"--screenshot={shot}", out.as_uri()],
+         "--window-size=1100,3600", f"--screenshot={shot}", out.as_uri()],
         capture_output=True, text=True, timeout=120,
     )
     assert shot.exists(), done.stderr[-2000:]
     console = [line for line in done.stderr.splitlines() if "CONSOLE" in line or "Content Security Policy" in line]
     assert console == []
-    data = Image.open(shot).convert("RGB").tobytes()
-    pixels = [data[i:i + 3] for i in range(0, len(data), 3)]
-    # matplotlib's first line colour (tab:blue) and the alert markers' red are drawn, not a blank or broken page.
-    blue = sum(1 for p in pixels if abs(p[0] - 31) < 12 and abs(p[1] - 119) < 12 and abs(p[2] - 180) < 12)
-    red = sum(1 for p in pixels if p[0] > 200 and p[1] < 40 and p[2] < 40)
-    assert blue > 200 and red > 50, (blue, red)
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1100, 3600)
+    colours = {colour: n for n, colour in image.getcolors(maxcolors=1 << 24)}
+
+    def near(rgb: tuple[int, int, int], tolerance: int = 10) -> int:
+        return sum(n for c, n in colours.items() if all(abs(a - b) <= tolerance for a, b in zip(c, rgb)))
+
+    # the 4 lines of a figure (2 modules x 2 ranks) in 4 distinct colours, tab10's first four
+    tab10 = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)]
+    assert all(near(c) > 100 for c in tab10), [near(c) for c in tab10]
+    assert near((255, 0, 0), 15) > 50  # the alert crosses (pure red, not tab:red)
+    viridis = [(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)]
+    assert sum(near(c, 25) > 20 for c in viridis) >= 3  # the per-layer heatmaps, over the colour scale
 
 
 def test_an_audited_skip_is_not_reported_as_a_skip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -198,3 +209,106 @@ def test_an_audited_skip_is_not_reported_as_a_skip(tmp_path: Path, capsys: pytes
     assert messages[False] == ("step skipped", "non-finite gradients at step 1: step skipped")
     assert messages[True] == ("step not skipped (audit mode)",
                               "non-finite gradients at step 1: step not skipped (audit mode)")
+
+
+# -- what the figures show ------------------------------------------------------------------
+
+
+def drawn(fig: Any) -> Any:
+    """The figure laid out as its PNG is (window extents are known after a draw)."""
+    fig.draw_without_rendering()
+    return fig
+
+
+def overlaps(a: Any, b: Any) -> bool:
+    return bool(a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1)
+
+
+def test_figures_share_the_step_axis_with_distinct_colours_and_the_legend_outside(logs: list[str]) -> None:
+    records = read_logs(logs)
+    drawn_figures = {name: drawn(fig) for _, name, fig in figures(records)}
+    assert "alerts.png" in drawn_figures
+    steps = [s for points in records.series.values() for s in points]
+    spans = {name: fig.axes[0].get_xlim() for name, fig in drawn_figures.items()}
+    assert len(set(spans.values())) == 1, spans  # the timeline too: one step axis
+    lo, hi = next(iter(spans.values()))
+    assert lo <= min(steps) and max(steps) <= hi and hi - lo < (max(steps) - min(steps)) * 1.1
+    for name in ("watch-grads-grad-l2_norm.png", "watch-grads-grad-abs_max.png"):
+        fig = drawn_figures[name]
+        ax = fig.axes[0]
+        colours = [line.get_color() for line in ax.get_lines() if line.get_label() != "skipped step"
+                   and line.get_linestyle() == "-"]
+        assert len(colours) == 4 and len(set(colours)) == 4  # 2 modules x 2 ranks, each its own colour
+        (legend,) = fig.legends
+        assert not overlaps(legend.get_window_extent(), ax.get_window_extent())
+
+
+def test_alert_markers_sit_only_on_the_statistics_the_condition_names(logs: list[str]) -> None:
+    """The grads rule alerts on `l2_norm > 0.3`: crosses on the l2_norm lines at exactly the steps
+    and modules of its alert records, none on abs_max, which the condition does not name."""
+    shown = {name: fig for _, name, fig in figures(read_logs(logs))}
+    ax = shown["watch-grads-grad-l2_norm.png"].axes[0]
+    marked = sorted((round(float(x)), round(float(y), 6)) for c in ax.collections for x, y in c.get_offsets())
+    alerts = [json.loads(line) for log in logs for line in Path(log).read_text().splitlines()
+              if line.startswith("{") and '"rule": "grads"' in line and '"event": "alert"' in line]
+    assert alerts and all(a["condition"] == "l2_norm > 0.3" for a in alerts)
+    assert marked == sorted((a["step"], round(a["stats"]["l2_norm"], 6)) for a in alerts)
+    assert len(shown["watch-grads-grad-abs_max.png"].axes[0].collections) == 0
+
+
+def record(step: int, module: str, stats: dict[str, float], rule: str = "r", target: str = "grad") -> dict[str, Any]:
+    return {"step": step, "rank": 0, "policy": "p", "rule": rule, "module": module, "target": target, "tensor": "",
+            "stats": stats}
+
+
+def test_equal_statistics_are_drawn_once_and_values_over_decades_on_a_log_scale(tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    lines = [record(s, "", {"mean": 2.0 / (s + 1), "max": 2.0 / (s + 1)}, rule="loss", target="loss")
+             for s in range(20)]
+    lines += [record(s, f"layer{i}", {"l2_norm": 10.0 ** (i - 12) * (1 + s)}) for s in range(20) for i in range(25)]
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    shown = {name: fig for _, name, fig in figures(read_logs([str(log)]))}
+    # the loss's mean and max are the same series: one figure, named for both
+    assert [n for n in shown if n.startswith("p-loss")] == ["p-loss-loss-max_mean.png"]
+    # 25 modules: no tangle of 25 lines, a heatmap of the layers over steps, on a log colour scale
+    assert "p-r-grad-l2_norm.png" not in shown
+    heat = shown["p-r-grad-l2_norm-layers.png"]
+    (mesh,) = heat.axes[0].collections
+    assert type(mesh.norm).__name__ == "LogNorm"
+    assert [t.get_text() for t in heat.axes[0].get_yticklabels()] == [f"layer{i}" for i in range(25)]  # model order
+    lines_log = tmp_path / "few.jsonl"
+    lines_log.write_text("".join(json.dumps(record(s, f"l{i}", {"rms": 10.0 ** (4 * i) + s})) + "\n"
+                                 for s in range(5) for i in range(2)))
+    (few,) = [fig for _, name, fig in figures(read_logs([str(lines_log)])) if not name.endswith("-layers.png")]
+    assert few.axes[0].get_yscale() == "log"
+
+
+@pytest.mark.slow
+def test_apply_writes_the_report_at_the_end_of_the_run(tmp_path: Path) -> None:
+    """`hookpolicy apply --report`: the run's stderr still reaches the terminal, and the page has
+    the capture log's figures and the alert stream's markers (a NaN at step 7, skipped)."""
+    (tmp_path / "watch.yaml").write_text(POLICY)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "hookpolicy", "apply", "watch.yaml", "--report", "out/report.html", "--",
+         sys.executable, str(REPO / "examples" / "train_mlp.py"), "--steps", "20", "--nan-at", "7"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hookpolicy: governing Sequential" in done.stderr  # the child's lines passed through
+    alerts = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert [a["step"] for a in alerts if a["rule"] == "guard"] == [7]
+    assert len([line for line in done.stdout.splitlines() if line.startswith("step ")]) == 20  # stdout untouched
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert f"hookpolicy: report: {tmp_path / 'out' / 'report.html'} (" in done.stderr
+    assert "watch/guard" in page and "critical 1" in page and "alerts and skipped steps" in page
+    assert "watch/grads: grad l2_norm" in page
+
+
+def test_apply_without_a_capture_log_says_there_is_no_report(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "hookpolicy", "apply", str(REPO / "policies" / "nan-guard.yaml"), "--report", "r.html",
+         "--", sys.executable, "-c", "print('no training')"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert "hookpolicy: no report: no capture of the policies wrote a log" in done.stderr
+    assert not (tmp_path / "r.html").exists()

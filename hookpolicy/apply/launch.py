@@ -10,6 +10,10 @@ the way it ended into an exit status:
   `halt` in the run folder, and the parent prints that one line on stderr;
 - 127 when the COMMAND cannot be found, 126 when it cannot be executed (as shells do).
 
+With `--report PATH`, the COMMAND's stderr passes through the parent (copied to the
+terminal as it comes, and kept for the alert markers), and when the COMMAND has ended the
+parent draws the policies' capture logs into PATH (`hookpolicy report`'s page).
+
 Signals: the COMMAND runs in its own session and process group, so the parent decides
 what reaches it. SIGINT (Ctrl-C), SIGTERM and SIGQUIT sent to the parent are forwarded to
 the whole group (a launcher and its workers alike). SIGHUP means "reload the policies":
@@ -25,12 +29,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Mapping, Optional, Sequence
+from typing import IO, Mapping, Optional, Sequence
 
 from ..environment import DEFAULT_METRICS_ADDR, apply_variables
+from ..process import start_thread
 from ..say import say
 
 __all__ = ["BOOTSTRAP_DIR", "HALT_STATUS", "Launch", "child_environment", "resolve_command", "run"]
@@ -55,6 +61,9 @@ class Launch:
     audit: bool = False
     watch: bool = False
     strict: bool = False
+    #: `--report`: the HTML page to write at the end (absolute), and the capture logs it draws
+    report: Optional[str] = None
+    report_logs: tuple[str, ...] = ()
 
 
 def resolve_command(command: Sequence[str]) -> list[str]:
@@ -96,7 +105,10 @@ def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, s
     run_dir = tempfile.mkdtemp(prefix="hookpolicy-run-")
     try:
         env = child_environment(launch, run_dir, os.environ if environ is None else environ)
-        status = _supervise(argv, env, run_dir)
+        stderr_copy = os.path.join(run_dir, "stderr") if launch.report else None
+        status = _supervise(argv, env, run_dir, stderr_copy)
+        if launch.report and stderr_copy:
+            _write_report(launch.report, launch.report_logs, stderr_copy)
         halt = _read_halt(run_dir)
         if halt is not None:
             say(halt)  # already starts with 'hookpolicy: ', which say does not repeat
@@ -111,9 +123,14 @@ def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, s
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _supervise(argv: list[str], env: dict[str, str], run_dir: str) -> int:
-    """Start the COMMAND in its own session, forward signals to its group, wait for it."""
+def _supervise(argv: list[str], env: dict[str, str], run_dir: str, stderr_copy: Optional[str] = None) -> int:
+    """Start the COMMAND in its own session, forward signals to its group, wait for it.
+
+    With `stderr_copy`, the COMMAND's stderr is a pipe whose bytes go on to this process's
+    stderr as they come and to that file.
+    """
     child: Optional[subprocess.Popen[bytes]] = None
+    copier: Optional[threading.Thread] = None
     early: list[int] = []  # signals that came before the child existed
     reloads = 0
 
@@ -137,20 +154,57 @@ def _supervise(argv: list[str], env: dict[str, str], run_dir: str) -> int:
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, reload)
     try:
         try:
-            child = subprocess.Popen(argv, env=env, start_new_session=True)
+            child = subprocess.Popen(argv, env=env, start_new_session=True,
+                                     stderr=subprocess.PIPE if stderr_copy else None)
         except FileNotFoundError:
             say(f"error: command not found: {argv[0]}")
             return 127
         except OSError as exc:  # permission denied, not an executable format, ...
             say(f"error: cannot execute {argv[0]}: {exc.strerror or exc}")
             return 126
+        if stderr_copy and child.stderr is not None:
+            pipe, copy = child.stderr, stderr_copy
+            copier = start_thread("stderr", lambda: _pass_on(pipe, copy))
+            copier.start()
         for signum in early:
             forward(signum, None)
         status = child.wait()
+        if copier is not None:
+            copier.join(timeout=10)  # a process of the COMMAND's that outlives it may hold the pipe open
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 128 - status if status < 0 else status
+
+
+def _pass_on(pipe: IO[bytes], copy_path: str) -> None:
+    """Copy the COMMAND's stderr to ours, chunk by chunk as it comes, and into `copy_path`."""
+    out = sys.stderr.buffer
+    with open(copy_path, "wb") as copy:
+        while chunk := os.read(pipe.fileno(), 1 << 16):
+            out.write(chunk)
+            out.flush()
+            copy.write(chunk)
+            copy.flush()
+
+
+def _write_report(page: str, logs: Sequence[str], stderr_copy: str) -> None:
+    """Draw the capture logs the run left (with the alerts of its stderr) into `page`; one line either way."""
+    from ..export.report import ReportError, write_report
+
+    written = [log for log in logs if os.path.isfile(log)]
+    if not written:
+        say(f"no report: no capture of the policies wrote a log ({', '.join(logs) or 'none has `log: {path: ...}`'})")
+        return
+    try:
+        _, figures = write_report([*written, stderr_copy], Path(page))
+    except ReportError as exc:
+        say(f"no report: {exc}")
+        return
+    except OSError as exc:
+        say(f"no report: cannot write {page}: {exc.strerror or exc}")
+        return
+    say(f"report: {page} ({len(figures)} figure(s) from {', '.join(written)})")
 
 
 def _read_halt(run_dir: str) -> Optional[str]:

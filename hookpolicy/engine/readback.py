@@ -158,7 +158,7 @@ class Readback:
                 logged[(-1, None)].append({
                     **base, "stats": {k: json_number(v) for k, v in stats.items()}, "event": "alert",
                     "severity": action.severity, "then": action.then, "mode": rs.mode, "outcome": happened,
-                    "message": message,
+                    "condition": action.source, "message": message,
                 })
                 if rs.enforce and not final:
                     if action.then == "skip_step" and rs.key not in report.skip_by:
