@@ -7,7 +7,7 @@ order. The priorities in use:
 
 - `DISCOVERY` (0): `hookpolicy apply`'s model discovery. It sees a step first, so that at
   a step's end it reads a governed model's step counter before step tracking moves it.
-- `STEP_TRACKING` (10): each attached model's `StepTracker`, which runs the step rules
+- `STEP_TRACKING` (10): each attached model's step cycle (`cycle.StepCycle`), which runs the step rules
   and the read-back before the update and counts the step after it.
 
 The subscriber contract, as a literal signature:

@@ -5,7 +5,7 @@ the step's ledger. At a step boundary `Readback.run` fetches all of them with on
 device, finishes the statistics per group (`per: tensor | module | rule`), publishes
 them to the metrics store, has the alerts evaluated (`alerts`) and the sinks written
 (`writers`), and returns the step's decision: skip it, halt, or go
-on. Nothing here runs inside a hook, and nothing here calls back into the runtime: the
+on. Nothing here runs inside a hook, and nothing here calls back into the step cycle: the
 outcome is a `StepReport` (skip? halt? which rules' sinks failed? time spent per rule)
 that the step cycle acts on.
 """
