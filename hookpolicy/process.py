@@ -10,6 +10,7 @@ PyTorch and every other library. What hookpolicy changes there, and who gives it
 | the filter for torch.compile's global-hook warning| `engine/module_hooks.py` (`_CALLS`) | with the module call hooks                   |
 | module/parameter registration hooks               | `engine/module_hooks.py` (`_WATCH`) | last `Watching.remove()`                     |
 | `torch.nn.Module.__reduce_ex__`                    | `engine/module_hooks.py`           | last `OwnHandle.remove()`                    |
+| `torch.autograd.backward`, `GradScaler.scale`      | `engine/loss.py` (`_ROOTS`)        | last `LossTap.remove()`                      |
 | threads `hookpolicy-*`                            | `start_thread` (exporter, reload, lifetime) | their owner's shutdown/stop                  |
 | what was said once                                | `Once`                             | never: "once" is per process or per owner    |
 | SIGTERM/SIGHUP handlers, the signal wakeup fd     | `apply/child.py`, `apply/lifetime.py` (`apply` children only) | never: the process ends with them |
@@ -22,7 +23,7 @@ hookpolicy, and each is the one home of what it holds):
 | `_OWNER`                      | `engine/optimizer_hooks.py` | the optimizer step subscribers, in order                  |
 | `_CALLS`, `_WATCH`            | `engine/module_hooks.py`    | module call subscribers; the modules watched for changes  |
 | `_ours`, `_saved`             | `engine/module_hooks.py`    | ids of hookpolicy's module hooks; the previous reducer     |
-| `_MODULES`                    | `engine/loss.py`            | the loss modules met, the loss taps joined                |
+| `_ROOTS`                      | `engine/loss.py`            | the loss taps joined, the scale of each GradScaler output |
 | `_ATTACHED`                   | `engine/runtime.py`         | the policies attached to each model (weak keys)           |
 | `_AGREED`                     | `engine/agreement.py`       | ranks agree at every step once they agreed at one         |
 | `_DTENSOR`                    | `engine/distributed.py`     | the DTensor class, once torch.distributed.tensor is in    |
