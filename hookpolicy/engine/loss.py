@@ -74,7 +74,7 @@ class LossTap:
         self._taken = False  # the step was evaluated: roots from here on belong to no step
         self.active = False
         self._joined = False
-        self._warned = False
+        self._said_none = process.Once()  # "no loss seen", said once per tap
 
     def set_active(self, active: bool) -> None:
         """At a step boundary (or a re-plan): whether a loss rule is evaluated on this step."""
@@ -121,8 +121,7 @@ class LossTap:
         if values:
             dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
             vector = torch.stack([v.to(dtype) for v in values])
-        if vector is None and rules and not self._warned:
-            self._warned = True
+        if vector is None and rules and self._said_none():
             log.warning("%s: no loss seen at step %d of %s: no backward pass reached its parameters during the "
                         "step. target: loss is the tensor the script calls backward() on (loss.backward(), "
                         "torch.autograd.backward); gradients computed with torch.autograd.grad and assigned to "
