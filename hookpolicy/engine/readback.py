@@ -119,7 +119,7 @@ class Readback:
         self.store.set_stats(published, self._max_series)
         for (family, labels), value in published.items():
             self._last[family][labels] = value
-        self.writers.boards.flush()
+        self.writers.flush_boards(report)
 
     def _report_pass(
         self, p: "_Pass", now: float, final: bool, published: dict[tuple[str, tuple[str, ...]], float],

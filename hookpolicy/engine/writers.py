@@ -1,8 +1,11 @@
 """The output writers of a read-back: JSON lines, tensor files and TensorBoard runs.
 
-A sink that cannot write (a full disk, a folder that is a file, a symlink out of the
-output folder, no tensorboard package) is a fault of its rule (`Writers.fault`), handed to
-the step cycle in the `StepReport` and handled by `onError` like a raising hook.
+Every write of every sink goes through one containment, `Writers.sink`: a sink that cannot
+write (a full disk, a folder deleted or turned into a file, a symlink out of the output
+folder, no tensorboard package, a TensorBoard writer whose thread died) is a fault of its
+rule (`Writers.fault`), handed to the step cycle in the `StepReport` and handled by
+`onError` like a raising hook, never an exception out of the step. The end-of-step flush
+of the TensorBoard runs is such a write too (`flush_boards`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+import torch
 
 from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
 from ..export.tensorboard import Boards, histogram_tag
@@ -31,18 +36,28 @@ class Writers:
         self._writers: dict[tuple[tuple[str, str], int], TensorWriter] = {}
         self._logs: dict[tuple[tuple[str, str], int], JsonLines] = {}
         self.boards = Boards(root, rank)
+        self._boarded: dict[str, tuple[Board, list[RuleState]]] = {}  # run folder -> rules that wrote it this step
 
     def close(self) -> None:
-        """Close the log sinks (at `remove()`); never raises, so `remove()` never does."""
+        """Close the sinks (at `remove()`); never raises, so `remove()` never does."""
         for (key, _), sink in self._logs.items():
             try:
                 sink.close()
             except Exception as exc:  # noqa: BLE001 - JsonLines.close does not raise; a sink that does is one line
                 log.error("hookpolicy: %s/%s: closing its log failed: %s: %s", *key, type(exc).__name__, exc)
+        for folder, error in self.boards.close():
+            log.error("hookpolicy: closing the TensorBoard run %s failed: %s: %s", folder, type(error).__name__, error)
+
+    def sink(self, report: StepReport, rs: RuleState, write: Callable[[], object]) -> bool:
+        """Run one write of a sink of `rs`: the one containment of every sink. False when it failed or `rs` is off."""
+        if report.off(rs):
+            return False
         try:
-            self.boards.close()
-        except Exception as exc:  # noqa: BLE001 - as for the logs: remove() never raises
-            log.error("hookpolicy: closing the TensorBoard writers failed: %s: %s", type(exc).__name__, exc)
+            write()
+        except Exception as exc:  # noqa: BLE001 - containment is the point
+            self.fault(report, rs, exc)
+            return False
+        return True
 
     def fault(self, report: StepReport, rs: RuleState, exc: Exception) -> None:
         """A sink of `rs` failed: a fault of the rule, for the cycle; with `onError: halt` the read-back stops."""
@@ -66,50 +81,53 @@ class Writers:
                     return
             if action.tensors is None:
                 continue
-            writer = self._writers.get((rs.key, index))
-            try:
-                if writer is None:
-                    writer = self._writers[(rs.key, index)] = TensorWriter(self._root, action.tensors)
-                if writer.spent:
-                    continue
-                stem = f"step{step:08d}-{module or 'root'}-{entry.target}" + (f"-{name}" if name else "")
-                writer.write(stem.replace("/", "_") + ".pt", tensor.cpu())
-            except BudgetSpent as exc:
-                log.warning("%s/%s: %s; no more tensor files are written", *rs.key, str(exc))
-            except Exception as exc:  # noqa: BLE001 - a full disk, a read-only folder, an unsafe path
-                self.fault(report, rs, exc)
+            if not self.sink(report, rs, lambda: self._write_tensor(rs, index, action, entry, step, module, name, tensor)):
                 return
+
+    def _write_tensor(
+        self, rs: RuleState, index: int, action: Capture, entry: Entry, step: int, module: str, name: str,
+        tensor: torch.Tensor,
+    ) -> None:
+        writer = self._writers.get((rs.key, index))
+        if writer is None:
+            assert action.tensors is not None
+            writer = self._writers[(rs.key, index)] = TensorWriter(self._root, action.tensors)
+        if writer.spent:
+            return
+        stem = f"step{step:08d}-{module or 'root'}-{entry.target}" + (f"-{name}" if name else "")
+        try:
+            writer.write(stem.replace("/", "_") + ".pt", tensor.cpu())
+        except BudgetSpent as exc:
+            log.warning("%s/%s: %s; no more tensor files are written", *rs.key, str(exc))
 
     def write_board(
         self, rs: RuleState, index: int, write: Callable[[Board], None], report: StepReport,
     ) -> bool:
-        """Write to a capture's TensorBoard run; a sink that cannot (no tensorboard package, a
-        full disk) is a fault of the rule, as for the logs. False when it failed."""
+        """Write to a capture's TensorBoard run (flushed by `flush_boards` at the end of the step). False when it failed."""
         action = rs.rule.actions[index]
         assert isinstance(action, Capture) and action.tensorboard is not None
-        if report.off(rs):
+        board = action.tensorboard
+        if not self.sink(report, rs, lambda: write(board)):
             return False
-        try:
-            write(action.tensorboard)
-        except OSError as exc:
-            self.fault(report, rs, exc)
-            return False
+        self._boarded.setdefault(board.dir, (board, []))[1].append(rs)
         return True
+
+    def flush_boards(self, report: StepReport) -> None:
+        """Flush each TensorBoard run written this step; a run that cannot is a fault of every rule that wrote it."""
+        boarded, self._boarded = self._boarded, {}
+        for board, rules in boarded.values():
+            for rs in {id(rs): rs for rs in rules}.values():
+                if self.sink(report, rs, lambda: self.boards.flush(board)):
+                    break  # flushed: the run holds every rule's writes
 
     def write_log(
         self, rs: RuleState, index: int, sink: Optional[LogSink], records: list[dict[str, Any]], report: StepReport,
     ) -> None:
-        """Append one step's records to a capture's JSON lines (by action index; -1: the alert stream, stderr).
-
-        A sink that cannot write (a full disk, a folder that is a file, a symlink out of the
-        output folder) is a fault of the rule, handled by `onError` like a raising hook.
-        """
-        if report.off(rs):
-            return
-        try:
+        """Append one step's records to a capture's JSON lines (by action index; -1: the alert stream, stderr)."""
+        def write() -> None:
             writer = self._logs.get((rs.key, index))
             if writer is None:
                 writer = self._logs[(rs.key, index)] = JsonLines(self._root, sink)
             writer.write(records)
-        except Exception as exc:  # noqa: BLE001
-            self.fault(report, rs, exc)
+
+        self.sink(report, rs, write)

@@ -45,8 +45,11 @@ class Boards:
         self._rank = rank
         self._writers: dict[Path, Any] = {}
 
+    def _folder(self, board: Board) -> Path:
+        return safe_path(self._root, f"{board.dir}/rank{self._rank}")
+
     def _writer(self, board: Board) -> Any:
-        folder = safe_path(self._root, f"{board.dir}/rank{self._rank}")
+        folder = self._folder(board)
         writer = self._writers.get(folder)
         if writer is None:
             try:
@@ -64,11 +67,19 @@ class Boards:
     def histogram(self, board: Board, step: int, tag: str, tensor: torch.Tensor) -> None:
         self._writer(board).add_histogram(tag, tensor.detach().float().reshape(-1), global_step=step)
 
-    def flush(self) -> None:
-        for writer in self._writers.values():
+    def flush(self, board: Board) -> None:
+        """Write out what `board`'s run holds; raises what its writer raises (the caller contains it)."""
+        writer = self._writers.get(self._folder(board))
+        if writer is not None:
             writer.flush()
 
-    def close(self) -> None:
-        for writer in self._writers.values():
-            writer.close()
+    def close(self) -> list[tuple[Path, Exception]]:
+        """Close every writer, each whatever the others do; the writers that failed, with why."""
+        failed: list[tuple[Path, Exception]] = []
+        for folder, writer in self._writers.items():
+            try:
+                writer.close()
+            except Exception as exc:  # noqa: BLE001 - a full disk at exit: said by the caller, never raised
+                failed.append((folder, exc))
         self._writers.clear()
+        return failed
