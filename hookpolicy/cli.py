@@ -113,17 +113,34 @@ def explain(policies: tuple[str, ...], model_spec: str, fmt: str, strict: bool) 
     loaded = PolicySet(_load(_sources(policies)))
     model = _resolve_model(model_spec)
     plan = loaded.plan(model)
+    triggers = {(p.name, r.name): r.trigger for p in loaded.policies for r in p.rules}
+    rows = [{**row, "when": _window(triggers[(row["policy"], row["rule"])])} for row in plan.rows()]
     if fmt == "json":
-        click.echo(json.dumps({"bindings": plan.rows(), "notes": list(plan.notes), "warnings": list(plan.warnings)},
+        click.echo(json.dumps({"bindings": rows, "notes": list(plan.notes), "warnings": list(plan.warnings)},
                               indent=2))
     else:
-        _explain_text(plan, model)
+        _explain_text(plan, rows, model)
     if strict and plan.unmatched:
         raise PolicyProblems(PolicyError(plan.unmatched))
 
 
-def _explain_text(plan: Any, model: Any) -> None:
-    rows = plan.rows()
+def _window(trigger: Any) -> dict[str, Any]:
+    """When a rule is active: its phase, `every` (steps whose number it divides) and `steps` range."""
+    return {"phase": trigger.phase, "every": trigger.every, "from": trigger.steps_from, "until": trigger.steps_until}
+
+
+def _window_text(when: dict[str, Any]) -> str:
+    """`train, every step`, `any phase, every 10th step, steps 100-4999` (`until` is exclusive)."""
+    phase = "any phase" if when["phase"] == "any" else when["phase"]
+    every = "every step" if when["every"] == 1 else f"every {when['every']}th step"
+    if when["until"] is not None:
+        span = f", steps {when['from']}-{when['until'] - 1}"
+    else:
+        span = f", from step {when['from']}" if when["from"] else ""
+    return f"{phase}, {every}{span}"
+
+
+def _explain_text(plan: Any, rows: list[dict[str, Any]], model: Any) -> None:
     if rows:
         click.echo(_table(rows))
     else:
@@ -135,13 +152,14 @@ def _explain_text(plan: Any, model: Any) -> None:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    header = ("RULE", "MODULE", "TYPE", "HOOK", "TARGET", "ACTIONS")
+    header = ("RULE", "MODULE", "TYPE", "HOOK", "WHEN", "TARGET", "ACTIONS")
     body = [
         (
             f"{r['policy']}/{r['rule']}",
             r["module"] or "<root>",
             r["type"],
             r["hook"],
+            _window_text(r["when"]),
             r["target"] + (f"({','.join(r['params'])})" if r["params"] else ""),
             "; ".join(r["actions"]),
         )

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from helpers import REPO
+from helpers.policies import write_policy
 from hookpolicy import __version__
 from hookpolicy.cli import cli
 from hookpolicy.policy.schema import schema_json
@@ -128,12 +129,48 @@ def test_explain_text_table() -> None:
     result = invoke("explain", MONITOR, "--model", "examples.train_mlp:build_model")
     assert result.exit_code == 0, result.output
     header, *rows = result.stdout.splitlines()
-    assert header.split() == ["RULE", "MODULE", "TYPE", "HOOK", "TARGET", "ACTIONS"]
+    assert header.split() == ["RULE", "MODULE", "TYPE", "HOOK", "WHEN", "TARGET", "ACTIONS"]
     assert len(rows) == 9
-    cells = rows[0].split(None, 5)
-    assert cells[:5] == ["example-monitor/nan-guard", "0", "Linear", "step", "grad(weight,bias)"]
-    assert "skip_step" in cells[5]
-    assert any(r.split()[:4] == ["example-monitor/layer-outputs", "4", "Linear", "forward"] for r in rows)
+    starts = [header.index(name) for name in header.split()] + [None]
+    table = [[row[a:b].strip() for a, b in zip(starts, starts[1:])] for row in rows]
+    assert table[0][:6] == ["example-monitor/nan-guard", "0", "Linear", "step", "train, every step", "grad(weight,bias)"]
+    assert "skip_step" in table[0][6]
+    assert ["example-monitor/layer-outputs", "4", "Linear", "forward", "train, every 10th step"] in [r[:5] for r in table]
+
+
+def test_a_type_in_the_wrong_case_is_named_as_the_model_spells_it(tmp_path: Path) -> None:
+    policy = write_policy(tmp_path, """
+    - name: lin
+      match: {types: [linear, LayerNrom]}
+      trigger: {at: step}
+      target: grad
+      actions: [{capture: {stats: [l2_norm]}}]
+""")
+    text = invoke("explain", str(policy), "--model", "examples.charlm:build_model").stdout
+    assert "p/lin: matches no module of TinyGPT; types: no module is a linear; did you mean Linear? " in text
+    assert "types: no module is a LayerNrom; did you mean LayerNorm?" in text
+
+
+def test_explain_shows_when_each_rule_is_active(tmp_path: Path) -> None:
+    """The window of each rule, as its YAML writes it: phase, every, steps (until exclusive)."""
+    policy = write_policy(tmp_path, """
+    - name: late
+      match: {types: [Linear]}
+      trigger: {at: step, every: 5, steps: {from: 100, until: 5000}}
+      target: grad
+      actions: [{capture: {stats: [l2_norm]}}]
+    - name: evals
+      match: {types: [Linear]}
+      trigger: {at: forward, phase: eval, steps: {from: 20}}
+      actions: [{capture: {stats: [rms]}}]
+""")
+    data = json.loads(invoke("explain", str(policy), "--model", "examples.train_mlp:build_model",
+                             "--format", "json").stdout)
+    when = {row["rule"]: row["when"] for row in data["bindings"]}
+    assert when == {"late": {"phase": "train", "every": 5, "from": 100, "until": 5000},
+                    "evals": {"phase": "eval", "every": 1, "from": 20, "until": None}}
+    text = invoke("explain", str(policy), "--model", "examples.train_mlp:build_model").stdout
+    assert "train, every 5th step, steps 100-4999" in text and "eval, every step, from step 20" in text
 
 
 def test_explain_json_and_warnings(tmp_path: Path) -> None:
@@ -148,6 +185,7 @@ def test_explain_json_and_warnings(tmp_path: Path) -> None:
         "policy": "example-monitor", "rule": "grad-norms", "priority": 50, "mode": "enforce", "module": "lm_head",
         "type": "Linear", "hook": "step", "target": "grad", "params": ["weight", "bias"], "select": [],
         "actions": ["capture(l2_norm,abs_max per=module)"],
+        "when": {"phase": "train", "every": 1, "from": 0, "until": None},
     }]
     assert any("nothing/convs" in w and "matches no module" in w for w in doc["warnings"])
     text = invoke("explain", str(nothing), "--model", "examples.charlm:build_model")

@@ -140,6 +140,24 @@ def describe_action(action: Action) -> str:
     return f"alert(if {action.source!r} for {action.for_}{warmup} -> {action.then}, {action.severity})"
 
 
+def _type_hints(rule: Rule, entries: Sequence[ModuleEntry]) -> list[str]:
+    """For each `types` name no module of the model has (class or base class), the model's class
+    names it may have meant: the same letters in another case, or a close spelling."""
+    import difflib
+
+    names = sorted({cls.__name__ for entry in entries for cls in type(entry.typed).__mro__} - {"object"})
+    hints = []
+    for wanted in rule.match.types:
+        if "." in wanted or wanted in names:
+            continue
+        same = [n for n in names if n.lower() == wanted.lower()]
+        close = same or difflib.get_close_matches(wanted, names, n=3, cutoff=0.75)
+        if close:
+            hints.append(f"types: no module is a {wanted}; did you mean {' or '.join(close)}? "
+                         "(class names are case-sensitive)")
+    return hints
+
+
 def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
     """Compile policies against a model; never touches the model beyond reading its tree."""
     entries = iter_modules(model)
@@ -173,7 +191,8 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
                 notes.append(f"{where}: the loss of {type(model).__name__} is {LOSS_SOURCE}")
             continue
         if not found:
-            selects_nothing(policy, rule, f"matches no module of {type(model).__name__}")
+            selects_nothing(policy, rule, f"matches no module of {type(model).__name__}"
+                            + "".join(f"; {hint}" for hint in _type_hints(rule, entries)))
             continue
         if rule.target in PARAM_TARGETS:
             warnings.extend(f"{where}: {w}" for w in _bare_containers(rule, matcher, entries))
