@@ -28,7 +28,7 @@ hookpolicy, and each is the one home of what it holds):
 | `_AGREED`                     | `engine/agreement.py`       | ranks agree at every step once they agreed at one         |
 | `_DTENSOR`                    | `engine/distributed.py`     | the DTensor class, once torch.distributed.tensor is in    |
 | `_local`                      | `engine/stats.py`           | per-thread scratch buffers                                |
-| `_CHECKED_CLASSES`            | `engine/cycle.py`           | the `Once` of classes checked for their own reducer       |
+| `_CHECKED_CLASSES`            | `engine/rebinding.py`       | the `Once` of classes checked for their own reducer       |
 | `_SESSION`                    | `apply/child.py`            | the `apply` child's session                               |
 | `_SHARED`, `_FILTERS`         | here                        | every `Shared` and `WarningFilter`, for `snapshot()`      |
 

@@ -16,8 +16,8 @@ bodies (`executor.Executor`, through `programs.Programs`) append to the step's `
 read-back (`readback.Readback`) reads the ledger's entries and returns a decision (skip,
 halt, faults of sinks, time); `agreement.Agreement` makes that decision every rank's;
 `history.History.commit` keeps what a step that happened saw. The cycle also installs the
-root module's two hooks (the phase of each forward, backward passes) and re-binds the rules
-when the model's tree changes, at a step boundary only.
+root module's two hooks (the phase of each forward, backward passes) and has the rules
+re-bound when the model's tree changed (`rebinding`), at a step boundary only.
 """
 
 from __future__ import annotations
@@ -30,13 +30,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..errors import Halt
-from ..process import Once
-from ..export.metrics import (
-    ACTIONS, ALERT_FIRING, ALERTS, HOOK_ERRORS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, SKIPPED_STEPS, STEPS, ModelMetrics,
-)
+from ..export.metrics import ACTIONS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, SKIPPED_STEPS, STEPS, ModelMetrics
 from ..export.sinks import output_root
-from ..plan.planner import Plan, build_plan
-from ..policy.model import LOSS, Alert, Policy
+from ..plan.planner import Plan
+from ..policy.model import LOSS, Policy
 from . import module_hooks, optimizer_hooks
 from .agreement import Agreement
 from .executor import Executor
@@ -47,11 +44,12 @@ from .installer import HookInstaller
 from .ledger import Ledger
 from .loss import LossTap
 from .readback import Readback
-from .rulestate import RuleState, rebind, rule_states
+from .rebinding import Rebinding
+from .rulestate import RuleState, rule_states
 from .steps import Phase, StepTracker
 from .structure import named_tensors
 
-__all__ = ["StepCycle", "publish_rule_series"]
+__all__ = ["StepCycle"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -68,12 +66,9 @@ class StepCycle:
         audit: bool, start_step: int, halting: Callable[[Halt], Halt], generation: int = 0,
     ) -> None:
         self.model = model
-        self.policies = policies
-        self.plan = plan
         self.store = store
         #: the step the next update belongs to
         self.step = start_step
-        self._audit = audit
         self._halting = halting
         self.rules = rule_states(plan, audit)
         #: the past values of the series that history functions read (alerts, adaptive clips)
@@ -90,11 +85,11 @@ class StepCycle:
         self._loss: Optional[LossTap] = None
         if any(rule.target == LOSS for policy in policies for rule in policy.rules):
             self._loss = LossTap(store.model, self._steps.scopes)
-        self._stale = False  # the model's tree changed since the plan was built
+        self._rebinding = Rebinding(model, policies, plan, self.rules, store, audit, (self.executor, self.programs),
+                                    self.installer, self._steps)
         self._forwarded = False  # a training forward ran in this step
         self._removed = False
         self._handles: list[Any] = []
-        self._watching: Optional[module_hooks.Watching] = None
 
     def start(self) -> None:
         """Subscribe to optimizer steps, hook the root, watch the tree; activate the first step's rules."""
@@ -103,15 +98,13 @@ class StepCycle:
             module_hooks.forward_pre_hook(self.model, self._root_pre),
             module_hooks.forward_hook(self.model, self._root_post, always_call=True),
         ]
-        self._watching = module_hooks.watch(self.model, self)
-        _warn_self_reducing(self.model, self.plan)
+        self._rebinding.start()
         self._activate()
 
     def remove(self) -> None:
         """Every hook off, then the last read-back (no decision), then the sinks closed; never raises."""
         self._removed = True
-        if self._watching is not None:
-            self._watching.remove()
+        self._rebinding.remove()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -198,6 +191,15 @@ class StepCycle:
         self._replan_if_changed()
         self._activate()
 
+    @property
+    def plan(self) -> Plan:
+        return self._rebinding.plan
+
+    def _replan_if_changed(self) -> None:
+        """Bind the rules anew if the model's tree changed (`rebinding`), and activate them."""
+        if not self._removed and self._rebinding.rebind(self.step):
+            self._activate()
+
     def _activate(self) -> None:
         """The hooks of the rules active on this step; the loss looked for only if a loss rule is among them."""
         self.installer.activate(self.step)
@@ -213,7 +215,7 @@ class StepCycle:
             if self._loss is not None:
                 self._loss.clear()
             self._forwarded = False
-        if self._stale and not self._forwarded:
+        if self._rebinding.stale and not self._forwarded:
             self._replan_if_changed()
         self._forwarded = True
 
@@ -237,68 +239,3 @@ class StepCycle:
             if self._evaluate(frozenset()):
                 self._steps.zero_grads()
             self._end_step()
-
-    # -- the model's tree changes (a `module_hooks.watch` subscriber) -------------------------
-    def tree_changed(self, parent: torch.nn.Module, name: str, value: object) -> None:
-        """`parent.name = value` is about to land inside the model: re-plan at the next step boundary."""
-        if parent._modules.get(name, parent._parameters.get(name)) is not value:
-            self._stale = True
-
-    def _replan_if_changed(self) -> None:
-        """Bind the rules anew to the model as it is now, if its tree changed since the plan.
-
-        Called where no step is half-governed: before a step's first training forward,
-        before its step rules, after its update. The new hooks go in at the installer's
-        next `activate`; series of modules no longer bound are removed.
-        """
-        if not self._stale or self._removed:
-            return
-        self._stale = False
-        try:
-            plan = build_plan(self.policies, self.model)
-        except Exception as exc:  # noqa: BLE001 - a guardrail that cannot re-plan must not stop training
-            log.warning("the model changed at step %d and cannot be planned again (%s: %s); "
-                        "the policies stay bound to the modules they had", self.step, type(exc).__name__, exc)
-            return
-        gone = {b.module for b in self.plan.bindings} - {b.module for b in plan.bindings}
-        self.plan = plan
-        for rs in rebind(self.rules, plan, self._audit):
-            publish_rule_series(self.store, rs)
-        self.executor.rules_changed()
-        self.programs.rules_changed()
-        self.installer.rebind(plan)
-        self._activate()
-        self._steps.refresh()
-        if self._watching is not None:
-            self._watching.update(list(self.model.modules()))
-        _warn_self_reducing(self.model, plan)
-        for warning in plan.warnings:
-            log.warning("%s", warning)
-        for policy in self.policies:
-            self.store.forget_modules(policy.name, gone)
-        log.info("the model changed at step %d: %d binding(s) now", self.step, len(plan.bindings))
-
-
-def publish_rule_series(store: ModelMetrics, rs: RuleState) -> None:
-    """Create a rule's counters at 0, so `increase()` sees its first event."""
-    store.inc(HOOK_ERRORS, rs.key, 0)
-    for action in rs.rule.actions:
-        if isinstance(action, Alert):
-            store.inc(ALERTS, (*rs.key, action.severity), 0)
-            store.set(ALERT_FIRING, (*rs.key, action.severity), 0.0)
-            if action.then == "skip_step":
-                store.inc(SKIPPED_STEPS, rs.key, 0)
-
-
-#: module classes `_warn_self_reducing` has looked at (each once a process)
-_CHECKED_CLASSES = Once()
-
-
-def _warn_self_reducing(model: torch.nn.Module, plan: Plan) -> None:
-    """Say once per class when its copies would carry hookpolicy's hooks (it reduces itself)."""
-    hooked = {type(model), *(type(b.obj) for b in plan.bindings if b.hook != "step")}
-    for cls in hooked:
-        if _CHECKED_CLASSES(cls) and module_hooks.reduces_itself(cls):
-            log.warning("%s defines its own __reduce_ex__/__reduce__, so a copy, pickle or "
-                        "torch.save of it would carry hookpolicy's hooks; remove() the policy before copying it",
-                        cls.__qualname__)

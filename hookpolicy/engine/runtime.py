@@ -24,8 +24,9 @@ from ..export.metrics import ALERT_FIRING, POLICY_INFO, SERIES_DROPPED, STEPS, L
 from ..plan.matcher import model_class
 from ..plan.planner import Plan, build_plan
 from ..policy.model import Policy
-from .cycle import StepCycle, publish_rule_series
+from .cycle import StepCycle
 from .history import History
+from .rebinding import publish_rule_series
 from .rulestate import MAX_ERRORS
 
 __all__ = ["Attached", "MAX_ERRORS"]

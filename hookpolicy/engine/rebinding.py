@@ -1,0 +1,130 @@
+"""Re-binding: the rules bound anew when the model's tree changes, at a step boundary only.
+
+PyTorch's module and parameter registration hooks (`module_hooks.watch`) tell `Rebinding`
+that `parent.name = value` is about to land inside the model (`model.head = ...`, LoRA
+injection); the step cycle calls `rebind(step)` where no step is half-governed (before a
+step's first training forward, before its step rules, after its update), which plans
+again and binds the rules to the model as it is now. The new hooks go in at the
+installer's next `activate`; series of modules no longer bound are removed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Protocol, Sequence
+
+import torch
+
+from ..export.metrics import ALERT_FIRING, ALERTS, HOOK_ERRORS, SKIPPED_STEPS, ModelMetrics
+from ..plan.planner import Plan, build_plan
+from ..policy.model import Alert, Policy
+from ..process import Once
+from . import module_hooks
+from .installer import HookInstaller
+from .rulestate import RuleState, rebind
+
+__all__ = ["Rebinding", "publish_rule_series"]
+
+log = logging.getLogger("hookpolicy")
+
+
+class _Derived(Protocol):
+    """A part that derives what it needs from the rules (again, after a rule joined on a rebind)."""
+
+    def rules_changed(self) -> None: ...
+
+
+class _Refreshed(Protocol):
+    """A part that learns the model's parameters anew (whose optimizer is whose)."""
+
+    def refresh(self) -> None: ...
+
+
+class Rebinding:
+    """The plan of one attached model, bound anew after its tree changed; see the module docstring."""
+
+    def __init__(
+        self, model: torch.nn.Module, policies: Sequence[Policy], plan: Plan, rules: dict[tuple[str, str], RuleState],
+        store: ModelMetrics, audit: bool, derived: Sequence[_Derived], installer: HookInstaller,
+        refreshed: _Refreshed,
+    ) -> None:
+        self.model = model
+        self.policies = policies
+        self.plan = plan
+        self._rules = rules
+        self._store = store
+        self._audit = audit
+        self._derived = derived
+        self._installer = installer
+        self._refreshed = refreshed
+        #: the model's tree changed since the plan was built
+        self.stale = False
+        self._watching: Optional[module_hooks.Watching] = None
+
+    def start(self) -> None:
+        """Watch the model's tree (a `module_hooks.watch` subscriber)."""
+        self._watching = module_hooks.watch(self.model, self)
+        _warn_self_reducing(self.model, self.plan)
+
+    def remove(self) -> None:
+        if self._watching is not None:
+            self._watching.remove()
+
+    def tree_changed(self, parent: torch.nn.Module, name: str, value: object) -> None:
+        """`parent.name = value` is about to land inside the model: re-plan at the next step boundary."""
+        if parent._modules.get(name, parent._parameters.get(name)) is not value:
+            self.stale = True
+
+    def rebind(self, step: int) -> bool:
+        """Bind the rules anew to the model as it is now, if its tree changed since the plan; True when it did."""
+        if not self.stale:
+            return False
+        self.stale = False
+        try:
+            plan = build_plan(self.policies, self.model)
+        except Exception as exc:  # noqa: BLE001 - a guardrail that cannot re-plan must not stop training
+            log.warning("the model changed at step %d and cannot be planned again (%s: %s); "
+                        "the policies stay bound to the modules they had", step, type(exc).__name__, exc)
+            return False
+        gone = {b.module for b in self.plan.bindings} - {b.module for b in plan.bindings}
+        self.plan = plan
+        for rs in rebind(self._rules, plan, self._audit):
+            publish_rule_series(self._store, rs)
+        for part in self._derived:
+            part.rules_changed()
+        self._installer.rebind(plan)
+        self._refreshed.refresh()
+        if self._watching is not None:
+            self._watching.update(list(self.model.modules()))
+        _warn_self_reducing(self.model, plan)
+        for warning in plan.warnings:
+            log.warning("%s", warning)
+        for policy in self.policies:
+            self._store.forget_modules(policy.name, gone)
+        log.info("the model changed at step %d: %d binding(s) now", step, len(plan.bindings))
+        return True
+
+
+def publish_rule_series(store: ModelMetrics, rs: RuleState) -> None:
+    """Create a rule's counters at 0, so `increase()` sees its first event."""
+    store.inc(HOOK_ERRORS, rs.key, 0)
+    for action in rs.rule.actions:
+        if isinstance(action, Alert):
+            store.inc(ALERTS, (*rs.key, action.severity), 0)
+            store.set(ALERT_FIRING, (*rs.key, action.severity), 0.0)
+            if action.then == "skip_step":
+                store.inc(SKIPPED_STEPS, rs.key, 0)
+
+
+#: module classes `_warn_self_reducing` has looked at (each once a process)
+_CHECKED_CLASSES = Once()
+
+
+def _warn_self_reducing(model: torch.nn.Module, plan: Plan) -> None:
+    """Say once per class when its copies would carry hookpolicy's hooks (it reduces itself)."""
+    hooked = {type(model), *(type(b.obj) for b in plan.bindings if b.hook != "step")}
+    for cls in hooked:
+        if _CHECKED_CLASSES(cls) and module_hooks.reduces_itself(cls):
+            log.warning("%s defines its own __reduce_ex__/__reduce__, so a copy, pickle or "
+                        "torch.save of it would carry hookpolicy's hooks; remove() the policy before copying it",
+                        cls.__qualname__)
