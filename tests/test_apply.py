@@ -225,6 +225,43 @@ def test_halt_exits_3_with_the_one_line(apply: Callable[..., Run], tmp_path: Pat
     assert [x.split(" loss")[0] for x in losses(run.stdout)] == [f"step {i}" for i in range(4)]
 
 
+#: A script that catches the Halt `optimizer.step()` raises and exits 0 (to save a checkpoint
+#: first, say): the halt reaches no excepthook.
+CATCHING_SCRIPT = """\
+import sys
+import torch
+from hookpolicy import Halt
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(6):
+    loss = model(torch.randn(8, 4)).pow(2).mean() * (float("nan") if step == 2 else 1.0)
+    loss.backward()
+    try:
+        opt.step()
+    except Halt as halt:
+        print(f"caught {type(halt).__name__} at step {step}", flush=True)
+        sys.exit(0)
+    opt.zero_grad()
+print("trained", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_halt_the_script_catches_still_exits_3(apply: Callable[..., Run], tmp_path: Path) -> None:
+    """The script swallows the Halt and exits 0: `apply` learnt of it from its halt handler
+    (before the Halt propagated), so it still exits 3 with the one line."""
+    policy, script = tmp_path / "guard.yaml", tmp_path / "catching.py"
+    policy.write_text(HALT_POLICY)
+    script.write_text(CATCHING_SCRIPT)
+    run = apply(str(policy), "--", sys.executable, str(script))
+    assert run.wait() == 3, run.stderr
+    assert run.stdout.splitlines() == ["caught Halt at step 2"]
+    line = "hookpolicy: halted by guard/nan-halt at step 2: non-finite gradients"
+    assert run.stderr.splitlines().count(line) == 1, run.stderr
+
+
 @pytest.mark.slow
 def test_halt_under_torchrun_is_one_line_too(apply: Callable[..., Run], tmp_path: Path) -> None:
     policy = tmp_path / "guard.yaml"
