@@ -378,3 +378,43 @@ def test_the_soak_test_runs_only_when_asked(marks: list[str], soak: bool) -> Non
                            "tests/test_soak.py"], cwd=REPO, capture_output=True, text=True, timeout=120)
     collected = [line for line in done.stdout.splitlines() if "::" in line and "[10000]" in line]
     assert bool(collected) == soak, done.stdout
+
+
+def test_check_hints_what_would_be_right(tmp_path: Path) -> None:
+    """C's `&&`, a bare number for `scale`, a bare path for `log`: each error says the YAML meant;
+    a wrong target is one error, not also an "unknown statistic" for the name its intended target has."""
+    path = tmp_path / "hints.yaml"
+    path.write_text("""\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {name: hints}
+spec:
+  rules:
+    - name: r1
+      match: {types: [Linear]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - alert: {if: "l2_norm > 1 && nonfinite > 0"}
+        - scale: 0.5
+        - capture: {stats: [l2_norm], log: runs/x.jsonl}
+    - name: r2
+      match: {root: true}
+      trigger: {at: step}
+      target: los
+      actions:
+        - alert: {if: "loss > 3 || nonfinite > 0"}
+""")
+    result = invoke("check", str(path))
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"{path}:11:36: $.spec.rules[0].actions[0].alert.if: invalid condition: unexpected character '&'; "
+        "write 'and' to combine comparisons",
+        f"{path}:12:18: $.spec.rules[0].actions[1].scale: expected a mapping, got number 0.5; write scale: {{factor: 0.5}}",
+        f"{path}:13:44: $.spec.rules[0].actions[2].capture.log: expected a mapping, got string 'runs/x.jsonl'; "
+        "write log: {path: runs/x.jsonl}",
+        f"{path}:17:15: $.spec.rules[1].target: 'los' is not one of: input, output, grad_output, grad_input, grad, "
+        "weight, loss; did you mean 'loss'?",
+        f"{path}:19:33: $.spec.rules[1].actions[0].alert.if: invalid condition: unexpected character '|'; "
+        "write 'or' to combine comparisons",
+    ]

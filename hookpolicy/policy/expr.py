@@ -561,6 +561,10 @@ def _did_you_mean(text: str, options: Mapping[str, Any]) -> str:
     return f" did you mean {close[0]!r}?" if close else ""
 
 
+#: the operators of C and Python's bit operators that people write for `and`, `or`, `not`
+_C_OPERATORS = (("&&", "and"), ("||", "or"), ("&", "and"), ("|", "or"), ("!", "not"))
+
+
 def _tokenize(text: str) -> list[tuple[str, str, int]]:
     """The tokens of `text`, in time linear in its length (at most MAX_TOKENS of them)."""
     tokens: list[tuple[str, str, int]] = []
@@ -568,7 +572,9 @@ def _tokenize(text: str) -> list[tuple[str, str, int]]:
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if m is None or m.end() == pos:
-            raise ExprError(f"unexpected character {text[pos]!r}", pos)
+            word = next((w for sign, w in _C_OPERATORS if text.startswith(sign, pos)), None)
+            hint = f"; write {word!r} to {'negate' if word == 'not' else 'combine'} comparisons" if word else ""
+            raise ExprError(f"unexpected character {text[pos]!r}{hint}", pos)
         kind = m.lastgroup or ""
         if len(tokens) == MAX_TOKENS:
             raise ExprError(f"longer than {MAX_TOKENS} tokens (numbers, names, operators, parentheses)", m.start(kind))

@@ -11,7 +11,7 @@ import string
 from typing import Mapping, Optional
 
 from .expr import ExprError, NO_PAST, Template, Value, names_with, parse_value
-from .model import LOSS, STATS
+from .model import LOSS, STATS, TARGETS
 
 __all__ = [
     "CLIP_NAMES", "MAX_FIELD_WIDTH", "MAX_MESSAGE_CHARS", "MESSAGE_FIELDS", "TARGET_ALIASES", "expression_names",
@@ -29,7 +29,13 @@ CLIP_NAMES: Mapping[str, str] = {"norm": "norm"}
 
 
 def expression_names(target: Optional[str]) -> Mapping[str, str]:
-    """The names an `if` or message expression of a rule on `target` may use: statistics and the target's aliases."""
+    """The names an `if` or message expression of a rule on `target` may use: statistics and the target's aliases.
+
+    With a `target` that is wrong or unknown (reported on its own), every target's aliases: a
+    name the intended target has is no second error.
+    """
+    if target not in TARGETS:
+        return names_with({alias: stat for aliases in TARGET_ALIASES.values() for alias, stat in aliases.items()})
     return names_with(TARGET_ALIASES.get(target or "", {}))
 
 

@@ -185,6 +185,7 @@ def _message(error: ValidationError, path: JsonPath) -> str:
         message = f"expected {' or '.join(_TYPE_WORDS[t] for t in wanted)}, got {_describe(value)}"
         if wanted == ["string"] and isinstance(value, (bool, int, float)):
             message += "; quote the value to make it a string"
+        message += _shorthand_hint(error, path)
         return message
     if keyword == "required":
         missing = [key for key in bound if error.message.startswith(repr(key))]
@@ -193,6 +194,19 @@ def _message(error: ValidationError, path: JsonPath) -> str:
         help_text = _PATTERN_HELP.get(bound, f"it must match {bound}")
         return f"{_show(value)} is not valid: {help_text}"
     return _range_message(error) or error.message
+
+
+def _shorthand_hint(error: ValidationError, path: JsonPath) -> str:
+    """For a bare value where a mapping with one required key belongs (`scale: 0.5`,
+    `log: runs/x.jsonl`), the mapping meant: `; write scale: {factor: 0.5}`."""
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    required, properties, value = schema.get("required") or [], schema.get("properties") or {}, error.instance
+    key = required[0] if len(required) == 1 else "path" if isinstance(value, str) and "path" in properties else None
+    if schema.get("type") != "object" or key is None or not path or not isinstance(path[-1], str) \
+            or isinstance(value, (dict, list)):
+        return ""
+    shown = json.dumps(value) if not isinstance(value, str) else value
+    return f"; write {path[-1]}: {{{key}: {shown}}}"
 
 
 def _range_message(error: ValidationError) -> str:
