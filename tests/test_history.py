@@ -464,7 +464,9 @@ def test_malformed_expressions_are_refused_at_their_file_line_column(
 
 
 @pytest.mark.parametrize("body, where, message", [
-    ('{max_norm: "norm * 2"}', "max_norm", "'norm' is the current value"),
+    ('{max_norm: "ema(norm, 0.9)", when: "norm + 1"}', "when", "invalid when condition: expected a comparison"),
+    ('{min: 0, when: "norm > 1"}', "when", "when restricts a clip by norm to the groups where it holds: add max_norm"),
+    ('{max_norm: "ema(norm, 0.9)", when: "l2_norm > 1"}', "when", "unknown name 'l2_norm'; did you mean 'norm'?"),
     ('{max_norm: "ema(l2_norm, 0.9)"}', "max_norm", "unknown name 'l2_norm'; did you mean 'norm'? one of: norm"),
     ('{max_norm: "ema(norm, 1.5)"}', "max_norm", "the alpha of ema must be between 0 and 1"),
     ('{max_norm: 1.0, warmup: 5}', "warmup", "warmup applies to a max_norm expression"),

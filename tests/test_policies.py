@@ -26,7 +26,7 @@ import hookpolicy
 from helpers.outputs import json_lines, metric
 
 from helpers.models import batch, lora, make_model, train_step, train_then_evaluate
-from helpers.references import ZClipReference, agc_reference
+from helpers.references import agc_reference
 
 POLICIES = Path(__file__).resolve().parent.parent / "policies"
 LIBRARY = sorted(POLICIES.glob("*.y*ml"))
@@ -627,18 +627,20 @@ def test_loss_spike_guard_halts_at_the_20th_step_of_a_loss_that_stays_nan(
     assert skipped == [f"loss nan at step {clean + i} is not finite; step skipped" for i in range(20)]
 
 
-def test_zclip_equals_zclips_update_equations(workdir: Path) -> None:
-    """The library policy on a GPT, against ZClip's equations on a twin (tests/test_history.py)."""
+def test_zclip_equals_the_authors_zclip_on_a_gpt(workdir: Path) -> None:
+    """The library policy on a GPT, against the authors' `zclip` package at its defaults on a
+    twin (tests/test_zclip.py checks it in detail)."""
+    from zclip import ZClip
+
     model = make_model()
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05)
-    reference = ZClipReference(alpha=0.97, k=2.5, warmup=25)
+    reference = ZClip()
     used: list[list[torch.Tensor]] = []
     opt.register_step_pre_hook(lambda o, a, k: used.append([p.grad.clone() for p in model.parameters()]))
-    clipped: list[int] = []
-    reg = CollectorRegistry()
-    with load("zclip.yaml").attach(model, registry=reg, rank=0):
+    adaptive: list[int] = []
+    with load("zclip.yaml").attach(model, registry=CollectorRegistry(), rank=0):
         for step in range(50):
             scale = 30.0 if step in (35, 44) else 1.0  # two injected gradient spikes
             for m in (model, twin):
@@ -646,15 +648,15 @@ def test_zclip_equals_zclips_update_equations(workdir: Path) -> None:
                 assert loss is not None
                 (loss * scale).backward()
             opt.step()
-            if reference.step(list(twin.parameters()), apply=True):
-                clipped.append(step)
+            if reference.initialized and reference._compute_clip_val(reference._compute_grad_norm(twin)) is not None:
+                adaptive.append(step)
+            reference.step(twin)
             for got, want in zip(used[-1], [p.grad for p in twin.parameters()]):
                 torch.testing.assert_close(got, want, msg=lambda m: f"step {step}: {m}")
             twin_opt.step()
             opt.zero_grad()
             twin_opt.zero_grad()
-    assert {35, 44} <= set(clipped) and min(clipped) >= 25, clipped
-    assert counter(reg, "hookpolicy_clipped_total", policy="zclip", rule="zclip", module="", mode="enforce") == len(clipped)
+    assert {35, 44} <= set(adaptive) and min(adaptive) >= 25, adaptive
 
 
 def test_agc_equals_the_nfnets_equations_except_the_head(workdir: Path) -> None:

@@ -107,17 +107,27 @@ def mutate(action: Union[Scale, Clip], tensors: list[torch.Tensor], groups: Sequ
         return [t.clamp(min=action.min, max=action.max) for t in tensors]
 
 
+#: A threshold computed on the device from a group's norm (a 0-dim tensor): a 0-dim float64
+#: tensor, +inf where the group is not to be clipped.
+DeviceLimit = Callable[[torch.Tensor], torch.Tensor]
+#: A group's max_norm: a number, one computed on the device from its norm, or None (not clipped now).
+Limit = Union[None, float, DeviceLimit]
+
+
 def clip_norm(
-    tensors: list[torch.Tensor], limits: Sequence[Optional[float]], norm_type: float,
+    tensors: list[torch.Tensor], limits: Sequence[Limit], norm_type: float,
     groups: Sequence[Sequence[int]], inplace: bool, apply: bool = True,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Clip each group of tensors to a joint `norm_type` norm of at most its limit; report what it did.
 
     `groups` lists the tensor indices that share one norm (`per: module` / `per: rule`),
-    `limits` the max_norm of each group (None: this group is not clipped now). Returns the
-    tensors (clipped unless `apply` is False: audit mode measures and reports only) and a
-    `[len(groups), 2]` float64 device matrix, for the read-back: each group's measured norm
-    and 1.0 where it was clipped (or would have been). Nothing is read back here.
+    `limits` the max_norm of each group (None: this group is not clipped now; a callable:
+    computed on the device from the group's norm, with no read-back). The coefficient is
+    `clamp(limit / (norm + 1e-6), max=1)`, as `clip_grad_norm_`'s. Returns the tensors
+    (clipped unless `apply` is False: audit mode measures and reports only) and a
+    `[len(groups), 2]` float64 device matrix, for the read-back: each group's norm as it
+    left the clip, `min(norm, limit)` (what an adaptive clip's history appends), and 1.0
+    where it was clipped (or would have been). Nothing is read back here.
     """
     with torch.no_grad():
         norms = torch._foreach_norm(tensors, norm_type)
@@ -127,9 +137,9 @@ def clip_norm(
                 totals.append(norms[group[0]])
             else:
                 totals.append(torch.linalg.vector_norm(torch.stack([norms[i] for i in group]), norm_type))
-        group_coefs = [None if limit is None else torch.clamp(limit / (total + 1e-6), max=1.0)
-                       for total, limit in zip(totals, limits)]
-        report = _clip_report(totals, group_coefs)
+        bounds = [limit(full_value(total)) if callable(limit) else limit for total, limit in zip(totals, limits)]
+        group_coefs = [None if bound is None else _coefficient(bound, total) for total, bound in zip(totals, bounds)]
+        report = _clip_report(totals, bounds, group_coefs)
         if not apply or all(c is None for c in group_coefs):
             return tensors, report
         only = group_coefs[0]
@@ -148,16 +158,27 @@ def clip_norm(
     return out, report
 
 
-def _clip_report(totals: Sequence[torch.Tensor], coefs: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    """Per group (measured norm, clipped? 1.0 : 0.0) as one float64 matrix on the norms' device.
+def _coefficient(bound: Union[float, torch.Tensor], total: torch.Tensor) -> torch.Tensor:
+    """`clamp(bound / (total + 1e-6), max=1)`; with a device bound (float64, as ZClip's host
+    floats) computed in float64 and cast to the norm's dtype, as a Python float multiplier is."""
+    if isinstance(bound, float):
+        return torch.clamp(bound / (total + 1e-6), max=1.0)
+    return torch.clamp(bound / (full_value(total).double() + 1e-6), max=1.0).to(total.dtype)
+
+
+def _clip_report(totals: Sequence[torch.Tensor], bounds: Sequence[Union[None, float, torch.Tensor]],
+                 coefs: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """Per group (norm as it left the clip, clipped? 1.0 : 0.0) as one float64 matrix on the norms' device.
 
     One stack (dtypes promote: a bool flag becomes 1.0) and one cast, besides a comparison
-    per clipped group: a clip costs a few more small kernels, no sync.
+    and a minimum per clipped group: a clip costs a few more small kernels, no sync.
     """
     cells: list[torch.Tensor] = []
-    for total, coef in zip(totals, coefs):
-        total = full_value(total)
-        cells += [total, total.new_zeros(()) if coef is None else full_value(coef) < 1.0]
+    for total, bound, coef in zip(totals, bounds, coefs):
+        total = full_value(total).double()
+        left = total if bound is None else (torch.clamp(total, max=bound) if isinstance(bound, float)
+                                            else torch.minimum(total, bound))
+        cells += [left, total.new_zeros(()) if coef is None else full_value(coef) < 1.0]
     return torch.stack(cells).view(len(totals), 2).to(torch.float64)
 
 

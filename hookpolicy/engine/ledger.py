@@ -48,17 +48,16 @@ class ClipEntry:
 
     One row per group the clip measured (`rows`: its (module, tensor) key, see
     `history.group_key`) or per unit row of a unit-wise clip; `matrix` is `[len(rows), 2]`
-    float64 on the device: the measured norm (NaN where there is none), and how many groups
-    or units were clipped. `limits` are the thresholds used (None: not clipped this time).
-    The read-back adds the counts to `hookpolicy_clipped_total` and, for a `max_norm`
-    expression, appends `min(norm, limit)` (the norm as it left the clip) to the clip's history.
+    float64 on the device: the norm as it left the clip, `min(norm, limit)` (NaN where there
+    is none), and how many groups or units were clipped. The read-back adds the counts to
+    `hookpolicy_clipped_total` and, for a clip that keeps a history (a `max_norm` expression
+    or a `when`), appends the norm to it.
     """
 
     rule: RuleState
     index: int
     rows: list[tuple[str, str]]
     matrix: torch.Tensor
-    limits: list[Optional[float]]
 
 
 #: `hookpolicy_actions_total` labels and the module of one action that ran

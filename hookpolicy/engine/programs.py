@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional, Sequence, cast
+from typing import Mapping, Optional, Sequence, cast
 
 import torch
 
 from ..plan.planner import param as find_param
-from ..policy.expr import Value
+from ..policy.expr import Past, Value
 from ..policy.model import LOSS, Clip
 from ..process import Once
-from .actions import MutateOp, StatsOp, clip_norm, clip_unitwise, mutate
+from .actions import DeviceLimit, Limit, MutateOp, StatsOp, clip_norm, clip_unitwise, mutate
 from .distributed import Shards, local_shards, shard_name, shard_partials, sum_over_groups, unit_shards
 from .faults import Faults
 from .history import History, group_key
@@ -118,7 +118,7 @@ class Programs:
                 counts = self._clip_units(rs, op, rows, tensors, list(weights))
                 # what it clipped (audit: would have) goes to the read-back; AGC measures no group norm
                 report = torch.stack([torch.full_like(counts, math.nan), counts], dim=1)
-                self._ledger.entries.append(ClipEntry(rs, op.index, list(rows), report, [None] * len(rows)))
+                self._ledger.entries.append(ClipEntry(rs, op.index, list(rows), report))
             else:
                 self._ledger.ran.update((count_keys[0], module) for module in modules)
                 action = op.action
@@ -163,25 +163,31 @@ class Programs:
         keys = [group_key(*rows[group[0]], action.per) for group in groups]
         limits = self._limits(rs, index, action, keys)
         new, report = clip_norm(list(tensors), limits, action.norm_type, groups, inplace, apply=rs.enforce)
-        self._ledger.entries.append(ClipEntry(rs, index, keys, report, limits))
+        self._ledger.entries.append(ClipEntry(rs, index, keys, report))
         applied = rs.enforce and any(limit is not None for limit in limits)
         return (new, True) if applied else (tensors, False)
 
-    def _limits(self, rs: RuleState, index: int, action: Clip, keys: list[tuple[str, str]]) -> list[Optional[float]]:
+    def _limits(self, rs: RuleState, index: int, action: Clip, keys: list[tuple[str, str]]) -> list[Limit]:
         """Each group's max_norm now: the number, or the expression evaluated on its norm's history.
 
         A group whose series has fewer than `warmup` values, or whose threshold is NaN (no
         history yet) or not positive, is not clipped this time (a threshold <= 0 is said once).
+        A threshold that reads the current norm, or a clip with `when`, is a `DeviceLimit`:
+        evaluated on the device once the group's norm is known (`device_limit`).
         """
-        if not isinstance(action.max_norm, Value):
-            return [action.max_norm] * len(keys)
+        if not action.remembers:
+            return [action.max_norm if isinstance(action.max_norm, float) else None] * len(keys)
         expression = action.max_norm
         tracked = self.history.tracking(rs.key, index, ("norm",), action.calls, action.warmup)
-        limits: list[Optional[float]] = []
+        limits: list[Limit] = []
         for module, tensor in keys:
             if not tracked.ready(module, tensor):
                 limits.append(None)
                 continue
+            if action.on_device:
+                limits.append(device_limit(action, tracked.past(module, tensor)))
+                continue
+            assert isinstance(expression, Value)  # remembers, not on the device: a max_norm expression
             limit = tracked.threshold(expression, module, tensor)
             if limit <= 0 and self._said_limits((rs.key, index)):
                 log.warning("%s/%s: max_norm %s is %g at step %d for %s, which clips nothing; a threshold that is "
@@ -189,6 +195,27 @@ class Programs:
                             module or "<root>")
             limits.append(limit if limit > 0 else None)  # NaN > 0 is False: no history, no clip
         return limits
+
+
+def device_limit(action: Clip, past: Past) -> DeviceLimit:
+    """The threshold of a clip whose `max_norm` reads the current norm, or that has a `when`.
+
+    Evaluated on the group's norm in float64 on its device (ZClip computes in Python
+    floats), the history's functions being host floats: no read-back. NaN, a threshold that
+    is not positive and a false `when` become +inf: the group is not clipped.
+    """
+    threshold, when = action.max_norm, action.when
+
+    def limit(norm: torch.Tensor) -> torch.Tensor:
+        values = {"norm": norm.double()}
+        bound = threshold.evaluate(cast(Mapping[str, float], values), past) if isinstance(threshold, Value) else threshold
+        value = bound if isinstance(bound, torch.Tensor) else values["norm"].new_full((), float(cast(float, bound)))
+        keep = value > 0
+        if when is not None:
+            keep = keep & when.evaluate(cast(Mapping[str, float], values), past)
+        return torch.where(keep, value, math.inf)
+
+    return limit
 
 
 def _groups(rows: Sequence[tuple[str, str]], per: str) -> list[list[int]]:

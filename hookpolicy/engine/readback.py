@@ -179,12 +179,11 @@ class Readback:
         rs = entry.rule
         action = rs.rule.actions[entry.index]
         clipped: dict[str, float] = defaultdict(float)
-        for (module, tensor), (norm, count), limit in zip(entry.rows, rows, entry.limits):
+        for (module, tensor), (norm, count) in zip(entry.rows, rows):  # norm: as it left the clip
             clipped[module] += count
-            if isinstance(action, Clip) and action.adaptive is not None:
+            if isinstance(action, Clip) and action.remembers:
                 tracked = self.history.tracking(rs.key, entry.index, ("norm",), action.calls, action.warmup)
-                effective = norm if limit is None else min(norm, limit)
-                report.observed.append(tracked.observe(module, tensor, {"norm": effective}))
+                report.observed.append(tracked.observe(module, tensor, {"norm": norm}))
         for module, count in clipped.items():
             self.store.inc(CLIPPED, (*rs.key, module, rs.mode), count)
 

@@ -126,9 +126,11 @@ def describe_action(action: Action) -> str:
     if isinstance(action, Clip):
         if action.unitwise_ratio is not None:
             return f"clip(unitwise_ratio={action.unitwise_ratio:g}, eps={action.eps:g})"
-        if action.adaptive is not None:
+        if action.remembers:
             warmup = f", warmup={action.warmup}" if action.warmup else ""
-            return (f"clip(max_norm={str(action.adaptive)!r}{warmup}, norm_type={action.norm_type:g}, "
+            when = f", when={str(action.when)!r}" if action.when is not None else ""
+            limit = repr(str(action.adaptive)) if action.adaptive is not None else f"{action.max_norm:g}"
+            return (f"clip(max_norm={limit}{when}{warmup}, norm_type={action.norm_type:g}, "
                     f"per={action.per})")
         if isinstance(action.max_norm, float):
             return f"clip(max_norm={action.max_norm:g}, norm_type={action.norm_type:g}, per={action.per})"

@@ -143,11 +143,11 @@ def _clip(body: dict[str, Any], at: str, target: str) -> Clip:
         norm_type = body.get("norm_type", Clip.norm_type)
         threshold = body["max_norm"]
         return Clip(
-            max_norm=(parse_value(threshold, CLIP_NAMES, current=False) if isinstance(threshold, str)
-                      else float(threshold)),
+            max_norm=parse_value(threshold, CLIP_NAMES) if isinstance(threshold, str) else float(threshold),
             norm_type=math.inf if norm_type == "inf" else float(norm_type),
             per=body.get("per", "rule" if at == "step" else Clip.per),  # a step clip defaults to the whole rule
             warmup=int(body.get("warmup", Clip.warmup)),
+            when=parse(body["when"], CLIP_NAMES) if "when" in body else None,
         )
     low, high = body.get("min"), body.get("max")
     return Clip(min=None if low is None else float(low), max=None if high is None else float(high))

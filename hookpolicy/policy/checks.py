@@ -279,12 +279,21 @@ class _Checker:
         threshold = body.get("max_norm")
         if isinstance(threshold, str) and threshold:
             try:
-                parse_value(threshold, CLIP_NAMES, current=False)
+                parse_value(threshold, CLIP_NAMES)
             except ExprError as exc:
                 self.add(path + ("max_norm",), f"invalid max_norm expression: {exc}", offset=exc.offset)
-        if "warmup" in body and not isinstance(threshold, str) and "unitwise_ratio" not in body:
-            self.add(path + ("warmup",), "warmup applies to a max_norm expression (which needs a history); a fixed "
-                     "max_norm clips from the first step (trigger.steps.from starts a rule later)", key=True)
+        when = body.get("when")
+        if "when" in body and not by_norm:
+            self.add(path + ("when",), "when restricts a clip by norm to the groups where it holds: add max_norm",
+                     key=True)
+        elif isinstance(when, str) and when:
+            try:
+                parse(when, CLIP_NAMES)
+            except ExprError as exc:
+                self.add(path + ("when",), f"invalid when condition: {exc}", offset=exc.offset)
+        if "warmup" in body and not isinstance(threshold, str) and "when" not in body and "unitwise_ratio" not in body:
+            self.add(path + ("warmup",), "warmup applies to a max_norm expression or a when (which need a history); "
+                     "a fixed max_norm clips from the first step (trigger.steps.from starts a rule later)", key=True)
         self.modifies(site)
 
     def unitwise(self, body: dict[str, Any], site: _Site) -> None:
@@ -293,7 +302,7 @@ class _Checker:
         if "unitwise_ratio" not in body:
             self.add(path + ("eps",), "eps is the weight norm floor of AGC: add unitwise_ratio", key=True)
             return
-        others = [key for key in ("max_norm", "min", "max", "norm_type", "per", "warmup") if key in body]
+        others = [key for key in ("max_norm", "min", "max", "norm_type", "per", "warmup", "when") if key in body]
         if others:
             self.add(
                 path + (others[0],),

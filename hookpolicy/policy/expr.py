@@ -35,6 +35,7 @@ norm is NaN (guard non-finite values with `nonfinite > 0`).
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import operator
 import re
@@ -116,7 +117,13 @@ NO_PAST: Past = _NoPast()
 
 
 def _divide(a: float, b: float) -> float:
-    """`a / b` as IEEE has it: +-inf or nan for `b == 0`, never ZeroDivisionError."""
+    """`a / b` as IEEE has it: +-inf or nan for `b == 0`, never ZeroDivisionError.
+
+    A 0-dim tensor operand (a clip's current norm, on the device) divides as tensors do,
+    which is IEEE already: testing `b != 0` on it would read it back.
+    """
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        return a / b
     if b != 0 or math.isnan(b):
         return a / b
     if a == 0 or math.isnan(a):
@@ -225,8 +232,11 @@ class Junction:
     parts: tuple["Truth", ...]
 
     def evaluate(self, values: Mapping[str, float], past: Past) -> bool:
-        results = (part.evaluate(values, past) for part in self.parts)
-        return all(results) if self.kind == "and" else any(results)
+        results = [part.evaluate(values, past) for part in self.parts]
+        if all(isinstance(r, bool) for r in results):
+            return all(results) if self.kind == "and" else any(results)
+        # a comparison of a tensor is a bool tensor: joined on its device, never read back
+        return functools.reduce(operator.and_ if self.kind == "and" else operator.or_, results)
 
     def __str__(self) -> str:
         return f" {self.kind} ".join(f"({p})" if isinstance(p, Junction) else str(p) for p in self.parts)
@@ -275,11 +285,25 @@ class _Parsed:
     calls: frozenset[Call]
 
 
+def _current(root: Node) -> frozenset[str]:
+    """The series whose current value the tree under `root` reads (a Name, or zscore/robust_z)."""
+    return frozenset(n.series for n in _walk(root)
+                     if isinstance(n, Name) or (isinstance(n, Call) and n.func in ("zscore", "robust_z")))
+
+
 @dataclass(frozen=True)
 class Condition(_Parsed):
-    """A parsed `alert.if`: `evaluate(stats, past)` is all there is to run it."""
+    """A parsed `alert.if` or `clip.when`: `evaluate(stats, past)` is all there is to run it.
+
+    A value in `stats` may be a 0-dim tensor (a clip's norm on the device): the result is
+    then a bool tensor, computed by the tensors' operators, with nothing read back.
+    """
 
     root: Truth
+
+    def reads(self) -> frozenset[str]:
+        """The series whose current value it reads."""
+        return _current(self.root)
 
     def evaluate(self, values: Mapping[str, float], past: Past = NO_PAST) -> bool:
         return self.root.evaluate(values, past)
@@ -290,9 +314,16 @@ class Condition(_Parsed):
 
 @dataclass(frozen=True)
 class Value(_Parsed):
-    """A parsed numeric expression (`clip.max_norm`, a message field): `evaluate(stats, past)` gives a float."""
+    """A parsed numeric expression (`clip.max_norm`, a message field): `evaluate(stats, past)` gives a float.
+
+    As for `Condition`, a 0-dim tensor in `stats` makes the result a 0-dim tensor.
+    """
 
     root: Number
+
+    def reads(self) -> frozenset[str]:
+        """The series whose current value it reads."""
+        return _current(self.root)
 
     def evaluate(self, values: Mapping[str, float], past: Past = NO_PAST) -> float:
         return self.root.evaluate(values, past)

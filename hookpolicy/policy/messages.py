@@ -24,7 +24,7 @@ MESSAGE_FIELDS: tuple[str, ...] = (
 )
 #: target -> the names its rules' expressions may use besides the statistics (alias -> statistic).
 TARGET_ALIASES: Mapping[str, Mapping[str, str]] = {LOSS: {"loss": "mean"}}
-#: The one name a clip's `max_norm` expression may use: the clip's own norm series.
+#: The one name a clip's `max_norm` and `when` expressions may use: the clip's own norm series.
 CLIP_NAMES: Mapping[str, str] = {"norm": "norm"}
 
 

@@ -132,10 +132,13 @@ class Clip:
     a unit being a slice along a parameter's first dimension (an output row or channel);
     it reads the weights, so it exists only at `step` on `target: grad`.
 
-    `max_norm` is a number, or an expression over the past of the clip's own norm series
-    (`norm`), evaluated on the host before each step's norm is known: an adaptive threshold
-    such as ZClip's `ema(norm, 0.97) + 2.5 * ema_std(norm, 0.97)`. Such a clip does not clip
-    a group until its series has `warmup` values.
+    `max_norm` is a number, or an expression over the clip's own norm series (`norm`): an
+    adaptive threshold such as `ema(norm, 0.97) + 2.5 * ema_std(norm, 0.97)` (ZClip's
+    percentile mode), evaluated on the host from the history before the norm is known; an
+    expression that reads the current `norm` (ZClip's adaptive scaling, a threshold that
+    falls as the spike grows) is evaluated on the device, on the group's norm. `when`, a
+    condition over the same names, restricts the clip to the groups where it holds (on the
+    device too). Such a clip does not clip a group until its series has `warmup` values.
     """
 
     max_norm: Optional[Union[float, Value]] = None
@@ -146,6 +149,7 @@ class Clip:
     unitwise_ratio: Optional[float] = None
     eps: float = 1e-3
     warmup: int = 0
+    when: Optional[Condition] = None
 
     @property
     def unitwise(self) -> bool:
@@ -159,8 +163,19 @@ class Clip:
 
     @property
     def calls(self) -> frozenset[Call]:
-        """The history functions the threshold calls (over the series `norm`)."""
-        return self.max_norm.calls if isinstance(self.max_norm, Value) else frozenset()
+        """The history functions the threshold and `when` call (over the series `norm`)."""
+        calls = self.max_norm.calls if isinstance(self.max_norm, Value) else frozenset()
+        return calls | (self.when.calls if self.when is not None else frozenset())
+
+    @property
+    def remembers(self) -> bool:
+        """Whether the clip keeps its norm series (a `max_norm` expression or a `when`)."""
+        return isinstance(self.max_norm, Value) or self.when is not None
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the threshold reads the current norm (or a `when` decides): evaluated on the device."""
+        return self.when is not None or (isinstance(self.max_norm, Value) and bool(self.max_norm.reads()))
 
 
 @dataclass(frozen=True)
