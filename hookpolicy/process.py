@@ -6,8 +6,8 @@ PyTorch and every other library. What hookpolicy changes there, and who gives it
 | change                                            | made by (the one owner)            | given back                                   |
 |---------------------------------------------------|------------------------------------|----------------------------------------------|
 | optimizer step pre/post hooks                     | `engine/optimizer_hooks.py`        | last `Subscription.remove()` outside a step  |
-| module call hooks (every module's forward)        | `engine/module_hooks.py` (`_CALLS`) | last remove() of a `global_forward_*` handle |
-| the filter for torch.compile's global-hook warning| `engine/module_hooks.py` (`_CALLS`) | with the module call hooks                   |
+| the hook before every module call (forward pre)   | `engine/module_hooks.py` (`_CALLS`) | last remove() of a `global_forward_pre_hook` handle |
+| the filter for torch.compile's global-hook warning| `engine/module_hooks.py` (`_CALLS`) | with the module call hook                    |
 | module/parameter registration hooks               | `engine/module_hooks.py` (`_WATCH`) | last `Watching.remove()`                     |
 | `torch.nn.Module.__reduce_ex__`                    | `engine/module_hooks.py`           | last `OwnHandle.remove()`                    |
 | `torch.autograd.backward`, `GradScaler.scale`      | `engine/loss.py` (`_ROOTS`)        | last `LossTap.remove()`                      |

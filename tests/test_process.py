@@ -37,9 +37,9 @@ def compile_warnings() -> list[str]:
 def test_the_warnings_filter_comes_out_with_the_last_global_hook() -> None:
     """hookpolicy's every-call hook silences torch.compile's global-hook warning while it is in, and only then."""
     assert compile_filters() == []
-    handle = module_hooks.global_forward_hook(lambda module, args, output: None)
+    handle = module_hooks.global_forward_pre_hook(lambda module, args: None)  # discovery's, in `apply`
     try:
-        assert len(torch_module._global_forward_hooks) == 1
+        assert len(torch_module._global_forward_pre_hooks) == 1
         assert len(compile_filters()) == 1
         assert compile_warnings() == []
     finally:
@@ -50,18 +50,18 @@ def test_the_warnings_filter_comes_out_with_the_last_global_hook() -> None:
         assert compile_warnings() != []
     finally:
         mine.remove()
-    assert len(torch_module._global_forward_hooks) == 0
+    assert len(torch_module._global_forward_pre_hooks) == 0
 
 
 def test_two_users_share_the_filter_until_the_second_leaves() -> None:
-    pre = module_hooks.global_forward_pre_hook(lambda module, args: None)
-    post = module_hooks.global_forward_hook(lambda module, args, output: None)
+    first = module_hooks.global_forward_pre_hook(lambda module, args: None)
+    second = module_hooks.global_forward_pre_hook(lambda module, args: None, priority=5)
     try:
-        pre.remove()
-        pre.remove()  # twice is harmless: the other user still holds the filter
+        first.remove()
+        first.remove()  # twice is harmless: the other user still holds the filter
         assert len(compile_filters()) == 1
     finally:
-        post.remove()
+        second.remove()
     assert compile_filters() == []
 
 
@@ -136,7 +136,7 @@ def test_only_process_changes_the_warnings_filters() -> None:
 
 
 def test_the_snapshot_shows_hookpolicy_filter_while_it_is_in() -> None:
-    handle = module_hooks.global_forward_hook(lambda module, args, output: None)
+    handle = module_hooks.global_forward_pre_hook(lambda module, args: None)
     try:
         assert len(process.snapshot()["warnings filters"]) == 1  # type: ignore[arg-type]
     finally:

@@ -30,11 +30,10 @@ process-wide change; the ones below are made and given back through its `Shared`
   inside a governed model (`model.head = nn.Linear(...)`, LoRA injection, `load_state_dict
   (assign=True)`), through PyTorch's process-wide *registration* hooks (they run when a
   module's attribute is set, never on a call, and `torch.compile` ignores them).
-- **Hooks on every module call**, for the two users that must see modules no plan names:
-  `apply`'s discovery (`global_forward_pre_hook`, until it found the models) and the loss
-  search (`global_forward_hook`, until it found the loss module). One PyTorch hook per
-  kind, calling its subscribers by priority; while any is in, torch.compile's warning
-  about global hooks is filtered, and the filter comes out with the last of them.
+- **A hook before every module call** (`global_forward_pre_hook`), for what must see
+  modules no plan names: `apply`'s discovery, until it found the models. One PyTorch
+  forward pre-hook, calling its subscribers by priority; while it is in, torch.compile's
+  warning about global hooks is filtered, and the filter comes out with the last subscriber.
 
 The subscriber contract, as a literal signature:
 
@@ -56,7 +55,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch.nn.modules.module import (
-    register_module_forward_hook, register_module_forward_pre_hook, register_module_module_registration_hook,
+    register_module_forward_pre_hook, register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
 from torch.utils.hooks import RemovableHandle
@@ -65,7 +64,7 @@ from .. import process
 
 __all__ = [
     "OwnHandle", "TreeSubscriber", "Watching", "reduces_itself", "forward_hook", "forward_pre_hook",
-    "global_forward_hook", "global_forward_pre_hook", "watch",
+    "global_forward_pre_hook", "watch",
 ]
 
 #: The module dicts a forward hook's id lands in.
@@ -112,20 +111,15 @@ def forward_hook(
 
 def global_forward_pre_hook(hook: Callable[..., Any], priority: int = 0) -> RemovableHandle:
     """Before every module call of the process (discovery's): `hook(module, args) -> None or new args`."""
-    return _CALLS.add("pre", hook, priority)
-
-
-def global_forward_hook(hook: Callable[..., Any], priority: int = 0) -> RemovableHandle:
-    """After every module call of the process (looking for loss modules): `hook(module, args, output) -> None or new output`."""
-    return _CALLS.add("post", hook, priority)
+    return _CALLS.add(hook, priority)
 
 
 class _CallHandle(RemovableHandle):
-    """A subscriber to the process-wide module call hooks; `remove()` is safe to call twice."""
+    """A subscriber to the process-wide module call hook; `remove()` is safe to call twice."""
 
-    def __init__(self, calls: "_Calls", kind: str, hook: Callable[..., Any], priority: int) -> None:
+    def __init__(self, calls: "_Calls", hook: Callable[..., Any], priority: int) -> None:
         super().__init__(OrderedDict())
-        self.calls, self.kind, self.hook = calls, kind, hook
+        self.calls, self.hook = calls, hook
         self.sort_key = (priority, self.id)
 
     def remove(self) -> None:
@@ -133,52 +127,46 @@ class _CallHandle(RemovableHandle):
 
 
 class _Calls:
-    """The process-wide module call hooks: one PyTorch hook per kind, calling its subscribers in order.
+    """The process-wide module call hook: one PyTorch forward pre-hook, calling its subscribers in order.
 
-    Order: by `priority` (lower first), then by subscription. A kind with one subscriber
-    registers that subscriber's own function with PyTorch (no dispatch on every module
-    call of the process); with several, one function that calls them in turn, each
-    seeing what the previous one returned, as PyTorch chains its own hooks.
+    Order: by `priority` (lower first), then by subscription. With one subscriber, that
+    subscriber's own function is registered with PyTorch (no dispatch on every module call
+    of the process); with several, one function that calls them in turn, each seeing the
+    arguments the previous one returned, as PyTorch chains its own hooks.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._subscribers: dict[str, tuple[_CallHandle, ...]] = {"pre": (), "post": ()}
-        self._torch: dict[str, Optional[RemovableHandle]] = {"pre": None, "post": None}
+        self._subscribers: tuple[_CallHandle, ...] = ()
+        self._torch: Optional[RemovableHandle] = None
 
-    def add(self, kind: str, hook: Callable[..., Any], priority: int) -> _CallHandle:
-        handle = _CallHandle(self, kind, hook, priority)
+    def add(self, hook: Callable[..., Any], priority: int) -> _CallHandle:
+        handle = _CallHandle(self, hook, priority)
         _COMPILE_WARNING.acquire()
         with self._lock:
-            self._subscribers[kind] = tuple(sorted((*self._subscribers[kind], handle), key=lambda h: h.sort_key))
-            self._register(kind)
+            self._subscribers = tuple(sorted((*self._subscribers, handle), key=lambda h: h.sort_key))
+            self._register()
         return handle
 
     def discard(self, handle: _CallHandle) -> None:
         with self._lock:
-            if handle not in self._subscribers[handle.kind]:
+            if handle not in self._subscribers:
                 return
-            self._subscribers[handle.kind] = tuple(h for h in self._subscribers[handle.kind] if h is not handle)
-            self._register(handle.kind)
+            self._subscribers = tuple(h for h in self._subscribers if h is not handle)
+            self._register()
         _COMPILE_WARNING.release()
 
-    def _register(self, kind: str) -> None:
-        """Swap PyTorch's hook of `kind` for one that calls the subscribers now (safe inside a call: PyTorch iterates a copy)."""
-        previous = self._torch[kind]
-        if previous is not None:
-            previous.remove()
-        subscribers = self._subscribers[kind]
-        if not subscribers:
-            self._torch[kind] = None
-            return
-        hooks = tuple(h.hook for h in subscribers)
-        if kind == "pre":
-            self._torch[kind] = register_module_forward_pre_hook(hooks[0] if len(hooks) == 1 else _chain_pre(hooks))
-        else:
-            self._torch[kind] = register_module_forward_hook(hooks[0] if len(hooks) == 1 else _chain_post(hooks))
+    def _register(self) -> None:
+        """Swap PyTorch's hook for one that calls the subscribers now (safe inside a call: PyTorch iterates a copy)."""
+        if self._torch is not None:
+            self._torch.remove()
+            self._torch = None
+        hooks = tuple(h.hook for h in self._subscribers)
+        if hooks:
+            self._torch = register_module_forward_pre_hook(hooks[0] if len(hooks) == 1 else _chain(hooks))
 
 
-def _chain_pre(hooks: tuple[Callable[..., Any], ...]) -> Callable[..., Any]:
+def _chain(hooks: tuple[Callable[..., Any], ...]) -> Callable[..., Any]:
     def pre(module: torch.nn.Module, args: Any) -> Any:
         changed = False
         for hook in hooks:
@@ -189,17 +177,6 @@ def _chain_pre(hooks: tuple[Callable[..., Any], ...]) -> Callable[..., Any]:
     return pre
 
 
-def _chain_post(hooks: tuple[Callable[..., Any], ...]) -> Callable[..., Any]:
-    def post(module: torch.nn.Module, args: Any, output: Any) -> Any:
-        changed = False
-        for hook in hooks:
-            result = hook(module, args, output)
-            if result is not None:
-                output, changed = result, True
-        return output if changed else None
-    return post
-
-
 #: torch.compile's warning about global module hooks, silenced while ours are in (see `_quiet`).
 _COMPILE_FILTER = process.WarningFilter(r"Using `torch\.compile\(module\)` when there are global hooks", UserWarning)
 
@@ -208,8 +185,8 @@ def _quiet() -> None:
     """Keep torch.compile from blaming the user's `model(x)` line for hookpolicy's global hooks.
 
     `OptimizedModule.__call__` warns whenever any global module hook exists, because such
-    a hook fires once more for the wrapper. Ours handle the wrapper on purpose (discovery
-    governs it; a compiled model is no loss module), so the warning would be hookpolicy's
+    a hook fires once more for the wrapper. Ours handles the wrapper on purpose (discovery
+    governs it), so the warning would be hookpolicy's
     noise at the user's line. It is silenced only when the process has no global module
     hooks of its own when the first of ours goes in, and the filter comes out with the
     last of ours.
