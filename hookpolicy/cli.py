@@ -21,6 +21,7 @@ import click
 from . import __version__
 from .environment import policy_dirs
 from .errors import PolicyError
+from .say import say
 from .policy.model import Policy
 
 __all__ = ["cli", "main"]
@@ -180,7 +181,7 @@ def _resolve_model(spec: str) -> Any:
     if not sep or not module_name or not attr:
         raise click.BadParameter(f"{spec!r} is not MODULE:ATTR (e.g. examples.train_mlp:build_model)",
                                  param_hint="--model")
-    module = _import(module_name)
+    module = _import(module_name, until=attr.split(".")[0])
     value: Any = module
     for part in attr.split("."):
         try:
@@ -203,8 +204,13 @@ def _resolve_model(spec: str) -> Any:
     return made
 
 
-def _import(name: str) -> Any:
-    """Import a module by dotted name (the working directory first on sys.path) or by file path."""
+def _import(name: str, until: Optional[str] = None) -> Any:
+    """Import a module by dotted name (the working directory first on sys.path) or by file path.
+
+    A file (`train.py:model`) runs only up to the top-level statement that defines `until`:
+    a script without `if __name__ == "__main__":` trains below the line that builds its
+    model, and `explain` must not train it.
+    """
     if name.endswith(".py") or os.sep in name:
         if not os.path.isfile(name):
             raise click.BadParameter(f"no such file: {name}", param_hint="--model")
@@ -217,13 +223,40 @@ def _import(name: str) -> Any:
         loader = spec.loader
 
         def load() -> Any:
-            loader.exec_module(module)
+            if until is None:
+                loader.exec_module(module)
+            else:
+                _run_until(name, module, until)
             return module
 
         return _guarded_import(name, load)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     return _guarded_import(name, lambda: importlib.import_module(name))
+
+
+def _run_until(path: str, module: Any, name: str) -> None:
+    """Run the file's top-level statements in `module` until one binds `name`; say so when the rest is left."""
+    import __future__
+    import ast
+
+    with open(path, "rb") as f:
+        source = f.read()
+    tree = ast.parse(source, path)
+    namespace = module.__dict__
+    namespace.setdefault("__file__", os.path.abspath(path))
+    flags = 0  # `from __future__ import annotations` holds for every statement, as in a whole-file import
+    for index, statement in enumerate(tree.body):
+        if isinstance(statement, ast.ImportFrom) and statement.module == "__future__":
+            flags |= sum(getattr(__future__, alias.name).compiler_flag for alias in statement.names)
+        exec(compile(ast.Module([statement], type_ignores=[]), path, "exec", flags=flags, dont_inherit=True), namespace)
+        if name in namespace:
+            rest = tree.body[index + 1:]
+            if rest:
+                say(f"{path}: ran its top level up to line {statement.end_lineno or statement.lineno}, where "
+                    f"{name!r} is defined; lines {rest[0].lineno}-{rest[-1].end_lineno or rest[-1].lineno} "
+                    "(its training, say) are not run")
+            return
 
 
 def _guarded_import(name: str, do: Callable[[], Any]) -> Any:

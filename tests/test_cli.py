@@ -418,3 +418,29 @@ spec:
         f"{path}:19:33: $.spec.rules[1].actions[0].alert.if: invalid condition: unexpected character '|'; "
         "write 'or' to combine comparisons",
     ]
+
+
+def test_explain_of_a_script_without_a_main_guard_does_not_train_it(tmp_path: Path) -> None:
+    """`--model train.py:model` runs the script's top level only up to the line that builds `model`."""
+    script = tmp_path / "train.py"
+    script.write_text("""\
+from __future__ import annotations
+import pathlib
+import torch
+
+
+def build(width: Width) -> torch.nn.Module:  # a forward reference: the future import holds
+    return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+
+
+Width = int
+model = build(16)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+pathlib.Path(__file__).with_name("trained").write_text("the training loop ran")
+""")
+    result = invoke("explain", MONITOR, "--model", f"{script}:model")
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "trained").exists()
+    assert "example-monitor/grad-norms" in result.stdout
+    assert f"hookpolicy: {script}: ran its top level up to line 11, where 'model' is defined; lines 12-13" in \
+        result.stderr
