@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import os
 import sys
+import time
 from typing import Any, Optional
 
 import torch
@@ -76,6 +77,7 @@ def main() -> None:
     p.add_argument("--clip-ref", type=float, default=None)
     p.add_argument("--hold-file", default=None)
     p.add_argument("--stall", action="store_true")
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds to wait after each step")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -90,7 +92,6 @@ def main() -> None:
         dist.recv(torch.zeros(1), src=1 - rank)  # the peer sends nothing: only a signal ends this
     say(rank, "exit ok")
     if args.hold_file:
-        import time
         deadline = time.monotonic() + 120
         while not os.path.exists(args.hold_file) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -119,7 +120,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> None:
     x, y = x[rank::world], y[rank::world]
     for step in range(args.steps):
         nan_here = args.nan_at == step and args.nan_rank == rank
-        xb, yb = x[step * 32:(step + 1) * 32], y[step * 32:(step + 1) * 32]
+        i = step % (len(x) // 32) * 32  # the data again from the start after 16 steps
+        xb, yb = x[i:i + 32], y[i:i + 32]
         if nan_here and args.nan_in == "input":
             xb = xb * float("nan")
         loss = nn.functional.mse_loss(model(xb), yb)
@@ -144,6 +146,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> None:
         if "clipdiff" in used:
             line += f" clipdiff {used['clipdiff']!r}"
         say(rank, line)
+        if args.sleep:
+            time.sleep(args.sleep)
 
 
 if __name__ == "__main__":

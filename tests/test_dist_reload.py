@@ -15,6 +15,11 @@ The references, computed by the test and not by hookpolicy's reload:
   policy revision at every step;
 - the swap step: the first step boundary after the last rank had the new version.
 
+End to end, `hookpolicy apply --watch -- torchrun` (DDP, FSDP2): the policy file edited three
+times and reloaded once by SIGHUP while the job runs; each rank's watcher sees the edits
+on its own clock, and both ranks must report the same versions at the same steps (and,
+under DDP, the same parameters after every step).
+
 Every process group has a 60 s timeout and every spawn a deadline, far below torch's
 default of 30 minutes, so a reload that deadlocks the job fails the test.
 """
@@ -24,6 +29,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -38,7 +45,8 @@ from torch import nn
 
 import hookpolicy
 from helpers import REPO
-from helpers.policies import write_policy
+from helpers.policies import policy_text, write_policy
+from helpers.processes import Run, child_env, torchrun
 
 sys.path.insert(0, str(REPO / "examples"))
 from train_ddp import leave  # noqa: E402
@@ -204,16 +212,17 @@ def train(rank: int, how: str, steps: int, before: Callable[[int, nn.Module], No
     return digests
 
 
-def reloaded(rank: int, how: str, files: list[str]) -> dict[str, Any]:
+def reloaded(rank: int, how: str, files: list[str], schedules: list[dict[str, int]]) -> dict[str, Any]:
     """The job under the reload path of `apply`: the versions handed in at this rank's own steps;
     then the same job with each version attached by hand from the step the reload swapped it in."""
     from hookpolicy.apply.discovery import Discovery
     versions = [hookpolicy.load(f) for f in files]
-    steps = SPACING * len(versions) + 2
+    steps = SPACING * len(VERSIONS) + 2
     discovery = Discovery(versions[0], registry=CollectorRegistry(), rank=rank)
     discovery.install()
     revisions: list[str] = []
-    handed = schedule(rank)
+    generations: list[int] = []  # the agreement's generation: ranks agree on rules of the same one only
+    handed = {int(step): version for step, version in schedules[rank].items()}
 
     def hand(step: int, model: nn.Module) -> None:
         if step in handed:
@@ -222,6 +231,7 @@ def reloaded(rank: int, how: str, files: list[str]) -> dict[str, Any]:
     def running(step: int) -> None:
         (governed,) = discovery.governed
         revisions.append(governed.attached.policies[0].revision)
+        generations.append(governed.attached.generation)
 
     try:
         digests = train(rank, how, steps, hand, running)
@@ -243,24 +253,27 @@ def reloaded(rank: int, how: str, files: list[str]) -> dict[str, Any]:
     finally:
         if attached[0] is not None:
             attached[0].remove()
-    return {"digests": digests, "revisions": revisions, "reference": reference,
+    return {"digests": digests, "revisions": revisions, "generations": generations, "reference": reference,
             "order": [v.policies[0].revision for v in versions]}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 23.1: each rank swaps at its own next step (DDP: gloo collective "
-                   "mismatch; FSDP2: deadlock until the process group's timeout)")
-@pytest.mark.parametrize("how", ["ddp", "fsdp"])
-def test_reloads_swap_at_the_same_step_on_every_rank(tmp_path: Path, free_port: int, how: str) -> None:
+def version_files(folder: Path) -> list[str]:
+    """VERSIONS as files of one policy `p`, each with a revision of its own (whatever its rules)."""
     files = []
     for k, rules in enumerate(VERSIONS):
-        folder = tmp_path / f"v{k}"
-        folder.mkdir()
-        path = write_policy(folder, rules)
-        path.write_text(path.read_text() + f"# version {k}\n")  # a revision of its own, whatever the rules
+        (folder / f"v{k}").mkdir()
+        path = write_policy(folder / f"v{k}", rules)
+        path.write_text(path.read_text() + f"# version {k}\n")
         files.append(str(path))
-    ranks = spawn(reloaded, tmp_path, free_port, how, files)
+    return files
+
+
+@pytest.mark.parametrize("how", ["ddp", "fsdp"])
+def test_reloads_swap_at_the_same_step_on_every_rank(tmp_path: Path, free_port: int, how: str) -> None:
+    ranks = spawn(reloaded, tmp_path, free_port, how, version_files(tmp_path), [schedule(0), schedule(1)])
     order = ranks[0]["order"]
     assert ranks[0]["revisions"] == ranks[1]["revisions"]  # the same policy at every step on both ranks
+    assert ranks[0]["generations"] == ranks[1]["generations"]
     assert ranks[0]["digests"] == ranks[1]["digests"]  # one model: no rank parted ways
     for r in ranks:
         assert r["digests"] == r["reference"]  # = the policies swapped by hand at those steps
@@ -269,3 +282,68 @@ def test_reloads_swap_at_the_same_step_on_every_rank(tmp_path: Path, free_port: 
                if step and rev != ranks[0]["revisions"][step - 1]}
     assert swapped == {k: SPACING * k for k in range(1, len(VERSIONS)) if k not in UNSEEN}
     assert len(swapped) >= 20
+
+
+
+def test_a_rank_without_the_new_version_keeps_the_job_on_the_old_one(
+    tmp_path: Path, free_port: int, capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Rank 1 cannot load version 2 (its reload failed) until step 30: no rank runs it before step 31."""
+    ranks = spawn(reloaded, tmp_path, free_port, "ddp", version_files(tmp_path), [{4: 2}, {30: 2}])
+    order = ranks[0]["order"]
+    for r in ranks:
+        assert r["revisions"] == [order[0]] * 31 + [order[2]] * (len(r["revisions"]) - 31)
+        assert r["digests"] == r["reference"] == ranks[0]["digests"]
+    waiting = [line for line in capfd.readouterr().err.splitlines() if " waits at step " in line]
+    assert waiting == [f"hookpolicy: reload of p@{order[2][:12]} waits at step 4 of Sequential (rank 0): not every "
+                       "rank of the process group has it; the job keeps running its current policies"]
+
+
+# -- end to end: hookpolicy apply --watch -- torchrun, files edited and SIGHUP ------------
+
+SCRIPT = str(REPO / "tests" / "dist_train.py")
+STEP_LINE = re.compile(r"rank (\d) step (\d+) loss \S+ params (\w+)")
+RELOADED = re.compile(r"reloaded policies at step (\d+) of Sequential \(rank (\d)\): (\S+)")
+
+
+@pytest.mark.parametrize("how", ["ddp", "fsdp"])
+def test_watch_and_sighup_reloads_go_in_at_the_same_step_on_both_ranks(
+    apply: Callable[..., Run], tmp_path: Path, how: str,
+) -> None:
+    """Each rank's watcher sees an edit on its own clock; the swap must still come at one step for both."""
+    policy = write_policy(tmp_path, CAPTURE)
+    run = apply(str(policy), "--watch", "--", *torchrun(), "--standalone", "--nproc_per_node", "2", SCRIPT,
+                "--wrap", how, "--steps", "600", "--sleep", "0.05",
+                env=child_env(HOOKPOLICY_WATCH_INTERVAL="0.3"))
+
+    def reloads() -> list[tuple[int, int, str]]:
+        return [(int(m[1]), int(m[2]), m[3]) for m in RELOADED.finditer(run.stderr)]
+
+    def wait_for(count: int) -> None:
+        deadline = time.monotonic() + 90
+        while len(reloads()) < count:
+            assert run.proc.poll() is None, run.stderr
+            assert time.monotonic() < deadline, run.stderr
+            time.sleep(0.1)
+
+    deadline = time.monotonic() + 120
+    while not re.search(r"rank 1 step 5 ", run.stdout):
+        assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr
+        time.sleep(0.1)
+    for k, rules in enumerate([CAPTURE + CLIP, CAPTURE + SKIP + AGC, CLIP + SCALE]):
+        policy.write_text(policy_text(rules) + f"# edit {k}\n")
+        wait_for(2 * (k + 1))
+    policy.write_text(policy_text(CAPTURE + CLIP + SKIP) + "# by SIGHUP\n")
+    run.proc.send_signal(signal.SIGHUP)
+    wait_for(8)
+    assert run.wait(180) == 0, run.stderr
+    by_rank: dict[int, list[tuple[int, str]]] = {0: [], 1: []}
+    for step, rank, names in reloads():
+        by_rank[rank].append((step, names))
+    assert len(by_rank[0]) == 4 and by_rank[0] == by_rank[1]  # the same versions at the same steps
+    digests: dict[int, dict[int, str]] = {0: {}, 1: {}}
+    for m in STEP_LINE.finditer(run.stdout):
+        digests[int(m[1])][int(m[2])] = m[3]
+    assert len(digests[0]) == 600
+    if how == "ddp":  # one replica: the same parameters after every step (FSDP2's lines digest each rank's shard)
+        assert digests[0] == digests[1]

@@ -393,10 +393,11 @@ def test_a_reload_keeps_the_history_of_unchanged_rules_only(tmp_path: Path) -> N
     swaps.request(hookpolicy.load(path))
     governed = Governed(model, old, generation=0)
 
-    def attach(policies: PolicySet, module: nn.Module, step: int) -> Any:
+    def attach(policies: PolicySet, module: nn.Module, step: int, generation: int) -> Any:
         return policies.attach(module, registry=CollectorRegistry(), rank=0, start_step=step)
 
-    swaps._swap(governed, [governed], attach)
+    assert swaps.next is not None
+    swaps._swap(governed, [governed], attach, *swaps.next)
     new = governed.attached
     try:
         assert new is not old and new.step == 3

@@ -35,6 +35,7 @@ them, so nothing in this module attaches or detaches from inside an optimizer st
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Callable, Optional
 
@@ -48,7 +49,7 @@ from ..process import Once
 from ..engine import heap, module_hooks, optimizer_hooks
 from ..engine.runtime import Attached
 from ..say import say
-from .reload import Governed, Swaps
+from .reload import Governed, Swaps, Vote
 
 __all__ = ["Discovery"]
 
@@ -132,7 +133,8 @@ class Discovery:
         step = max((g.attached.step for g in replaced), default=0)
         for governed in replaced:
             self._release(governed)
-        policies, generation = self.swaps.current()
+        replicated = _data_parallel(module)
+        policies, generation = self.swaps.current(replicated)
         try:
             attached = self._attach(policies, module, step)
         except PolicyError as exc:  # --strict: a rule selects nothing; refuse to train half-governed
@@ -144,7 +146,9 @@ class Discovery:
             self._rejected[id(module)] = weakref.ref(module)
             return None
         root = id(module)
-        self._roots[root] = Governed(module, attached, generation)
+        governed = self._roots[root] = Governed(module, attached, generation, replicated=replicated)
+        if replicated:
+            attached.vote_on_reloads(Vote(self.swaps, governed, self._roots.values()))
         self._inside.update(dict.fromkeys(modules, root))
         self._covered.update(dict.fromkeys((id(p) for p in module.parameters()), root))
         self._watching.add(list(module.modules()))
@@ -174,8 +178,9 @@ class Discovery:
         """hook(module, args) -> None: called before every module call while installed."""
         root = self._inside.get(id(module))
         if root is not None:
-            if self.swaps.next is not None:
-                self.swaps.at_call(self._roots[root], self._roots.values(), self._attach)
+            governed = self._roots[root]
+            if self.swaps.next is not None or governed.agreed is not None:
+                self.swaps.at_call(governed, self._roots.values(), self._attach)
             return None
         if self._pending:
             self._govern_pending()
@@ -278,9 +283,9 @@ class Discovery:
             self._retire_forward()
 
     # -- attaching, detaching ----------------------------------------------------------
-    def _attach(self, policies: PolicySet, module: torch.nn.Module, step: int) -> Attached:
-        return policies.attach(module, registry=self.registry, rank=self._rank(), audit=self.audit,
-                               start_step=step, on_halt=self._on_halt, strict=self.strict)
+    def _attach(self, policies: PolicySet, module: torch.nn.Module, step: int, generation: int = 0) -> Attached:
+        return Attached(policies.policies, module, registry=self.registry, rank=self._rank(), audit=self.audit,
+                        start_step=step, on_halt=self._on_halt, strict=self.strict, generation=generation)
 
     def _rank(self) -> int:
         """The process group's rank once one exists, else the launcher's (RANK, LOCAL_RANK).
@@ -299,6 +304,21 @@ class Discovery:
         del self._roots[root]
         self._inside = {m: r for m, r in self._inside.items() if r != root}
         self._covered = {p: r for p, r in self._covered.items() if r != root}
+
+
+def _data_parallel(module: torch.nn.Module) -> bool:
+    """Whether every rank of a process group holds this model and steps it together: DDP, FSDP
+    (either), or parameters that are DTensors. Its policy swaps wait for every rank (`reload`)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kinds = tuple(k for k in (torch.nn.parallel.DistributedDataParallel, getattr(fsdp, "FSDPModule", None),
+                              getattr(fsdp, "FullyShardedDataParallel", None)) if isinstance(k, type))
+    if any(isinstance(m, kinds) for m in module.modules()):
+        return True
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return isinstance(dtensor, type) and any(isinstance(p, dtensor) for p in module.parameters())
 
 
 def _known(cache: dict[int, "weakref.ref[torch.nn.Module]"], module: torch.nn.Module) -> bool:

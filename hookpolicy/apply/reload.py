@@ -13,7 +13,10 @@
    step boundary, never between the micro-batches of one step: the boundary is noticed
    at an optimizer step's end (`Swaps.step_ended`, which `Discovery` calls before the
    step counters move) or at a call, then the model's step counter must move on. A
-   model whose new attach fails keeps its previous policies, and says so.
+   model whose new attach fails keeps its previous policies, and says so. A data-parallel
+   model (DDP, FSDP) swaps only to a version every rank of its process group has, at the
+   same step on every rank: its step agreement carries this rank's newest version (`Vote`,
+   `Swaps.agreed`), and nothing else differs.
 
 `Discovery` holds the `Swaps`, governs new models with `Swaps.current()`, and calls
 `step_ended` and `at_call` from its hooks; it knows nothing else of reloading.
@@ -21,6 +24,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import threading
@@ -39,15 +43,16 @@ from ..environment import ChildConfig
 from ..errors import PolicyError
 from ..export.metrics import store_for
 from ..policy.loader import MAX_BYTES
+from ..policy.model import Policy
 from ..policy.sources import expand_sources
 from ..process import start_thread
 from ..say import say
 from .validate import load_elsewhere
 
-__all__ = ["Governed", "Swaps", "Reloader", "fingerprint"]
+__all__ = ["Governed", "Swaps", "Vote", "Reloader", "content", "fingerprint"]
 
-#: attach(policies, model, start_step) -> the new attachment (raises when it cannot).
-Attach = Callable[[PolicySet, torch.nn.Module, int], Attached]
+#: attach(policies, model, start_step, generation) -> the new attachment (raises when it cannot).
+Attach = Callable[[PolicySet, torch.nn.Module, int, int], Attached]
 
 
 @dataclass
@@ -58,6 +63,19 @@ class Governed:
     attached: Attached
     generation: int
     swap_after: Optional[int] = None  # a newer generation waits for a step beyond this one
+    #: (generation, policies) every rank of the process group agreed on, swapped in after `swap_after`
+    agreed: Optional[tuple[int, PolicySet]] = None
+    #: a data-parallel model (DDP, FSDP): its swaps wait for every rank (`Vote`)
+    replicated: bool = False
+
+
+def content(policies: Sequence[Policy]) -> int:
+    """A 62-bit digest of a policy set: each policy's name and revision (the hash of its file), in order.
+
+    Equal on two ranks exactly when they read the same files; never 0 (0 is "no vote").
+    """
+    text = "\n".join(f"{p.name}\0{p.revision}" for p in policies)
+    return (int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2) or 1
 
 
 class Swaps:
@@ -66,6 +84,14 @@ class Swaps:
     `request` may come from any thread (the reloader's); everything else runs on the
     training thread. `next` is read without the lock on the hot path: a stale read only
     delays a swap to the next call.
+
+    A data-parallel model (`Governed.replicated`) swaps only to a version every rank of the
+    process group has: its step agreement (`engine/agreement.py`) carries this rank's newest
+    version (`wanted`), and `agreed` learns, at the same step on every rank, whether all
+    ranks want the same one. If they do, every rank swaps to it at its next step boundary;
+    if not (a rank has not seen the new files yet, or could not load them), no rank does,
+    and the job stays on the version it runs. Any other model swaps at its own next step
+    boundary, as a process without a group does.
     """
 
     def __init__(self, policies: PolicySet, *, rank: int) -> None:
@@ -74,10 +100,19 @@ class Swaps:
         self._lock = threading.Lock()
         self._policies = policies
         self._generation = 0
+        #: what every rank agreed on last (the start's policies until a first agreed swap)
+        self._running = (0, policies)
+        #: digest -> (generation, policies) of every version this rank was handed; newest last
+        self._wanted = content(policies.policies)
+        self._known: dict[int, tuple[int, PolicySet]] = {self._wanted: (0, policies)}
+        self._said: set[int] = set()  # versions this rank said it waits for the other ranks to have
 
-    def current(self) -> tuple[PolicySet, int]:
-        """The newest policies and their generation: what a model governed now runs."""
+    def current(self, replicated: bool = False) -> tuple[PolicySet, int]:
+        """What a model governed now runs: the newest policies, or for a data-parallel model the
+        ones every rank agreed on last (a rank must not start it on a version the others lack)."""
         with self._lock:
+            if replicated:
+                return self._running[1], self._running[0]
             return self._policies, self._generation
 
     def request(self, policies: PolicySet) -> None:
@@ -86,59 +121,126 @@ class Swaps:
             self._generation += 1
             self.next = (self._generation, policies)
             self._policies = policies
+            digest = self._wanted = content(policies.policies)
+            self._known.pop(digest, None)
+            self._known[digest] = (self._generation, policies)
+            while len(self._known) > 64:  # versions no rank can still agree on: older than 64 reloads
+                self._known.pop(next(iter(self._known)))
+
+    def wanted(self) -> int:
+        """The digest of this rank's newest version: its vote at each step agreement."""
+        return self._wanted
+
+    def agreed(self, governed: Governed, wanted: Optional[int], step: int, everyone: Iterable[Governed]) -> None:
+        """The step agreement of `governed`'s model at `step`: every rank wants `wanted` (None: not the same).
+
+        Called inside the optimizer step pre-hook, so it only notes the swap; the swap goes
+        in at the model's first call after this step, which is the same on every rank.
+        """
+        running = content(governed.attached.policies)
+        if wanted is None:
+            with self._lock:
+                mine, newest = self._wanted, self._policies
+            if mine != running and mine not in self._said:
+                self._said.add(mine)
+                names = ", ".join(f"{p.name}@{p.revision[:12]}" for p in newest.policies)
+                say(f"reload of {names} waits at step {step} of {governed.attached.store.model} (rank {self.rank}): "
+                    "not every rank of the process group has it; the job keeps running its current policies")
+            return
+        with self._lock:
+            known = self._known.get(wanted)
+        if known is None:  # cannot be: this rank voted for it at this very step
+            return
+        if wanted == running:  # every rank wants what this one runs (a reverted file): nothing to swap
+            governed.agreed = None
+            governed.generation = known[0]
+            self._settle(everyone)
+            return
+        governed.agreed = known
+        governed.swap_after = step
 
     def outdated(self, governed: Iterable[Governed]) -> bool:
         """Whether some model still runs an older generation."""
-        return any(g.generation != self._generation for g in governed)
+        return any(g.generation != self._generation or g.agreed is not None for g in governed)
 
     def step_ended(self, governed: Iterable[Governed]) -> bool:
         """An optimizer step ends (before any step counter moves): True when a swap waits.
 
         Each model still on an older generation swaps at its first call once its step
-        counter is past the step ending now.
+        counter is past the step ending now (a data-parallel model: once every rank agreed).
         """
-        if self.next is None:
-            return False
+        waiting = False
         for g in governed:
-            if g.generation != self._generation and g.swap_after is None:
+            if g.agreed is not None:
+                waiting = True
+            elif self.next is not None and g.generation != self._generation and g.swap_after is None:
                 g.swap_after = g.attached.step
-        return True
+                waiting = True
+        return waiting
 
     def at_call(self, governed: Governed, everyone: Iterable[Governed], attach: Attach) -> None:
         """A call of `governed`'s model: swap the pending generation in if a step boundary passed."""
-        if governed.generation == self._generation:
-            return
         step = governed.attached.step
+        if governed.agreed is not None:
+            if governed.swap_after is not None and step > governed.swap_after:
+                self._swap(governed, everyone, attach, *governed.agreed)
+            return
+        if governed.replicated or governed.generation == self._generation:
+            return
         if governed.swap_after is None:
             governed.swap_after = step  # first seen in this step: wait for the next one
         elif step > governed.swap_after:
-            self._swap(governed, everyone, attach)
+            with self._lock:
+                pending = self.next
+            if pending is not None:
+                self._swap(governed, everyone, attach, *pending)
 
-    def _swap(self, governed: Governed, everyone: Iterable[Governed], attach: Attach) -> None:
-        with self._lock:
-            if self.next is None:
-                return
-            generation, policies = self.next
+    def _swap(
+        self, governed: Governed, everyone: Iterable[Governed], attach: Attach, generation: int, policies: PolicySet,
+    ) -> None:
         old = governed.attached
         step = old.step
         with old.store.swapping():  # a scrape sees the old policies or the new, never neither
             old.remove()
-            try:
-                governed.attached = attach(policies, governed.model, step)
+            try:  # generation + 1: for a data-parallel model the same on every rank (agreed swaps only)
+                governed.attached = attach(policies, governed.model, step, old.generation + 1)
                 governed.attached.carry_history(old)
             except Exception as exc:
                 say(f"error: cannot attach the reloaded policies: {type(exc).__name__}: {exc}; "
                     "keeping the previous ones")
-                governed.attached = attach(PolicySet(old.policies), governed.model, step)
+                governed.attached = attach(PolicySet(old.policies), governed.model, step, old.generation + 1)
                 governed.attached.carry_history(old)
+            if governed.replicated:
+                governed.attached.vote_on_reloads(Vote(self, governed, everyone))
         governed.generation = generation
         governed.swap_after = None
+        if governed.agreed is not None:
+            governed.agreed = None
+            with self._lock:
+                self._running = (generation, policies)
         names = ", ".join(f"{p.name}@{p.revision[:12]}" for p in policies.policies)
         say(f"reloaded policies at step {step} of {governed.attached.store.model} (rank {self.rank}): {names}")
-        if all(g.generation == generation for g in everyone):
-            with self._lock:
-                if self.next is not None and self.next[0] == generation:
-                    self.next = None
+        self._settle(everyone)
+
+    def _settle(self, everyone: Iterable[Governed]) -> None:
+        """No swap is pending once every model runs the newest generation."""
+        with self._lock:
+            if self.next is not None and all(g.generation == self.next[0] for g in everyone):
+                self.next = None
+
+
+class Vote:
+    """A data-parallel model's part in its step agreement (`engine.agreement.Vote`): the
+    version this rank wants, and what the ranks agreed on."""
+
+    def __init__(self, swaps: Swaps, governed: Governed, everyone: Iterable[Governed]) -> None:
+        self._swaps, self._governed, self._everyone = swaps, governed, everyone
+
+    def wanted(self) -> int:
+        return self._swaps.wanted()
+
+    def agreed(self, wanted: Optional[int], step: int) -> None:
+        self._swaps.agreed(self._governed, wanted, step, self._everyone)
 
 
 class Reloader:

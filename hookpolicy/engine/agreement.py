@@ -3,7 +3,7 @@
 A `skip_step` or `halt` decided on one rank (its own activations, its own gradient before
 DDP's all-reduce, a NaN injected into its shard) must be taken by every rank in the same
 step, or the ranks' parameters part ways (and FSDP's next collective waits forever for a
-rank that halted). `Agreement.agree` does one `all_reduce(MAX)` of four integers over the
+rank that halted). `Agreement.agree` does one `all_reduce(MAX)` of six integers over the
 default process group at each step decision, only when the attached policies hold an
 enforced `skip_step` or `halt` and a process group is initialised (and, once it did, for
 the rest of the process: see `_AGREED`). Every rank of the group must then step its
@@ -11,8 +11,8 @@ optimizer together (which DDP and FSDP require anyway). Decisions taken during e
 forwards (a halt at a per-batch readback) are not agreed on: a rank may evaluate alone.
 
 **Rules are named by identity, never by position.** A rule's identity is (policy name, rule
-name) within a policy *generation* (`Attached.generation`: 0 for an attachment, to be
-raised by each hot reload). The four integers are the skip code, the halt code, and a
+name) within a policy *generation* (`Attached.generation`: 0 for an attachment, raised
+by each hot reload). The first four integers are the skip code, the halt code, and a
 digest of this rank's identities and generation, once as it is and once negated: after
 the MAX reduction every rank holds the largest and the smallest digest of the group, so
 every rank sees, in the same step, whether all ranks hold the same rules. When they do, a
@@ -27,6 +27,15 @@ included: the ranks stay consistent (no rank skips or halts alone, none waits on
 and each says so in one `hookpolicy:` line when the mismatch begins (and one when it ends),
 naming what it decided itself. Alerts that fired still count and log as such.
 
+**A hot reload goes in on every rank at once.** Under `hookpolicy apply` a data-parallel
+model's agreement also carries a `Vote`: a digest of the newest policy version this rank
+has, once as it is and once negated (0 without a vote), so that after the MAX reduction
+every rank knows, at the same step, whether all ranks want the same version. `Vote.agreed`
+is told the version (or None); the reload swaps it in at the next step boundary on every
+rank (`apply/reload.py`), as generation + 1. Such a model agrees at every step, whatever its
+rules: one small collective a step is what a reloadable data-parallel job costs. The
+collective always carries six integers, vote or not, so ranks never issue different ones.
+
 The process-wide side of this: these collectives are issued from the optimizer step
 pre-hook, where every rank of a DDP or FSDP job is at the same point of the same step.
 """
@@ -35,7 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -44,7 +53,7 @@ from ..policy.model import Alert, Policy
 from .decision import StepReport
 from .rulestate import RuleState
 
-__all__ = ["Agreement", "digest", "identities"]
+__all__ = ["Agreement", "Vote", "digest", "identities"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -63,6 +72,16 @@ def digest(names: Sequence[Identity], generation: int) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2
 
 
+class Vote(Protocol):
+    """A hot reload's part in a step's agreement (see the module docstring)."""
+
+    def wanted(self) -> int:
+        """A digest (62 bits, not 0) of the policy version this rank would run next."""
+
+    def agreed(self, wanted: Optional[int], step: int) -> None:
+        """At `step`, every rank wants `wanted`; None when not every rank wants the same. Only take note here."""
+
+
 class Agreement:
     """The agreement of one attachment; see the module docstring."""
 
@@ -76,6 +95,8 @@ class Agreement:
             for rs in rules.values() if rs.enforce for a in rs.rule.actions
         )
         self._apart = False  # the ranks held different rules at the last agreement
+        #: set by a reload protocol before the first step (`Attached.vote_on_reloads`)
+        self.vote: Optional[Vote] = None
 
     def agree(self, report: StepReport, step: int) -> None:
         """Make a skip or halt decided on any rank every rank's (in `report`); no collective without a group.
@@ -83,13 +104,16 @@ class Agreement:
         `report.skip_by` gets the rule another rank skipped by; at a step where the ranks hold
         different rules, `report` ends with no skip and no halt on every rank.
         """
-        if not agreeing(self._decides):
+        if not agreeing(self._decides or self.vote is not None):
             return
         import torch.distributed as dist
         halt = report.halt
         skip_code = self._encode(report.skip_rule)
         halt_code = self._encode(None if halt is None else (halt.policy, halt.rule))
-        got = _all_reduce_max([skip_code, halt_code, self._digest, -self._digest])
+        wanted = 0 if self.vote is None else self.vote.wanted()
+        got = _all_reduce_max([skip_code, halt_code, self._digest, -self._digest, wanted, -wanted])
+        if self.vote is not None:
+            self.vote.agreed(got[4] if got[4] == -got[5] else None, step)
         same = got[2] == -got[3]
         if not same:
             self._differ(report, step, dist.get_rank(), got[2], -got[3])

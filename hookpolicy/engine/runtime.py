@@ -24,6 +24,7 @@ from ..export.metrics import ALERT_FIRING, POLICY_INFO, SERIES_DROPPED, STEPS, L
 from ..plan.matcher import model_class
 from ..plan.planner import Plan, build_plan
 from ..policy.model import Policy
+from .agreement import Vote
 from .cycle import StepCycle
 from .history import History
 from .rebinding import publish_rule_series
@@ -137,6 +138,14 @@ class Attached:
         if self._on_halt is not None:
             self._on_halt(halt)
         return halt
+
+    def vote_on_reloads(self, vote: Vote) -> None:
+        """Let a reload protocol take part in every step's rank agreement (`agreement.Vote`); before the first step.
+
+        From then on this model agrees at every step in a process group, so that a new
+        policy version goes in at the same step on every rank.
+        """
+        self._cycle.agreement.vote = vote
 
     def carry_history(self, previous: "Attached") -> None:
         """Take over the history of `previous` (a hot reload) for every rule it ran unchanged.
