@@ -497,3 +497,30 @@ def test_a_compiled_model_under_autocast_and_grad_scaler(tmp_path: Path, out: Pa
             opt.zero_grad()
     assert [str(w.message) for w in caught] == ["the test's own, so that pytest.warns has one"]
     check(out, [[v] for v in seen])
+
+
+def test_a_compiled_training_step_that_backpropagates_inside(tmp_path: Path, out: Path) -> None:
+    """`torch.compile` over the whole step, `loss.backward()` inside it (Dynamo hands backward to Python):
+    the root is seen, and the NaN one (multiplied in after the criterion) skips its step."""
+    model = classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @torch.compile(backend="eager")
+    def forward_backward(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(model(x), y) * factor
+        loss.backward()
+        return loss
+
+    roots, changed = [], []
+    with load_policy(tmp_path, GUARD).attach(model, registry=CollectorRegistry()):
+        for step in range(4):
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = forward_backward(*data(step), torch.tensor(float("nan") if step == 2 else 2.0))
+            roots.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            changed.append(not all(torch.equal(a, p) for a, p in zip(before, model.parameters())))
+    assert changed == [True, True, False, True]
+    got = captured(out)
+    assert [r["numel"] for r in got] == [1] * 4 and [r["nonfinite"] for r in got] == [0, 0, 1, 0]
+    assert [r["mean"] for r in got[:2] + got[3:]] == pytest.approx(roots[:2] + roots[3:], rel=1e-6)
