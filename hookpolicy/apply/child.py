@@ -143,10 +143,30 @@ def _exit_on_signal(signum: int, frame: Optional[FrameType]) -> None:
     """SIGTERM: unwind like Ctrl-C does, so `finally` blocks and atexit (hook removal) run.
 
     When the main thread cannot run this (it waits in a collective), `lifetime` ends the
-    process instead.
+    process instead. Inside `torch.save`, unwinding would let the zip writer's `__exit__`
+    finish a checkpoint whose records stop half-way: a valid zip that does not load, which
+    resume logic trusting "a valid zip" would pick. There the signal does what it does
+    without hookpolicy: the process dies at once, and the file is plainly truncated.
     """
+    if _inside(frame, _SAVING):
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     lifetime.unwinding.set()
     raise SystemExit(128 + signum)
+
+
+#: The file whose functions write checkpoints (`torch.save` and the zip writer it uses).
+_SAVING = os.path.normcase(os.path.abspath(torch.serialization.__file__))
+
+
+def _inside(frame: Optional[FrameType], filename: str) -> bool:
+    """Whether a function of `filename` is on the stack from `frame` outwards."""
+    while frame is not None:
+        if os.path.normcase(os.path.abspath(frame.f_code.co_filename)) == filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 _SESSION: Optional[_Session] = None
