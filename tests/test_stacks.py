@@ -532,12 +532,13 @@ def test_loss_of_plain_loops(tmp_path: Path, free_port: int, case: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accum", ["1", "2"])
-def test_loss_under_lightning(tmp_path: Path, free_port: int, accum: str) -> None:
+@pytest.mark.parametrize("accum, flags", [("1", []), ("2", []), ("1", ["--manual"])], ids=["1", "2", "manual"])
+def test_loss_under_lightning(tmp_path: Path, free_port: int, accum: str, flags: list[str]) -> None:
     """Lightning backpropagates training_step's loss / accumulate_grad_batches for every micro-batch (the
     earlier ones in closures it runs itself, outside optimizer.step()): accum roots a step, their sum the
-    average micro-batch loss."""
-    stack = run_stack(tmp_path, free_port, "lightning_reg.py", "--steps", "6", "--accum", accum, policy=LOSS)
+    average micro-batch loss. Manual optimization: what manual_backward was given."""
+    stack = run_stack(tmp_path, free_port, "lightning_reg.py", "--steps", "6", "--accum", accum, *flags,
+                      policy=LOSS)
     got = loss_records(tmp_path)
     steps = per_step(stack.out["micro_losses"])
     assert len(got) == len(steps) == 6
