@@ -168,3 +168,28 @@ def test_zclip_reads_no_value_back_inside_its_step_hook(monkeypatch: pytest.Monk
             opt.zero_grad()
         assert _clipped(reg) > 0
     assert metric(reg, "hookpolicy_hook_errors_total", {"rule": "zclip"}) == 0
+
+
+@pytest.mark.parametrize("text", [
+    "norm > 1 and norm < 3 or norm > 10",
+    "(norm - ema(norm, 0.9)) / ema_std(norm, 0.9) > 2 and other < 1",
+])
+def test_conditions_and_values_on_a_tensor_equal_their_float_evaluation(text: str) -> None:
+    """`when` and a norm-reading max_norm run on a 0-dim tensor: the same answers as on floats
+    (IEEE division by zero included), computed with nothing read back."""
+    from hookpolicy.policy.expr import parse, parse_value
+
+    names = {"norm": "norm", "other": "norm"}  # an alias of the same series
+    condition = parse(text, names)
+    value = parse_value("ema(norm, 0.9) + 2 * ema_std(norm, 0.9) / ((norm - ema(norm, 0.9)) / ema_std(norm, 0.9))",
+                        names)
+    for std in (0.5, 0.0):
+        past = _Ema(1.0, std * std)
+        for norm in (0.5, 1.0, 2.0, 5.0, 20.0):
+            with no_host_sync():
+                on_device = condition.evaluate({"norm": torch.tensor(norm, dtype=torch.float64)}, past)
+                threshold = value.evaluate({"norm": torch.tensor(norm, dtype=torch.float64)}, past)
+            assert isinstance(on_device, torch.Tensor) and isinstance(threshold, torch.Tensor)
+            assert bool(on_device) == condition.evaluate({"norm": norm}, past), (norm, std)
+            want = value.evaluate({"norm": norm}, past)
+            assert threshold.item() == pytest.approx(want, nan_ok=True, rel=1e-12), (norm, std)
