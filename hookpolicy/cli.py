@@ -94,10 +94,14 @@ def check(policies: tuple[str, ...]) -> None:
 
     Exit status 0 when all are valid, 1 otherwise.
     """
+    from .policy.messages import missing_extras
+
     for policy in _load(_sources(policies)):
         rules = len(policy.rules)
         click.echo(f"{policy.source}: ok ({policy.name}, {rules} rule{'s' if rules != 1 else ''}, "
                    f"revision {policy.revision[:12]})")
+        for rule, what in missing_extras(policy):
+            click.echo(f"warning: {policy.source}: {policy.name}/{rule.name}: {what}", err=True)
 
 
 @cli.command()

@@ -103,3 +103,31 @@ def test_without_tensorboard_the_rule_reports_why(
     errors = [s.value for family in registry.collect() for s in family.samples
               if s.name == "hookpolicy_hook_errors_total" and s.labels.get("rule") == "grads"]
     assert errors and errors[0] >= 1
+
+
+def test_a_missing_tensorboard_is_said_at_check_explain_and_attach(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before any step: `check` and `explain` warn with the install line, and so does attach."""
+    from click.testing import CliRunner
+
+    from hookpolicy.cli import cli
+
+    policy = write_policy(tmp_path, """
+    - name: boards
+      match: {types: [Linear]}
+      trigger: {at: step}
+      target: grad
+      actions: [{capture: {stats: [l2_norm], tensorboard: {dir: tb}}}]
+""")
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if the package were not installed
+    line = f"p/boards: {MISSING_TENSORBOARD}; until then this rule writes no event file"
+    checked = CliRunner().invoke(cli, ["check", str(policy)])
+    assert checked.exit_code == 0 and f"warning: {policy}: {line}" in checked.stderr
+    explained = CliRunner().invoke(cli, ["explain", str(policy), "--model", "examples.train_mlp:build_model"])
+    assert f"warning: {line}" in explained.stdout
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"):
+        with hookpolicy.load(policy).attach(nn.Sequential(nn.Linear(2, 2)), registry=CollectorRegistry()):
+            assert line in caplog.text
+    monkeypatch.delitem(sys.modules, "tensorboard")
+    assert "tensorboard" not in CliRunner().invoke(cli, ["check", str(policy)]).stderr  # installed: nothing said

@@ -18,15 +18,12 @@ from typing import Any
 
 import torch
 
+from ..policy.messages import MISSING_TENSORBOARD
 from ..policy.model import Board
 from .sinks import SinkError, safe_path
 
 __all__ = ["MISSING_TENSORBOARD", "Boards", "scalar_tag", "histogram_tag"]
 
-MISSING_TENSORBOARD = (
-    "capture.tensorboard writes through torch.utils.tensorboard, which needs the tensorboard package: "
-    "pip install 'hookpolicy[tensorboard]' (or: pip install torch==2.13.0 tensorboard)"
-)
 
 
 def scalar_tag(policy: str, rule: str, target: str, stat: str, module: str, tensor: str) -> str:

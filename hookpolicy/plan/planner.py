@@ -16,6 +16,7 @@ from typing import Any, Iterable, Sequence
 
 from .matcher import Matcher, ModuleEntry, Target, iter_modules
 from ..errors import Problem
+from ..policy.messages import missing_extras
 from ..policy.patterns import compile_glob
 from ..policy.model import LOSS, PARAM_TARGETS, Action, Alert, Capture, Clip, Policy, Rule, Scale
 
@@ -179,6 +180,8 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
         unmatched.append(problem)
         warnings.append(str(problem))
 
+    for policy in policies:
+        warnings.extend(f"{policy.name}/{rule.name}: {what}" for rule, what in missing_extras(policy))
     for *_, policy, rule in ordered:
         matcher = Matcher(rule.match)
         found = matcher.select(entries)

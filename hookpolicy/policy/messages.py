@@ -11,7 +11,7 @@ import string
 from typing import Mapping, Optional
 
 from .expr import ExprError, NO_PAST, Template, Value, names_with, parse_value
-from .model import LOSS, STATS, TARGETS
+from .model import LOSS, STATS, TARGETS, Capture, Policy, Rule
 
 __all__ = [
     "CLIP_NAMES", "MAX_FIELD_WIDTH", "MAX_MESSAGE_CHARS", "MESSAGE_FIELDS", "TARGET_ALIASES", "expression_names",
@@ -26,6 +26,25 @@ MESSAGE_FIELDS: tuple[str, ...] = (
 TARGET_ALIASES: Mapping[str, Mapping[str, str]] = {LOSS: {"loss": "mean"}}
 #: The one name a clip's `max_norm` and `when` expressions may use: the clip's own norm series.
 CLIP_NAMES: Mapping[str, str] = {"norm": "norm"}
+
+
+#: What a capture.tensorboard says where the tensorboard package is missing (at check, explain,
+#: attach, and if it is still missing when the writer opens).
+MISSING_TENSORBOARD = (
+    "capture.tensorboard writes through torch.utils.tensorboard, which needs the tensorboard package: "
+    "pip install 'hookpolicy[tensorboard]' (or: pip install torch==2.13.0 tensorboard)"
+)
+
+
+def missing_extras(policy: Policy) -> list[tuple[Rule, str]]:
+    """The rules of `policy` that need an optional package this Python does not have, and what to install."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        return []
+    return [(rule, f"{MISSING_TENSORBOARD}; until then this rule writes no event file")
+            for rule in policy.rules
+            if any(isinstance(a, Capture) and a.tensorboard is not None for a in rule.actions)]
 
 
 def expression_names(target: Optional[str]) -> Mapping[str, str]:
