@@ -46,6 +46,7 @@ from .loss import LossTap
 from .readback import Readback
 from .rebinding import Rebinding
 from .rulestate import RuleState, rule_states
+from .skipping import HiddenGrads
 from .steps import Phase, StepTracker
 from .structure import named_tensors
 
@@ -82,6 +83,7 @@ class StepCycle:
         self.readback = Readback(store, policies, output_root(), rank, self.history)
         self.agreement = Agreement(policies, self.rules, generation)
         self._steps = StepTracker(model, phase, self.rules, store.model)
+        self._hidden = HiddenGrads()
         self._loss: Optional[LossTap] = None
         if any(rule.target == LOSS for policy in policies for rule in policy.rules):
             self._loss = LossTap(store.model, self._steps.scopes)
@@ -129,7 +131,7 @@ class StepCycle:
             skip = self._evaluate(left_out)
             self._steps.evaluated(optimizer, skip)
         if self._steps.skipping:
-            self._steps.hide_grads(optimizer)
+            self._hidden.hide(optimizer)
 
     def _evaluate(self, left_out: frozenset[int]) -> bool:
         """Run the step's rules on the parameters not in `left_out`, read back, decide; True to skip the step."""
@@ -180,6 +182,9 @@ class StepCycle:
 
     def after_update(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer_hooks` subscriber: restore hidden gradients and state; at the step's end, count and activate."""
+        if not self._steps.owns(optimizer):
+            return
+        self._hidden.restore(optimizer)
         if self._steps.update_ends(optimizer):
             self._end_step()
 

@@ -13,9 +13,8 @@ Traps this module handles:
   unscaling them; so the pre-hook sees unscaled gradients and a skipped step is never
   evaluated. Its forward/backward statistics are dropped when the next forward finds the
   gradients reset (`zero_grad()`), so an overflow step raises no false alert.
-- `skip_step` cannot stop `optimizer.step()` from running; it hides the gradients
-  (`p.grad = None`, which every torch optimizer skips without touching its state) and
-  puts them back in the post-hook.
+- `skip_step` cannot stop `optimizer.step()` from running: the step cycle hides the
+  gradients from it (`skipping.HiddenGrads`) and puts them back after the update.
 - The root module's two small hooks (installed by the step cycle, `cycle`) ask here:
   the pre-hook decides the phase (train/eval) once per forward (`Phase`), the post-hook
   marks backward passes with a tensor hook on each output. Both skip a forward that
@@ -29,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -85,7 +84,6 @@ class StepTracker:
         self._in_backward = False
         #: the step being evaluated is skipped: its optimizers' updates get no gradients
         self.skipping = False
-        self._stash: dict[int, tuple[list[Optional[torch.Tensor]], dict[Any, dict[str, Any]]]] = {}
         self._ending = False
         self._probe: Optional[torch.nn.Parameter] = None
         self._hooked_steps = 0  # step hook calls (before and after the update) for this model
@@ -268,34 +266,11 @@ class StepTracker:
         self.skipping = skip
 
     def update_ends(self, optimizer: torch.optim.Optimizer) -> bool:
-        """After `optimizer`'s update: put hidden gradients and its state back; True when the step ends."""
+        """After `optimizer`'s update: True when the step ends."""
         if not self.owns(optimizer):
             return False
         self._stepping = False
         self._hooked_steps += 1  # an update that ended after the last backward pass is an optimizer's too
         self._scopes.stepped(optimizer)
-        stash = self._stash.pop(id(optimizer), None)
-        if stash is not None:
-            grads, state = stash
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            for p, grad in zip(params, grads):
-                p.grad = grad
-            for p in [p for p in optimizer.state if p not in state]:
-                del optimizer.state[p]
-            optimizer.state.update(state)
         ending, self._ending = self._ending, False
         return ending
-
-    def hide_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        """Skip the step: no gradient for the optimizer, and its state as it is now restored afterwards.
-
-        Every torch optimizer leaves a parameter without `.grad` alone, but not all of its
-        bookkeeping: LBFGS counts the closure evaluation (`func_evals`) after the closure
-        that hid them. A shallow copy of each parameter's state dict, taken only on a
-        skipped step, puts such counters back; the state tensors are not touched.
-        """
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        state = {p: dict(s) for p, s in optimizer.state.items()}
-        self._stash[id(optimizer)] = ([p.grad for p in params], state)
-        for p in params:
-            p.grad = None
