@@ -138,9 +138,6 @@ class Once:
             self._keys.add(key)
             return True
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
     def forget(self, key: object) -> None:
         with self._lock:
             self._keys.discard(key)
