@@ -153,7 +153,25 @@ def _exit_on_signal(signum: int, frame: Optional[FrameType]) -> None:
         os.kill(os.getpid(), signum)
         return
     lifetime.unwinding.set()
+    _expect_workers_to_die()
     raise SystemExit(128 + signum)
+
+
+def _expect_workers_to_die() -> None:
+    """The DataLoader workers got the same SIGTERM (`apply` signals the whole group): no error.
+
+    PyTorch's SIGCHLD handler raises "DataLoader worker ... is killed by signal" when a
+    worker dies of a signal; raised while the script unwinds, it printed a 21-line
+    traceback from `DataLoader.__del__` on every SIGTERM (without hookpolicy the process
+    died at once and printed nothing). Only PyTorch's handler is put back to the default.
+    """
+    handler = signal.getsignal(signal.SIGCHLD)
+    if getattr(handler, "__module__", None) == _DATALOADER_SIGNALS:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+#: The module of PyTorch's SIGCHLD handler for DataLoader workers.
+_DATALOADER_SIGNALS = "torch.utils.data._utils.signal_handling"
 
 
 #: The file whose functions write checkpoints (`torch.save` and the zip writer it uses).
