@@ -27,36 +27,28 @@ default of 30 minutes, so a reload that deadlocks the job fails the test.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import re
 import signal
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pytest
 import torch
-import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
 from helpers import REPO
+from helpers.distributed import spawn
 from helpers.policies import policy_text, write_policy
 from helpers.processes import Run, child_env, torchrun
 
 sys.path.insert(0, str(REPO / "examples"))
-from train_ddp import leave  # noqa: E402
 from train_mlp import build_model, make_data  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-#: Seconds a test's ranks may take in all; the process group gives up on a collective after TIMEOUT.
-DEADLINE = 150
-TIMEOUT = timedelta(seconds=60)
 
 # -- the policies a job is reloaded with --------------------------------------------------
 
@@ -136,38 +128,6 @@ UNSEEN = {6, 15}
 def schedule(rank: int) -> dict[int, int]:
     """step -> the version this rank's reload path is handed before that step's forward."""
     return {SPACING * k - 2 + rank: k for k in range(1, len(VERSIONS)) if not (rank == 1 and k in UNSEEN)}
-
-
-# -- spawning ranks under a deadline ------------------------------------------------------
-
-
-def spawn(worker: Callable[..., Any], folder: Path, port: int, *args: Any) -> list[Any]:
-    """Run `worker(rank, *args)` on 2 gloo ranks, each with a process group timeout of TIMEOUT;
-    fail the test (and kill the ranks) if they take longer than DEADLINE in all."""
-    context = torch.multiprocessing.spawn(_entry, args=(worker.__name__, port, str(folder), args), nprocs=2,
-                                          join=False)
-    deadline = time.monotonic() + DEADLINE
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the ranks did not finish within {DEADLINE} s: a reload hung the job")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
-
-
-def _entry(rank: int, name: str, port: int, folder: str, args: tuple[Any, ...]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=TIMEOUT)
-    result = globals()[name](rank, *args)
-    dist.barrier()
-    dist.destroy_process_group()
-    Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
-    leave(0)  # not through interpreter finalization: see examples/train_ddp.leave
 
 
 # -- one job, reloaded; then the same job with the policies swapped by hand ---------------
@@ -270,7 +230,8 @@ def version_files(folder: Path) -> list[str]:
 
 @pytest.mark.parametrize("how", ["ddp", "fsdp"])
 def test_reloads_swap_at_the_same_step_on_every_rank(tmp_path: Path, free_port: int, how: str) -> None:
-    ranks = spawn(reloaded, tmp_path, free_port, how, version_files(tmp_path), [schedule(0), schedule(1)])
+    ranks = spawn(reloaded, tmp_path, free_port, how, version_files(tmp_path), [schedule(0), schedule(1)],
+                  timeout=150)
     order = ranks[0]["order"]
     assert ranks[0]["revisions"] == ranks[1]["revisions"]  # the same policy at every step on both ranks
     assert ranks[0]["generations"] == ranks[1]["generations"]
@@ -289,7 +250,7 @@ def test_a_rank_without_the_new_version_keeps_the_job_on_the_old_one(
     tmp_path: Path, free_port: int, capfd: pytest.CaptureFixture[str],
 ) -> None:
     """Rank 1 cannot load version 2 (its reload failed) until step 30: no rank runs it before step 31."""
-    ranks = spawn(reloaded, tmp_path, free_port, "ddp", version_files(tmp_path), [{4: 2}, {30: 2}])
+    ranks = spawn(reloaded, tmp_path, free_port, "ddp", version_files(tmp_path), [{4: 2}, {30: 2}], timeout=150)
     order = ranks[0]["order"]
     for r in ranks:
         assert r["revisions"] == [order[0]] * 31 + [order[2]] * (len(r["revisions"]) - 31)

@@ -13,28 +13,25 @@ Two kinds of tests, all with 2 CPU ranks on gloo:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pytest
 import torch
-import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
 from helpers import REPO
+from helpers.distributed import spawn
 from helpers.policies import write_policy
 from helpers.processes import Run, labels_of, losses, torchrun, value, wait_metrics
 
 sys.path.insert(0, str(REPO / "examples"))
-from train_ddp import leave  # noqa: E402
 from train_mlp import build_model, make_data  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -44,38 +41,6 @@ STATS = ["l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fractio
 
 
 # -- in process: torch.multiprocessing.spawn ----------------------------------------------
-
-
-def spawn(worker: Callable[..., Any], tmp_path: Path, port: int, *args: Any, timeout: float = 180) -> list[Any]:
-    """Run `worker(rank, *args)` on 2 gloo ranks; returns what each rank returned (JSON).
-
-    Ranks that have not finished after `timeout` seconds (a collective one rank never
-    joins) are killed and the test fails, rather than hang the suite.
-    """
-    context = torch.multiprocessing.spawn(_entry, args=(worker.__name__, port, str(tmp_path), args), nprocs=2,
-                                          join=False)
-    assert context is not None
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{worker.__name__} did not finish on both ranks in {timeout} s (a rank left waiting)")
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-
-
-def _entry(rank: int, name: str, port: int, folder: str, args: tuple[Any, ...]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        result = globals()[name](rank, *args)
-    finally:
-        dist.barrier()  # rank 0 serves the store: neither rank leaves while the other still uses it
-        dist.destroy_process_group()
-    Path(folder, f"rank{rank}.json").write_text(json.dumps(result))
-    leave(0)  # not through interpreter finalization, where a gloo thread can abort the process: train_ddp.leave
 
 
 def gauge(reg: CollectorRegistry, name: str, **labels: str) -> Optional[float]:
