@@ -200,11 +200,14 @@ class Discovery:
             return None
         if not trainable:
             return None
-        optimizers = heap.live_optimizers()
-        held = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+        optimizers, held = _held()
         if optimizers and not any(id(p) in held for p in module.parameters()):
-            self._rejected[id(module)] = weakref.ref(module)
-            return None
+            # Before leaving it alone, the optimizers that are only garbage awaiting the
+            # collector (an earlier run's, in a reference cycle) go: they step nothing.
+            optimizers, held = _held(collect=True)
+            if optimizers and not any(id(p) in held for p in module.parameters()):
+                self._rejected[id(module)] = weakref.ref(module)
+                return None
         self.govern(_trained_root(module, held) if optimizers else module)
         return None
 
@@ -324,6 +327,16 @@ def _data_parallel(module: torch.nn.Module) -> bool:
 def _known(cache: dict[int, "weakref.ref[torch.nn.Module]"], module: torch.nn.Module) -> bool:
     ref = cache.get(id(module))
     return ref is not None and ref() is module
+
+
+def _held(collect: bool = False) -> tuple[bool, set[int]]:
+    """Whether optimizers are alive (after a full collection when `collect`), and the ids of the parameters they hold.
+
+    Neither holds an optimizer: a list of them kept by the caller would keep garbage alive
+    through the next collection.
+    """
+    optimizers = heap.live_optimizers(collect)
+    return bool(optimizers), {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
 
 
 def _trained_root(module: torch.nn.Module, held: set[int]) -> torch.nn.Module:

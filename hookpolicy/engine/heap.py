@@ -19,8 +19,17 @@ import torch
 __all__ = ["live_modules", "live_optimizers"]
 
 
-def live_optimizers() -> list[torch.optim.Optimizer]:
-    """Every `torch.optim.Optimizer` alive in the process."""
+def live_optimizers(collect: bool = False) -> list[torch.optim.Optimizer]:
+    """Every `torch.optim.Optimizer` alive in the process.
+
+    The heap also holds garbage: an optimizer in a reference cycle nothing reaches any
+    more stays there until the cyclic collector runs, which depends on how much was
+    allocated since. `collect` runs a full collection first, so that only optimizers
+    something still holds are listed (a full collection costs more than the scan: only
+    where a found optimizer would change a decision).
+    """
+    if collect:
+        gc.collect()
     return [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)]
 
 
