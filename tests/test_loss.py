@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ from torch.amp.grad_scaler import GradScaler
 from torch.utils.checkpoint import checkpoint
 
 import hookpolicy
+from helpers import REPO
 from helpers.hooks import no_host_sync
 from helpers.models import batch, make_model
 from helpers.outputs import json_lines, metric
@@ -524,3 +526,22 @@ def test_a_compiled_training_step_that_backpropagates_inside(tmp_path: Path, out
     got = captured(out)
     assert [r["numel"] for r in got] == [1] * 4 and [r["nonfinite"] for r in got] == [0, 0, 1, 0]
     assert [r["mean"] for r in got[:2] + got[3:]] == pytest.approx(roots[:2] + roots[3:], rel=1e-6)
+
+
+def test_the_loss_spike_guard_skips_a_nan_multiplied_after_the_criterion(apply: Callable[..., Any]) -> None:
+    """The issue's run: `examples/train_mlp.py --nan-at 30` multiplies its loss by NaN after the criterion.
+
+    Under `hookpolicy apply policies/loss-spike-guard.yaml` step 30 is skipped, once, and
+    every later loss the script prints is finite (before, the NaN reached the weights and
+    every later step was skipped).
+    """
+    run = apply(str(REPO / "policies" / "loss-spike-guard.yaml"), "--", sys.executable,
+                str(REPO / "examples" / "train_mlp.py"), "--steps", "40", "--accum", "2", "--nan-at", "30")
+    assert run.wait(180) == 0, run.stderr
+    skipped = [json.loads(line) for line in run.stderr.splitlines()
+               if line.startswith("{") and '"step skipped"' in line]
+    assert [r["step"] for r in skipped] == [30], run.stderr
+    printed = {int(line.split()[1]): float(line.split()[-1]) for line in run.stdout.splitlines()
+               if line.startswith("step ") and " loss " in line and "validation" not in line}
+    assert sorted(printed) == list(range(40))
+    assert printed[30] != printed[30] and all(v == v for step, v in printed.items() if step != 30)
