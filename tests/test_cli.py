@@ -444,3 +444,25 @@ pathlib.Path(__file__).with_name("trained").write_text("the training loop ran")
     assert "example-monitor/grad-norms" in result.stdout
     assert f"hookpolicy: {script}: ran its top level up to line 11, where 'model' is defined; lines 12-13" in \
         result.stderr
+
+
+def test_check_names_every_unknown_name_of_an_expression(tmp_path: Path) -> None:
+    path = tmp_path / "names.yaml"
+    path.write_text("""\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {name: names}
+spec:
+  rules:
+    - name: r
+      match: {types: [Linear]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - alert: {if: "l2_nrm > 1 and foo > 2 and zscore(bar, 10) > 3"}
+""")
+    result = invoke("check", str(path))
+    assert result.exit_code == 1
+    found = [line.split(": invalid condition: ", 1)[1].split(";")[0] for line in result.stderr.splitlines()]
+    assert found == ["unknown statistic 'l2_nrm'", "unknown statistic 'foo'", "unknown statistic 'bar'"]
+    assert [line.split(":")[1:3] for line in result.stderr.splitlines()] == [["11", "24"], ["11", "39"], ["11", "58"]]

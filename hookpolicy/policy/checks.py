@@ -281,7 +281,8 @@ class _Checker:
             try:
                 parse_value(threshold, CLIP_NAMES)
             except ExprError as exc:
-                self.add(path + ("max_norm",), f"invalid max_norm expression: {exc}", offset=exc.offset)
+                for error in (exc, *exc.others):
+                    self.add(path + ("max_norm",), f"invalid max_norm expression: {error}", offset=error.offset)
         when = body.get("when")
         if "when" in body and not by_norm:
             self.add(path + ("when",), "when restricts a clip by norm to the groups where it holds: add max_norm",
@@ -345,7 +346,8 @@ class _Checker:
             try:
                 parse(condition, names)
             except ExprError as exc:
-                self.add(path + ("if",), f"invalid condition: {exc}", offset=exc.offset)
+                for error in (exc, *exc.others):
+                    self.add(path + ("if",), f"invalid condition: {error}", offset=error.offset)
         message = body.get("message")
         if isinstance(message, str):
             wrong = message_problem(message, names)

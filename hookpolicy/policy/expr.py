@@ -95,8 +95,10 @@ _SPACE = re.compile(r"\s*")
 class ExprError(ValueError):
     """An expression that does not parse; `offset` is the 0-based character position."""
 
-    def __init__(self, message: str, offset: int) -> None:
+    def __init__(self, message: str, offset: int, others: tuple["ExprError", ...] = ()) -> None:
         self.offset = offset
+        #: the expression's further errors (unknown names past the first), in text order
+        self.others = others
         super().__init__(message)
 
 
@@ -376,6 +378,7 @@ class _Parser:
         self.i = 0
         self.depth = 0
         self.at: dict[int, int] = {}  # id(node) -> its offset, for the kind errors
+        self.unknown: list[ExprError] = []  # unknown names: parsing goes on, so that all are said
         self.deep: dict[int, int] = {}  # id(node) -> operations nested in it, itself included
 
     def stats(self, root: Node) -> frozenset[str]:
@@ -407,10 +410,17 @@ class _Parser:
         return self.placed(node, at)
 
     def whole(self) -> Node:
-        root = self.disjunction()
-        kind, text, at = self.peek()
-        if kind != "end":
-            raise ExprError(f"expected an operator, 'and', 'or' or the end but found {text!r}", at)
+        """The whole expression; every unknown name is an error, with the first other error, in text order."""
+        try:
+            root = self.disjunction()
+            kind, text, at = self.peek()
+            if kind != "end":
+                raise ExprError(f"expected an operator, 'and', 'or' or the end but found {text!r}", at)
+        except ExprError as exc:
+            self.unknown.append(exc)
+        if self.unknown:
+            first, *others = sorted(self.unknown, key=lambda e: e.offset)
+            raise ExprError(str(first), first.offset, tuple(others))
         return root
 
     def disjunction(self) -> Node:
@@ -539,7 +549,8 @@ class _Parser:
         if series is None:
             hint = _did_you_mean(text, self.names)
             kind = "statistic" if set(self.names) >= _STAT_SET else "name"
-            raise ExprError(f"unknown {kind} {text!r};{hint} one of: {', '.join(sorted(self.names))}", at)
+            self.unknown.append(ExprError(f"unknown {kind} {text!r};{hint} one of: {', '.join(sorted(self.names))}", at))
+            return text  # a stand-in, so that parsing goes on to the next error
         return series
 
     def finite(self, text: str, at: int) -> float:
