@@ -47,6 +47,7 @@ from helpers.processes import Run, child_env, torchrun
 
 sys.path.insert(0, str(REPO / "examples"))
 from train_mlp import build_model, make_data  # noqa: E402
+from dist_train import wrap  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -135,15 +136,7 @@ def schedule(rank: int) -> dict[int, int]:
 
 def wrapped(how: str) -> nn.Module:
     torch.manual_seed(0)
-    model = build_model()
-    if how == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
-    from torch.distributed.fsdp import fully_shard
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
-    return model
+    return wrap(build_model(), how)  # the end-to-end tests' script wraps it the same way
 
 
 def digest(model: nn.Module) -> str:
