@@ -12,12 +12,14 @@ next step's rules.
 The parts below the cycle do one job each and return what they found; none calls the
 cycle back. `steps.StepTracker` tells where steps begin and end (and which parameters a
 step covers, `scopes`); `installer.HookInstaller` says which rules are active; the hook
-bodies (`executor.Executor`, through `programs.Programs`) append to the step's `Ledger`, which the cycle owns; the
-read-back (`readback.Readback`) reads the ledger's entries and returns a decision (skip,
-halt, faults of sinks, time); `agreement.Agreement` makes that decision every rank's;
-`history.History.commit` keeps what a step that happened saw. The cycle also installs the
-root module's two hooks (the phase of each forward, backward passes) and has the rules
-re-bound when the model's tree changed (`rebinding`), at a step boundary only.
+bodies (`executor.Executor`, through `programs.Programs`) append to the step's `Ledger`,
+which the cycle owns; the read-back (`readback.Readback`) reads the ledger's entries and
+returns a decision (skip, halt, faults of sinks, time); `agreement.Agreement` makes that
+decision every rank's; `history.History.commit` keeps what a step that happened saw;
+`skipping.HiddenGrads` hides a skipped step's gradients from its optimizers. The cycle
+also installs the root module's two hooks (the phase of each forward, backward passes)
+and has the rules re-bound when the model's tree changed (`rebinding`), at a step
+boundary only.
 """
 
 from __future__ import annotations
