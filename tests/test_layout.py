@@ -163,3 +163,16 @@ def test_the_policy_stage_imports_neither_torch_nor_click() -> None:
             if name in paths and name not in seen:
                 todo.append(name)
     assert {f"hookpolicy.policy.{m}" for m in ("loader", "schema", "build", "document")} <= seen
+
+
+def test_the_readmes_map_names_every_module() -> None:
+    """The README's "The code" names each module of the package (`name`, `name.py`), or its folder (`_bootstrap/`)."""
+    readme = (PACKAGE.parent / "README.md").read_text("utf-8")
+    start = readme.index("## The code")
+    section = readme[start:readme.index("\n## ", start + 1)]
+    missing = [
+        str(path.relative_to(PACKAGE.parent)) for path in sorted(PACKAGE.rglob("*.py"))
+        if path.stem != "__init__" and not any(
+            name in section for name in (f"`{path.stem}`", f"`{path.name}`", f"`{path.parent.name}/`"))
+    ]
+    assert not missing, f"the README's 'The code' does not name {missing}"
