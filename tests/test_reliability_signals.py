@@ -249,12 +249,13 @@ def test_policy_info_is_in_every_scrape_across_a_swap(tmp_path: Path, out: Path)
     governed = Governed(model, old, generation=0)
     in_swap, release = threading.Event(), threading.Event()
 
-    def attach(policies: PolicySet, module: nn.Module, step: int) -> Any:
+    def attach(policies: PolicySet, module: nn.Module, step: int, generation: int) -> Any:
         in_swap.set()  # the old attachment is removed, the new not attached yet
         release.wait(10)
         return policies.attach(module, registry=registry, rank=0, start_step=step)
 
-    swapper = threading.Thread(target=swaps._swap, args=(governed, [governed], attach))
+    assert swaps.next is not None
+    swapper = threading.Thread(target=swaps._swap, args=(governed, [governed], attach, *swaps.next))
     swapper.start()
     assert in_swap.wait(10)
     seen: list[set[str]] = []
