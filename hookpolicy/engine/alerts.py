@@ -74,6 +74,14 @@ def outcome(then: str, applied: bool, mode: str) -> str:
     return f"{undone} ({'audit mode' if mode == 'audit' else 'the policy was being removed'})"
 
 
+def module_name(model: str, module: str) -> str:
+    """A module as a message names it: the model (its class) for the root, `Sequential.2` for a
+    name that starts with an index (a `Sequential`'s layer), the name itself otherwise."""
+    if not module:
+        return model
+    return f"{model}.{module}" if module.split(".", 1)[0].isdigit() else module
+
+
 def render(
     action: Alert, base: dict[str, Any], stats: dict[str, float], applied: bool = True, past: Past = NO_PAST,
 ) -> str:
@@ -82,7 +90,7 @@ def render(
     did not happen (a shipped "...; step skipped" under `--audit`). Expression fields
     (`{zscore(loss, 100):.1f}`) are evaluated against the same past as the condition."""
     fields = _StatFormat(base, severity=action.severity, condition=action.source, **stats)
-    fields["module"] = base["module"] or "<root>"
+    fields["module"] = module_name(str(base.get("model") or "model"), base["module"])
     message = Template(dict(action.fields), stats, past).vformat(action.message, (), fields)
     if action.then != "log" and not applied and "outcome" not in action.message:
         message += f" [{base['outcome']}]"
