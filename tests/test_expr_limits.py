@@ -105,3 +105,22 @@ def test_check_gives_the_file_line_and_column_of_a_chain_too_long(tmp_path: Path
     assert problem.path == "$.spec.rules[0].actions[0].alert.if"
     assert line[problem.column - 3:].startswith("+ 1.5 +")  # the 1,001st token: the 500th term's 1.5
     assert f"longer than {MAX_TOKENS} tokens" in problem.message
+
+
+@pytest.mark.parametrize("field", ["{step:c}", "{rank:c}"])
+def test_a_message_that_formats_only_early_steps_is_refused_at_check(tmp_path: Path, field: str) -> None:
+    """`{step:c}` passed check (step 0 is a character) and raised from step 1,114,112 on."""
+    with pytest.raises(OverflowError):
+        format(1_114_112, "c")  # the reference: Python's own format at that step
+    path = write_policy(tmp_path, f"""
+        - name: r
+          match: {{types: [Linear]}}
+          trigger: {{at: step}}
+          actions:
+            - alert: {{if: "l2_norm > 1", message: "at {field}"}}
+    """)
+    with pytest.raises(hookpolicy.PolicyError) as caught:
+        hookpolicy.load(path)
+    (problem,) = caught.value.problems
+    assert problem.path == "$.spec.rules[0].actions[0].alert.message" and problem.line > 0
+    assert "cannot be formatted at step" in problem.message

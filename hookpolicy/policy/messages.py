@@ -62,6 +62,9 @@ def expression_names(target: Optional[str]) -> Mapping[str, str]:
 _SAMPLE_FIELDS: Mapping[str, object] = {
     **{name: name for name in MESSAGE_FIELDS}, "step": 0, "rank": 0, **{stat: 0.0 for stat in STATS},
 }
+#: The same at the far end of what a run reaches: `{step:c}` formats step 0 and fails from
+#: step 1,114,112 (past the last Unicode character), so a template must format both.
+_LATE_SAMPLE_FIELDS: Mapping[str, object] = {**_SAMPLE_FIELDS, "step": 2 ** 63 - 1, "rank": 2 ** 31 - 1}
 
 
 #: The longest alert message template, and the widest field or precision in it: a message
@@ -111,10 +114,12 @@ def message_problem(message: str, names: Mapping[str, str]) -> Optional[tuple[st
             if digits and int(digits) > MAX_FIELD_WIDTH:
                 return (f"the {part} of {{{name}:{spec}}} is {int(digits)}; at most {MAX_FIELD_WIDTH}",
                         _field_at(message, name))
-    try:
-        Template(expressions, {stat: 0.0 for stat in STATS}, NO_PAST).format(message, **_SAMPLE_FIELDS)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
-        return f"the message cannot be formatted: {exc} (statistics are numbers, the rest text)", None
+    for sample in (_SAMPLE_FIELDS, _LATE_SAMPLE_FIELDS):
+        try:
+            Template(expressions, {stat: 0.0 for stat in STATS}, NO_PAST).format(message, **sample)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as exc:
+            when = "" if sample is _SAMPLE_FIELDS else f" at step {sample['step']}"
+            return f"the message cannot be formatted{when}: {exc} (statistics are numbers, the rest text)", None
     return None
 
 
