@@ -27,7 +27,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
 
 if TYPE_CHECKING:
     from ..policy.model import Policy
@@ -148,16 +148,35 @@ def log_files(paths: Iterable[str]) -> list[Path]:
     return out
 
 
+#: The longest line read as a record (a record is a few KiB); a longer one is skipped
+#: unread, so a file without line breaks costs this much memory, not twice its size.
+MAX_LINE_CHARS = 1 << 20
+
+
+def _bounded_lines(f: Any) -> Iterator[str]:
+    """The lines of `f`, each at most MAX_LINE_CHARS; a longer one comes out as "" (not a record)."""
+    while True:
+        line = f.readline(MAX_LINE_CHARS + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):
+            while line and not line.endswith("\n"):  # the rest of the long line, a chunk at a time
+                line = f.readline(MAX_LINE_CHARS)
+            yield "\x00"  # counted as a line that is not a record
+            continue
+        yield line
+
+
 def read_logs(paths: Sequence[str]) -> Records:
     """Parse every line of the logs; a line that is not a record (or is cut short) is counted, not fatal."""
     records = Records(files=log_files(paths))
     for path in records.files:
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
-                for line in f:
+                for line in _bounded_lines(f):
                     try:
                         parsed = json.loads(line)
-                    except ValueError:
+                    except (ValueError, RecursionError):  # not JSON; nested too deep for the parser
                         parsed = None
                     if not (isinstance(parsed, dict) and records.add(parsed)):
                         records.ignored += line.strip() != ""
