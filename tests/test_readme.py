@@ -101,7 +101,7 @@ def test_the_installs_are_the_ones_ci_runs() -> None:
     .ci/run's, and the example's install is the same pinned torch without the test extra."""
     readme = [command for _, command in commands("README.md") if is_install(command.split(" && ")[0])]
     (apt,) = [c for c in readme if c.startswith("apt-get")]
-    assert apt == "apt-get update && apt-get install -y prometheus chromium"
+    assert apt == "apt-get update && apt-get install -y prometheus prometheus-alertmanager chromium"
     ci_apt = re.findall(r"apt-get install -y -q ([\w .-]+)", ci_script())
     assert ci_apt and {p for line in ci_apt for p in line.split()} == set(apt.split("-y ")[1].split())
     tests = "pip install torch==2.13.0 && pip install torch==2.13.0 -e '.[test]' && python -m pytest"
