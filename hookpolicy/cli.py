@@ -113,11 +113,16 @@ def check(policies: tuple[str, ...]) -> None:
 @click.option("--strict", is_flag=True, help="Exit 1 when a rule selects nothing on the model.")
 def explain(policies: tuple[str, ...], model_spec: str, fmt: str, strict: bool) -> None:
     """Show which rule goes on which module, hook point and target, with the plan's warnings."""
+    from dataclasses import replace
+
     from .api import PolicySet
+    from .engine.history import bounds as history_bounds
 
     loaded = PolicySet(_load(_sources(policies)))
     model = _resolve_model(model_spec)
     plan = loaded.plan(model)
+    history_notes, history_warnings = history_bounds(loaded.policies, plan.bindings)
+    plan = replace(plan, notes=plan.notes + tuple(history_notes), warnings=plan.warnings + tuple(history_warnings))
     triggers = {(p.name, r.name): r.trigger for p in loaded.policies for r in p.rules}
     rows = [{**row, "when": _window(triggers[(row["policy"], row["rule"])])} for row in plan.rows()]
     if fmt == "json":

@@ -173,6 +173,35 @@ def test_explain_shows_when_each_rule_is_active(tmp_path: Path) -> None:
     assert "train, every 5th step, steps 100-4999" in text and "eval, every step, from step 20" in text
 
 
+def test_explain_prints_the_history_bound_of_each_action(tmp_path: Path) -> None:
+    """Per action that keeps a history: its values per group x its groups on this model, against
+    maxHistoryValues; a policy whose total passes the budget gets a warning with the total."""
+    import torch
+
+    from examples.train_mlp import build_model
+
+    policy = write_policy(tmp_path, """
+    - name: z
+      match: {types: [Linear]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - alert: {if: "zscore(l2_norm, 100) > 4", per: tensor}
+        - clip: {max_norm: "2 * mean(norm, 50)", per: module}
+""", spec="limits: {maxHistoryValues: 500}\n")
+    linears = [m for m in build_model().modules() if isinstance(m, torch.nn.Linear)]
+    tensors = sum(1 for m in linears for _ in m.parameters())
+    result = invoke("explain", str(policy), "--model", "examples.train_mlp:build_model")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert (f"note: p/z: action 0 keeps 100 history values per group x {tensors} groups (per: tensor) = "
+            f"{100 * tensors} of spec.limits.maxHistoryValues=500") in lines
+    assert (f"note: p/z: action 1 keeps 50 history values per group x {len(linears)} groups (per: module) = "
+            f"{50 * len(linears)} of spec.limits.maxHistoryValues=500") in lines
+    assert any(line.startswith(f"warning: p: its history needs {100 * tensors + 50 * len(linears)} values, more than "
+                               "spec.limits.maxHistoryValues=500") for line in lines)
+
+
 def test_explain_json_and_warnings(tmp_path: Path) -> None:
     nothing = tmp_path / "nothing.yaml"
     nothing.write_text(NOTHING_POLICY)

@@ -408,6 +408,91 @@ def test_a_reload_keeps_the_history_of_unchanged_rules_only(tmp_path: Path) -> N
         new.remove()
 
 
+# --------------------------------------------------------------------------- the history budget
+
+
+#: every Linear parameter's gradient norm, kept in a 10-value window per tensor: one series of 10
+#: values per group; the alert fires at every evaluation, so the alerts say which groups are evaluated
+WINDOWED = """
+- name: z
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions: [{alert: {if: "count(l2_norm) >= 0 or max(l2_norm, 10) > 0", per: tensor, severity: info}}]
+"""
+WINDOW, BUDGET_STEPS = 10, 4
+
+
+def _run_windowed(tmp_path: Path, spec: str) -> tuple[dict[tuple[str, str], Any], set[tuple[str, str]]]:
+    """WINDOWED on three Linear layers (six tensors) for BUDGET_STEPS steps: its series per
+    (module, tensor) and the (module, tensor) of the groups its budget refused."""
+    policy = load_policy(tmp_path, WINDOWED, spec=spec)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with policy.attach(model, registry=CollectorRegistry(), rank=0) as attached:
+        for step in range(BUDGET_STEPS):
+            model(_batch(step)[0][:, :3]).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        kept = {(key[2], key[3]): s for key, s in attached.history.series.items()}
+        return kept, {(key[2], key[3]) for key in attached.history.refused}
+
+
+def test_a_history_past_its_budget_keeps_the_series_that_fit_and_says_so_once(
+    tmp_path: Path, out: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """maxHistoryValues 35 holds three groups of one 10-value series: exactly three series are
+    made, only their groups are evaluated (at every step), the other three never, said once."""
+    budget = 35
+    fit = budget // WINDOW
+    kept, refused = _run_windowed(tmp_path, f"limits: {{maxHistoryValues: {budget}}}\n")
+    err = capsys.readouterr().err
+    tensors = {(str(layer), kind) for layer in (0, 2, 4) for kind in ("weight", "bias")}
+    assert len(kept) == fit
+    assert all(s.spec.size == WINDOW and s.count == BUDGET_STEPS for s in kept.values())
+    assert set(kept) | refused == tensors and not set(kept) & refused
+    evaluated = [(r["module"], r["tensor"]) for r in _alerts(err)]
+    assert sorted(evaluated) == sorted(list(kept) * BUDGET_STEPS)
+    (said,) = [line for line in err.splitlines() if "maxHistoryValues" in line]
+    assert said.startswith(f"hookpolicy: policy p reached spec.limits.maxHistoryValues={budget} ({fit * WINDOW} in use)")
+    assert "so it is not evaluated there" in said
+
+
+def test_a_history_within_its_budget_behaves_as_without_one(
+    tmp_path: Path, out: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A budget that holds every group exactly (6 tensors x 10 values) changes nothing: the same
+    series, the same alerts as the default budget, and nothing said about it."""
+    runs = []
+    for spec in ("", f"limits: {{maxHistoryValues: {6 * WINDOW}}}\n"):
+        series, refused = _run_windowed(tmp_path, spec)
+        err = capsys.readouterr().err
+        assert "maxHistoryValues" not in err and not refused
+        kept = {group: list(s.values) for group, s in series.items()}
+        runs.append((kept, [{k: v for k, v in r.items() if k != "time"} for r in _alerts(err)]))
+    (kept, alerts), again = runs
+    assert len(kept) == 6 and all(len(values) == BUDGET_STEPS for values in kept.values())
+    assert len(alerts) == 6 * BUDGET_STEPS
+    assert again == (kept, alerts)
+
+
+def test_history_values_are_counted_per_series_of_a_group() -> None:
+    """The cost of a group is its ring plus 2 per ema alpha (at least 1 a series), reserved whole
+    at its first evaluation: a second group that does not fit gets no series at all."""
+    from hookpolicy.engine.history import History
+    from hookpolicy.policy.expr import parse
+
+    calls = parse("max(l2_norm, 8) > 0 or ema(mean, 0.9) > 0 or count(std) > 0").calls
+    group = 8 + (1 + 2) + 1  # a ring of 8; a ring of 1 (the ema's seed) and its ema; a count, at least 1
+    history = History(budgets={"p": 2 * group - 1})  # room for one group of three series, not two
+    tracked = history.tracking(("p", "r"), 0, ("l2_norm", "mean", "std"), calls, warmup=0)
+    assert tracked.ready("a", "") and not tracked.ready("b", "") and tracked.ready("a", "")
+    history.commit([tracked.observe(m, "", {"l2_norm": 1.0, "mean": 2.0, "std": 3.0}) for m in ("a", "b")])
+    assert sorted(key[2:] for key in history.series) == [("a", "", "l2_norm"), ("a", "", "mean"), ("a", "", "std")]
+    assert history.used == {"p": group} and history.refused == {(("p", "r"), 0, "b", "")}
+
+
 # --------------------------------------------------------------------------- malformed expressions
 
 

@@ -27,6 +27,7 @@ from helpers.policies import write_policy
 DESCRIBED = {
     ("onError", None): (model.Policy, "on_error"),
     ("limits", "maxSeries"): (model.Policy, "max_series"),
+    ("limits", "maxHistoryValues"): (model.Policy, "max_history_values"),
     ("priority", None): (model.Rule, "priority"),
     ("trigger", "every"): (model.Trigger, "every"),
     ("trigger", "phase"): (model.Trigger, "phase"),
@@ -98,6 +99,7 @@ def test_an_empty_rule_gets_the_models_defaults(tmp_path: Path) -> None:
     rule = policy.rules[0]
     capture, norm_clip, agc, alert = rule.actions
     assert (policy.mode, policy.on_error, policy.max_series) == (model.Policy.mode, model.Policy.on_error, model.Policy.max_series)
+    assert policy.max_history_values == model.Policy.max_history_values
     assert rule.priority == model.Rule.priority
     assert rule.trigger == model.Trigger(at="step")
     assert isinstance(capture, model.Capture) and capture.per == model.Capture.per

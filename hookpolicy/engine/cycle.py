@@ -75,7 +75,7 @@ class StepCycle:
         self._halting = halting
         self.rules = rule_states(plan, audit)
         #: the past values of the series that history functions read (alerts, adaptive clips)
-        self.history = History()
+        self.history = History(budgets={policy.name: policy.max_history_values for policy in policies})
         self.ledger = Ledger()
         self._faults = Faults(store, lambda: self.step, halting, self.ledger)
         phase = Phase()

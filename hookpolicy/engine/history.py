@@ -16,19 +16,33 @@ ema is used, 1 for prev)` float64 values, never more than `expr.MAX_WINDOW` (100
 plus two floats per `ema` alpha. The ema state follows ZClip: seeded with the mean and the
 population variance of the first `max(warmup, 1)` values, then
 `m <- a*m + (1-a)*x; v <- a*v + (1-a)*(x - m)**2` with the updated `m`.
+
+Memory is bounded per policy too: the series of all its groups together keep at most
+`spec.limits.maxHistoryValues` values (`Policy.max_history_values`), a series costing
+`cost(spec)`. A group whose series would pass the budget gets none, for the rest of the
+attachment, decided before its first evaluation (`Tracked.ready`, `History.admit`): its
+action is not evaluated there (the alert does not fire, the clip does not clip), and the
+policy says so once.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from ..plan.planner import Binding
 from ..policy.expr import Call, Value
+from ..policy.model import PARAM_TARGETS, Alert, Clip, Policy
+from ..process import Once
 
-__all__ = ["GroupKey", "History", "Observation", "Past", "Series", "SeriesSpec", "Tracked", "group_key", "spec_for"]
+__all__ = ["GroupKey", "History", "Observation", "Past", "Series", "SeriesSpec", "Tracked", "bounds", "cost",
+           "group_key", "group_specs", "spec_for"]
+
+log = logging.getLogger("hookpolicy")
 
 #: (policy, rule), action index, module, tensor: one group of one action.
 GroupKey = tuple[tuple[str, str], int, str, str]
@@ -57,6 +71,51 @@ def spec_for(calls: Iterable[Call], series: str, warmup: int) -> SeriesSpec:
     if alphas:
         size = max(size, warmup, 1)  # the first values seed the emas
     return SeriesSpec(size, alphas, warmup)
+
+
+def cost(spec: SeriesSpec) -> int:
+    """The values a series of `spec` counts against its policy's `maxHistoryValues`: its ring, 2 per ema alpha, at least 1."""
+    return max(1, spec.size + 2 * len(spec.alphas))
+
+
+def group_specs(stats: Iterable[str], calls: Iterable[Call], warmup: int) -> dict[str, SeriesSpec]:
+    """Per statistic an action keeps (`stats`), the spec of its series, for the action's `calls` and `warmup`."""
+    calls = tuple(calls)
+    return {stat: spec_for(calls, stat, warmup) for stat in sorted(stats)}
+
+
+def bounds(policies: Sequence[Policy], bindings: Sequence[Binding]) -> tuple[list[str], list[str]]:
+    """What `explain` says of the histories: per action that keeps one, a note with its bound (the
+    values a group keeps x its groups on the model) against its policy's `maxHistoryValues`, and
+    a warning per policy whose actions need more."""
+    notes: list[str] = []
+    warnings: list[str] = []
+    for policy in policies:
+        total, approximate = 0, False
+        for rule in policy.rules:
+            bound = [b for b in bindings if b.key == (policy.name, rule.name)]
+            for index, action in enumerate(rule.actions):
+                if not isinstance(action, (Alert, Clip)) or not action.remembers or not bound:
+                    continue
+                stats = action.stats if isinstance(action, Alert) else ("norm",)
+                each = sum(cost(spec) for spec in group_specs(stats, action.calls, action.warmup).values())
+                at_least = action.per == "tensor" and rule.target not in PARAM_TARGETS  # its tensors show at run time
+                if action.per == "rule":
+                    groups = 1
+                elif action.per == "module":
+                    groups = len({b.module for b in bound})
+                else:
+                    groups = sum(max(1, len(b.params)) for b in bound)
+                total += groups * each
+                approximate = approximate or at_least
+                notes.append(f"{policy.name}/{rule.name}: action {index} keeps {each} history values per group "
+                             f"x {'at least ' if at_least else ''}{groups} group{'s' if groups != 1 else ''} (per: {action.per}) = "
+                             f"{groups * each} of spec.limits.maxHistoryValues={policy.max_history_values}")
+        if total > policy.max_history_values:
+            warnings.append(f"{policy.name}: its history needs {'at least ' if approximate else ''}{total} values, "
+                            f"more than spec.limits.maxHistoryValues={policy.max_history_values}: the groups past it "
+                            "get no history and their alerts and clips are not evaluated there")
+    return notes, warnings
 
 
 class Series:
@@ -181,21 +240,25 @@ class Tracked:
         warmup: int,
     ) -> None:
         self.history, self.rule, self.index, self.warmup = history, rule, index, warmup
-        calls = tuple(calls)
         #: per statistic, how much of its series to keep
-        self.specs = {stat: spec_for(calls, stat, warmup) for stat in sorted(stats)}
+        self.specs = group_specs(stats, calls, warmup)
 
     def key(self, module: str, tensor: str) -> GroupKey:
         """The group of this action that the series of (module, tensor) belong to (see `group_key`)."""
         return (self.rule, self.index, module, tensor)
 
     def ready(self, module: str, tensor: str) -> bool:
-        """Whether the group's warm-up is over: each of its series holds at least `warmup` values.
+        """Whether the group may act: it has its series (the budget let it) and its warm-up is over.
 
         With `warmup: N` the group acts from its (N+1)-th evaluation on, the first one with N
-        values of past; with no warm-up, from the first.
+        values of past; with no warm-up, from the first. Asked first, before the action is
+        evaluated on the group, it gives the group room in its policy's `maxHistoryValues`
+        (`History.admit`); a group refused never acts.
         """
-        return self.warmup == 0 or self.history.count(self.key(module, tensor), self.specs) >= self.warmup
+        key = self.key(module, tensor)
+        if not self.history.admit(key, self.specs):
+            return False
+        return self.warmup == 0 or self.history.count(key, self.specs) >= self.warmup
 
     def past(self, module: str, tensor: str) -> Past:
         return Past(self.history, self.key(module, tensor))
@@ -211,10 +274,21 @@ class Tracked:
 
 @dataclass
 class History:
-    """Every series of one attachment; carried over to the next one at a hot reload (`carry`)."""
+    """Every series of one attachment; carried over to the next one at a hot reload (`carry`, `adopt`).
+
+    `budgets` holds each policy's `maxHistoryValues` (a policy not in it gets the default);
+    `used` what its series keep now, `refused` the groups it had no room for.
+    """
 
     series: dict[tuple[tuple[str, str], int, str, str, str], Series] = field(default_factory=dict)
+    budgets: Mapping[str, int] = field(default_factory=dict)
+    #: each group given room, and the values its series cost (`cost` of each of its specs)
+    groups: dict[GroupKey, int] = field(default_factory=dict)
+    #: per policy, the values its groups were given
+    used: dict[str, int] = field(default_factory=dict)
+    refused: set[GroupKey] = field(default_factory=set)
     _tracked: dict[tuple[tuple[str, str], int], Tracked] = field(default_factory=dict, repr=False, compare=False)
+    _said_full: Once = field(default_factory=Once, repr=False, compare=False)
 
     def tracking(
         self, rule: tuple[str, str], index: int, stats: Iterable[str], calls: Iterable[Call], warmup: int,
@@ -240,7 +314,9 @@ class History:
         micro-batch) append their largest value, once: a series has one value a step.
         """
         merged: dict[tuple[tuple[str, str], int, str, str, str], tuple[float, SeriesSpec]] = {}
+        specs: dict[GroupKey, Mapping[str, SeriesSpec]] = {}
         for obs in observations:
+            specs[obs.key] = obs.specs
             for stat, value in obs.values.items():
                 if not math.isfinite(value):
                     continue
@@ -251,11 +327,54 @@ class History:
         for key, (value, spec) in merged.items():
             series = self.series.get(key)
             if series is None:
+                group = key[:4]
+                if not self.admit(group, specs[group]):
+                    continue
                 series = self.series[key] = Series(spec)
             series.append(value)
+
+    def admit(self, group: GroupKey, specs: Mapping[str, SeriesSpec]) -> bool:
+        """Whether `group` may keep its series: it has room already, or its policy's budget holds all of them now.
+
+        A group that does not fit is refused for good (`refused`), said once per policy.
+        """
+        if group in self.groups:
+            return True
+        if group in self.refused:
+            return False
+        policy = group[0][0]
+        need = sum(cost(spec) for spec in specs.values())
+        budget = self.budgets.get(policy, Policy.max_history_values)
+        used = self.used.get(policy, 0)
+        if used + need > budget:
+            self.refused.add(group)
+            if self._said_full(policy):
+                (_, rule), index, module, tensor = group
+                log.warning(
+                    "policy %s reached spec.limits.maxHistoryValues=%d (%d in use): rule %s action %d gets no history "
+                    "for %s%s (it needs %d values), so it is not evaluated there, nor for any other group past the "
+                    "budget (said once); raise maxHistoryValues or shorten the windows",
+                    policy, budget, used, rule, index, module or "<root>", f" {tensor}" if tensor else "", need,
+                )
+            return False
+        self.groups[group] = need
+        self.used[policy] = used + need
+        return True
 
     def carry(self, keep: Iterable[tuple[str, str]]) -> "History":
         """A new history holding the series of the rules `keep` (unchanged at a reload), shared, not copied."""
         kept = set(keep)
-        return History({key: s for key, s in self.series.items() if key[0] in kept})
+        return History({key: s for key, s in self.series.items() if key[0] in kept},
+                       groups={group: need for group, need in self.groups.items() if group[0] in kept})
+
+    def adopt(self, carried: "History") -> None:
+        """Take over the series of `carried` (a `carry`), counted against this history's budgets.
+
+        They are kept even past a budget lowered by the reload: they hold memory already.
+        """
+        self.series.update(carried.series)
+        for group, need in carried.groups.items():
+            if group not in self.groups:
+                self.groups[group] = need
+                self.used[group[0][0]] = self.used.get(group[0][0], 0) + need
 

@@ -157,7 +157,7 @@ class Attached:
         mine, theirs = self._cycle.rules, previous._cycle.rules
         same = [key for key, rs in mine.items()
                 if key in theirs and replace(theirs[key].rule, index=rs.rule.index) == rs.rule]
-        self.history.series.update(previous.history.carry(same).series)
+        self.history.adopt(previous.history.carry(same))
 
     def last_values(self) -> Mapping[str, Mapping[Labels, float]]:
         """The latest value of every statistic this attachment computed, read-only.

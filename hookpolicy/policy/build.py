@@ -67,6 +67,7 @@ def _policy(document: Document) -> Policy:
         mode=mode,
         on_error=spec.get("onError", Policy.on_error),
         max_series=int(spec.get("limits", {}).get("maxSeries", Policy.max_series)),
+        max_history_values=int(spec.get("limits", {}).get("maxHistoryValues", Policy.max_history_values)),
         labels=dict(metadata.get("labels", {})),
         annotations=dict(metadata.get("annotations", {})),
     )

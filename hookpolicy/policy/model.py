@@ -257,5 +257,7 @@ class Policy:
     mode: Mode = "enforce"
     on_error: OnError = "continue"
     max_series: int = 10000
+    #: the most history values (ring slots, two per ema) all the policy's history series may keep
+    max_history_values: int = 1000000
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
