@@ -23,6 +23,12 @@ trains, without a line of the script changed:
    comes back when an optimizer steps parameters nobody governs, or to swap in a reloaded
    policy. Without optimizers (manual SGD) it stays.
 
+6. A governed model the script drops is let go: discovery holds it weakly (`Governed`),
+   the model's own hooks hold its attachment, and once the collector frees it a
+   finalizer queues the removal of what is left in the process (`Attached.when_dropped`),
+   run at discovery's next hook on the training thread (`_drain`), never inside the
+   collector, where this thread may hold the locks the removal takes.
+
 Reload (`--watch`, SIGHUP): `reload` holds the whole protocol; discovery governs new
 models with `swaps.current()` and hands every module call of a governed model and every
 step end to `swaps` while a swap is pending.
@@ -86,10 +92,14 @@ class Discovery:
         self._steps: Optional[optimizer_hooks.Subscription] = None
         self._watching = module_hooks.Watching(self)
         self._removed = False
+        #: what removes a dropped model's remains, queued by the garbage collector (`_drain` runs it)
+        self._dropped: list[Callable[[], None]] = []
+        self._finalizers: "dict[int, weakref.finalize[..., torch.nn.Module]]" = {}  # id of a governed root -> its finalizer
 
     # -- public ------------------------------------------------------------------------
     @property
     def governed(self) -> list[Governed]:
+        self._drain()
         return list(self._roots.values())
 
     @property
@@ -110,8 +120,13 @@ class Discovery:
         if self._steps is not None:
             self._steps.remove()
             self._steps = None
+        self._drain()
+        for finalizer in self._finalizers.values():
+            finalizer.detach()
         for governed in list(self._roots.values()):
-            governed.attached.remove()
+            if not governed.dropped:
+                governed.attached.remove()
+        self._drain()  # a model collected during the loop
         self._roots.clear()
         self._inside.clear()
         self._covered.clear()
@@ -128,6 +143,7 @@ class Discovery:
 
     def govern(self, module: torch.nn.Module) -> Optional[Attached]:
         """Attach the policies to `module` now (replacing governed models it contains)."""
+        self._drain()
         modules = [id(m) for m in module.modules()]
         replaced = [self._roots[m] for m in modules if m in self._roots]
         step = max((g.attached.step for g in replaced), default=0)
@@ -152,12 +168,15 @@ class Discovery:
         self._inside.update(dict.fromkeys(modules, root))
         self._covered.update(dict.fromkeys((id(p) for p in module.parameters()), root))
         self._watching.add(list(module.modules()))
+        self._finalizers[root] = finalizer = weakref.finalize(module, self._dropped.append, _Forget(self, governed))
+        finalizer.atexit = False
         if self._on_govern is not None:
             self._on_govern(module, attached)
         return attached
 
     def tree_changed(self, parent: torch.nn.Module, name: str, value: object) -> None:
         """A module or parameter joins a governed model (`model.head = ...`): it is inside that model."""
+        self._drain()
         root = self._inside.get(id(parent))
         if root is None or root not in self._roots:
             return
@@ -176,6 +195,8 @@ class Discovery:
 
     def _on_call(self, module: torch.nn.Module, args: Any) -> None:
         """hook(module, args) -> None: called before every module call while installed."""
+        if self._dropped:
+            self._drain()
         root = self._inside.get(id(module))
         if root is not None:
             governed = self._roots[root]
@@ -226,6 +247,8 @@ class Discovery:
         model whose `forward` was called directly, so its children looked like models),
         send us looking for the outermost module owning them, governed at the next call.
         """
+        if self._dropped:
+            self._drain()
         count = sum(len(g["params"]) for g in optimizer.param_groups)
         if self._checked.get(optimizer) == count:
             if self._forward is not None:
@@ -264,6 +287,8 @@ class Discovery:
         Called before step tracking (`optimizer_hooks.DISCOVERY` comes first), so
         `attached.step` is still the step ending.
         """
+        if self._dropped:
+            self._drain()
         if self.swaps.step_ended(self._roots.values()):
             self._install_forward()
 
@@ -287,8 +312,10 @@ class Discovery:
 
     # -- attaching, detaching ----------------------------------------------------------
     def _attach(self, policies: PolicySet, module: torch.nn.Module, step: int, generation: int = 0) -> Attached:
-        return Attached(policies.policies, module, registry=self.registry, rank=self._rank(), audit=self.audit,
-                        start_step=step, on_halt=self._on_halt, strict=self.strict, generation=generation)
+        attached = Attached(policies.policies, module, registry=self.registry, rank=self._rank(), audit=self.audit,
+                            start_step=step, on_halt=self._on_halt, strict=self.strict, generation=generation)
+        attached.when_dropped(self._dropped.append)
+        return attached
 
     def _rank(self) -> int:
         """The process group's rank once one exists, else the launcher's (RANK, LOCAL_RANK).
@@ -304,9 +331,35 @@ class Discovery:
     def _release(self, governed: Governed) -> None:
         governed.attached.remove()
         root = id(governed.model)
+        self._finalizers.pop(root).detach()
+        self._forget(root)
+
+    def _forget(self, root: int) -> None:
         del self._roots[root]
         self._inside = {m: r for m, r in self._inside.items() if r != root}
         self._covered = {p: r for p, r in self._covered.items() if r != root}
+
+    def _drain(self) -> None:
+        """Remove what dropped models left (queued by the collector): on the training thread, outside any lock."""
+        while self._dropped:
+            self._dropped.pop(0)()
+
+    def forgotten(self, root: int, governed: Governed) -> None:
+        """The model `governed` was garbage-collected: it is governed no more (its attachment's remains go too)."""
+        if self._roots.get(root) is governed:
+            self._finalizers.pop(root, None)
+            self._forget(root)
+
+
+class _Forget:
+    """What the finalizer of a governed model queues: `Discovery.forgotten` for it; holds no part of the model."""
+
+    def __init__(self, discovery: Discovery, governed: Governed) -> None:
+        self._discovery, self._governed = discovery, governed
+        self._root = id(governed.model)
+
+    def __call__(self) -> None:
+        self._discovery.forgotten(self._root, self._governed)
 
 
 def _data_parallel(module: torch.nn.Module) -> bool:

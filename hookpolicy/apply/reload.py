@@ -29,10 +29,10 @@ import os
 import stat
 import threading
 import time
+import weakref
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -55,18 +55,55 @@ __all__ = ["Governed", "Swaps", "Vote", "Reloader", "content", "fingerprint"]
 Attach = Callable[[PolicySet, torch.nn.Module, int, int], Attached]
 
 
-@dataclass
 class Governed:
-    """One governed model: its attachment and the policy generation it runs."""
+    """One governed model: its attachment and the policy generation it runs.
 
-    model: torch.nn.Module
-    attached: Attached
-    generation: int
-    swap_after: Optional[int] = None  # a newer generation waits for a step beyond this one
-    #: (generation, policies) every rank of the process group agreed on, swapped in after `swap_after`
-    agreed: Optional[tuple[int, PolicySet]] = None
-    #: a data-parallel model (DDP, FSDP): its swaps wait for every rank (`Vote`)
-    replicated: bool = False
+    Both are held weakly: the script holds the model, and the model (through its own
+    hooks) its attachment; once the script drops the model, nothing here keeps it alive.
+    Read `model` and `attached` only while the model lives (`Discovery` forgets a dropped
+    model before it looks at its governed models again).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, attached: Attached, generation: int, swap_after: Optional[int] = None,
+        agreed: Optional[tuple[int, PolicySet]] = None, replicated: bool = False,
+    ) -> None:
+        self._model = weakref.ref(model)
+        self._attached = weakref.ref(attached)
+        self.generation = generation
+        #: a newer generation waits for a step beyond this one
+        self.swap_after = swap_after
+        #: (generation, policies) every rank of the process group agreed on, swapped in after `swap_after`
+        self.agreed = agreed
+        #: a data-parallel model (DDP, FSDP): its swaps wait for every rank (`Vote`)
+        self.replicated = replicated
+
+    @property
+    def dropped(self) -> bool:
+        """Whether the script dropped the model (it is garbage)."""
+        return self._model() is None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return _alive(self._model)
+
+    @property
+    def attached(self) -> Attached:
+        return _alive(self._attached)
+
+    @attached.setter
+    def attached(self, attached: Attached) -> None:
+        self._attached = weakref.ref(attached)
+
+
+_T = TypeVar("_T")
+
+
+def _alive(ref: "weakref.ref[_T]") -> _T:
+    value = ref()
+    if value is None:
+        raise ReferenceError("a governed model was read after the script dropped it")
+    return value
 
 
 def content(policies: Sequence[Policy]) -> int:

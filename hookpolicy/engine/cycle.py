@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 
@@ -45,6 +46,7 @@ from .history import History
 from .installer import HookInstaller
 from .ledger import Ledger
 from .loss import LossTap
+from .scopes import Scopes
 from .readback import Readback
 from .rebinding import Rebinding
 from .rulestate import RuleState, rule_states
@@ -52,7 +54,7 @@ from .skipping import HiddenGrads
 from .steps import Phase, StepTracker
 from .structure import named_tensors
 
-__all__ = ["StepCycle"]
+__all__ = ["StepCycle", "Leftovers"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -88,7 +90,7 @@ class StepCycle:
         self._hidden = HiddenGrads()
         self._loss: Optional[LossTap] = None
         if any(rule.target == LOSS for policy in policies for rule in policy.rules):
-            self._loss = LossTap(store.model, self._steps.scopes)
+            self._loss = LossTap(store.model, _WeakReached(self._steps.scopes))
         self._rebinding = Rebinding(model, policies, plan, self.rules, store, audit, (self.executor, self.programs),
                                     self.installer, self._steps)
         self._forwarded = False  # a training forward ran in this step
@@ -98,7 +100,7 @@ class StepCycle:
     def start(self) -> None:
         """Subscribe to optimizer steps, hook the root, watch the tree; activate the first step's rules."""
         self._handles = [
-            optimizer_hooks.subscribe(self, optimizer_hooks.STEP_TRACKING),
+            optimizer_hooks.subscribe(_WeakSteps(self), optimizer_hooks.STEP_TRACKING),
             module_hooks.forward_pre_hook(self.model, self._root_pre),
             module_hooks.forward_hook(self.model, self._root_post, always_call=True),
         ]
@@ -122,6 +124,10 @@ class StepCycle:
             pass
         finally:
             self.readback.close()
+
+    def leftovers(self) -> "Leftovers":
+        """What `remove()` takes out of the process once the model is gone; none of it refers to the model."""
+        return Leftovers([self._handles, self.installer.handles], self._rebinding.watching, self._loss, self.readback)
 
     # -- the step --------------------------------------------------------------------------
     def before_update(self, optimizer: torch.optim.Optimizer) -> None:
@@ -246,3 +252,69 @@ class StepCycle:
             if self._evaluate(frozenset()):
                 self._steps.zero_grads()
             self._end_step()
+
+
+class Leftovers:
+    """The process-wide parts of a cycle whose model was dropped, and `remove()` to take them out.
+
+    These are held by the process (the optimizer step subscription, the tree watch, the
+    loss tap's share of the backward wrapper, the sinks' open files, the share each module
+    hook has in `module_hooks`' process-wide patch) and hold the cycle only weakly, so they
+    hold nothing of the model; the hooks themselves went with the model.
+    Nothing is read back: what the model's last forwards captured after its last
+    optimizer step is not written.
+    """
+
+    def __init__(
+        self, handles: Sequence[list[Any]], watching: Optional[module_hooks.Watching], loss: Optional[LossTap],
+        readback: Readback,
+    ) -> None:
+        self._handles, self._watching, self._loss, self._readback = handles, watching, loss, readback
+
+    def remove(self) -> None:
+        """Never raises (`Readback.close` does not)."""
+        for handles in self._handles:  # the cycle's and the installer's lists, as they are now
+            for handle in handles:
+                handle.remove()
+            handles.clear()
+        if self._watching is not None:
+            self._watching.remove()
+        if self._loss is not None:
+            self._loss.remove()
+        self._readback.close()
+
+
+class _WeakSteps:
+    """The cycle as the process-wide optimizer step subscriber sees it: weakly, so that the
+    subscription list keeps no dropped model alive (the model's root hooks hold the cycle)."""
+
+    def __init__(self, cycle: StepCycle) -> None:
+        self._cycle = weakref.ref(cycle)
+
+    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        cycle = self._cycle()
+        if cycle is not None:
+            cycle.before_update(optimizer)
+
+    def after_update(self, optimizer: torch.optim.Optimizer) -> None:
+        cycle = self._cycle()
+        if cycle is not None:
+            cycle.after_update(optimizer)
+
+
+class _WeakReached:
+    """The model's scopes as its loss tap (held by the process-wide backward wrapper) sees them: weakly."""
+
+    def __init__(self, scopes: Scopes) -> None:
+        self._scopes = weakref.ref(scopes)
+
+    @property
+    def touched(self) -> bool:
+        scopes = self._scopes()
+        return scopes is not None and scopes.touched
+
+    @touched.setter
+    def touched(self, value: bool) -> None:
+        scopes = self._scopes()
+        if scopes is not None:
+            scopes.touched = value

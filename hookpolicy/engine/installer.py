@@ -73,6 +73,11 @@ class HookInstaller:
         return [rs for key, rs in self._rules.items()
                 if rs.rule.trigger.at == "step" and key in active and not rs.off]
 
+    @property
+    def handles(self) -> list[module_hooks.OwnHandle]:
+        """The module hooks installed now (the list itself, kept up to date; they hold no module)."""
+        return self._handles
+
     def remove(self) -> None:
         """Take every module hook off (the active set is kept)."""
         for handle in self._handles:

@@ -11,6 +11,7 @@ installer's next `activate`; series of modules no longer bound are removed.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -63,8 +64,13 @@ class Rebinding:
 
     def start(self) -> None:
         """Watch the model's tree (a `module_hooks.watch` subscriber)."""
-        self._watching = module_hooks.watch(self.model, self)
+        self._watching = module_hooks.watch(self.model, _WeakTree(self))
         _warn_self_reducing(self.model, self.plan)
+
+    @property
+    def watching(self) -> Optional[module_hooks.Watching]:
+        """The tree watch (process-wide, holding this object weakly); None before `start()`."""
+        return self._watching
 
     def remove(self) -> None:
         if self._watching is not None:
@@ -128,3 +134,15 @@ def _warn_self_reducing(model: torch.nn.Module, plan: Plan) -> None:
             log.warning("%s defines its own __reduce_ex__/__reduce__, so a copy, pickle or "
                         "torch.save of it would carry hookpolicy's hooks; remove() the policy before copying it",
                         cls.__qualname__)
+
+
+class _WeakTree:
+    """A `Rebinding` as the process-wide tree watch sees it: weakly, so the watch keeps no dropped model alive."""
+
+    def __init__(self, rebinding: Rebinding) -> None:
+        self._rebinding = weakref.ref(rebinding)
+
+    def tree_changed(self, parent: torch.nn.Module, name: str, value: object) -> None:
+        rebinding = self._rebinding()
+        if rebinding is not None:
+            rebinding.tree_changed(parent, name, value)

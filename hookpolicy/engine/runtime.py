@@ -20,12 +20,14 @@ from prometheus_client import CollectorRegistry
 
 from .. import environment
 from ..errors import Halt, HookPolicyError, PolicyError
-from ..export.metrics import ALERT_FIRING, POLICY_INFO, SERIES_DROPPED, STEPS, Labels, ModelMetrics, store_for
+from ..export.metrics import (
+    ALERT_FIRING, MODEL_FAMILIES, POLICY_INFO, SERIES_DROPPED, STEPS, Labels, ModelMetrics, store_for,
+)
 from ..plan.matcher import model_class
 from ..plan.planner import Plan, build_plan
 from ..policy.model import Policy
 from .agreement import Vote
-from .cycle import StepCycle
+from .cycle import Leftovers, StepCycle
 from .history import History
 from .rebinding import publish_rule_series
 from .rulestate import MAX_ERRORS
@@ -63,6 +65,7 @@ class Attached:
         self._cycle = StepCycle(model, self.policies, plan, self.store, self.rank, audit, start_step, self._halting,
                                 generation)
         self._removed = False
+        self._dropped: "Optional[weakref.finalize[..., torch.nn.Module]]" = None
         for warning in plan.warnings:
             log.warning("%s", warning)
         _claim_model(model, self.policies)  # from here on nothing raises before the hooks are in
@@ -96,6 +99,8 @@ class Attached:
         if self._removed:
             return
         self._removed = True
+        if self._dropped is not None:
+            self._dropped.detach()
         _release_model(self.model, self.policies)
         try:
             self._cycle.remove()
@@ -104,6 +109,20 @@ class Attached:
                 self.store.forget_policy(policy.name)
                 for family in (POLICY_INFO, ALERT_FIRING):
                     self.store.drop(family, _not_of(policy.name))
+
+    def when_dropped(self, report: Callable[[Callable[[], None]], object]) -> None:
+        """Once the model is garbage, hand `report` the call that removes this attachment's remains.
+
+        For a launcher that governs models it does not own (`hookpolicy apply`): the script
+        holds the model, and through the model's own hooks this attachment; the process-wide
+        parts (optimizer step subscription, tree watch, loss tap, sinks, exported series)
+        hold neither. `report` runs inside the garbage collector, maybe on another thread,
+        so it should only queue the call for the training thread (locks are held there).
+        The call refers to no part of the model. `remove()` before then cancels it.
+        """
+        remains = _Remains(self._cycle.leftovers(), self.store, self.policies)
+        self._dropped = weakref.finalize(self.model, report, remains.remove)
+        self._dropped.atexit = False
 
     @property
     def removed(self) -> bool:
@@ -188,6 +207,30 @@ def _claim_model(model: torch.nn.Module, policies: Sequence[Policy]) -> None:
 
 def _release_model(model: torch.nn.Module, policies: Sequence[Policy]) -> None:
     _ATTACHED.get(model, set()).difference_update(p.name for p in policies)
+
+
+class _Remains:
+    """What is left of an attachment whose model was dropped: `remove()` takes it out of the process."""
+
+    def __init__(self, leftovers: Leftovers, store: ModelMetrics, policies: Sequence[Policy]) -> None:
+        self._leftovers, self._store, self._policies = leftovers, store, tuple(policies)
+        self._removed = False
+
+    def remove(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        try:
+            self._leftovers.remove()
+        finally:  # every series labelled with the model leaves; the process-wide ones (policy info) stay
+            for policy in self._policies:
+                self._store.forget_policy(policy.name)
+            for family in MODEL_FAMILIES:
+                self._store.drop(family, _none)
+
+
+def _none(labels: tuple[str, ...]) -> bool:
+    return False
 
 
 def _not_of(policy: str) -> Callable[[tuple[str, ...]], bool]:

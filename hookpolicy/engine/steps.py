@@ -26,6 +26,7 @@ at each event (`update_starts`, `backward_done`, ...) and does the step's work i
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import Optional
@@ -77,7 +78,10 @@ class StepTracker:
         self._param_ids = {id(p) for p in model.parameters()}
         self._model_params = weakref.ref(model)
         self._owned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
-        self._scopes = Scopes(self._parameters)
+        # not a method of this tracker: each parameter's hook holds the scopes, and a tracker
+        # (holding a parameter as its probe) reachable from it would keep a dropped model's
+        # parameters alive, in a cycle through PyTorch's C++ hook list that gc cannot see
+        self._scopes = Scopes(functools.partial(_parameters_of, self._model_params))
         self.mode = "unknown"  # "optimizer" | "manual"
         self.backward_seq = 0
         self._evaluated_seq = -1
@@ -105,10 +109,6 @@ class StepTracker:
         self._param_ids = self._current_param_ids()
         self._owned = weakref.WeakKeyDictionary()
         self._scopes.reset()
-
-    def _parameters(self) -> list[torch.nn.Parameter]:
-        model = self._model_params()
-        return [] if model is None else list(model.parameters())
 
     def _current_param_ids(self) -> set[int]:
         model = self._model_params()
@@ -274,3 +274,9 @@ class StepTracker:
         self._scopes.stepped(optimizer)
         ending, self._ending = self._ending, False
         return ending
+
+
+def _parameters_of(model: "weakref.ref[torch.nn.Module]") -> list[torch.nn.Parameter]:
+    """The parameters of `model` while it lives, else none."""
+    module = model()
+    return [] if module is None else list(module.parameters())
