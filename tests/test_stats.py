@@ -143,18 +143,22 @@ def test_clip_norm_in_place_is_clip_grad_norm(norm_type: float) -> None:
     for mine, p in zip(ours, params):
         assert p.grad is not None and torch.equal(mine, p.grad)
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, norm_type) for t in grads]), norm_type)
-    assert report.dtype == torch.float64 and report.tolist() == [[pytest.approx(total.item(), rel=1e-6), 1.0]]
+    assert total.item() > 0.5  # the norm as it left the clip is the limit
+    assert report.dtype == torch.float64 and report.tolist() == [[pytest.approx(0.5, rel=1e-6), 1.0]]
 
 
 def test_clip_norm_reports_per_group_and_audits_without_changing_anything() -> None:
-    """Per group: its measured norm (vector_norm) and whether it was clipped; apply=False changes nothing."""
+    """Per group: its norm as it left the clip (min(vector_norm, limit)) and whether it was clipped
+    (or would have been); apply=False changes nothing."""
     g = torch.Generator().manual_seed(2)
     grads = [torch.randn(4, generator=g) * s for s in (0.1, 10.0, 1.0)]
     groups, limits = [[0], [1], [2]], [1.0, 1.0, None]
     audited, report = clip_norm([t.clone() for t in grads], limits, 2.0, groups, inplace=True, apply=False)
     assert all(torch.equal(a, t) for a, t in zip(audited, grads))
     norms = [torch.linalg.vector_norm(t).item() for t in grads]
-    assert report.tolist() == [[pytest.approx(n, rel=1e-6), c] for n, c in zip(norms, (0.0, 1.0, 0.0))]
+    left = [min(n, limit) if limit is not None else n for n, limit in zip(norms, limits)]
+    assert norms[1] > 1.0 and left[1] == 1.0
+    assert report.tolist() == [[pytest.approx(n, rel=1e-6), c] for n, c in zip(left, (0.0, 1.0, 0.0))]
     clipped, same = clip_norm([t.clone() for t in grads], limits, 2.0, groups, inplace=True)
     assert torch.equal(same, report)
     assert torch.equal(clipped[0], grads[0]) and torch.equal(clipped[2], grads[2])  # under the limit, no limit
