@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
@@ -25,7 +26,8 @@ def test_a_message_names_the_root_by_its_class_and_an_index_with_its_model(
 """)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
     capsys.readouterr()
-    with hookpolicy.load(policy).attach(model):
+    # a fresh registry: in the process-wide one, earlier tests' Sequentials make this one Sequential#N
+    with hookpolicy.load(policy).attach(model, registry=CollectorRegistry()):
         model(torch.randn(2, 3)).sum().backward()
     records = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     said = {r["module"]: r["message"] for r in records}
