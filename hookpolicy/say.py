@@ -30,8 +30,9 @@ class _StderrLines(logging.Handler):
         try:
             text = self.format(record)
             stream = sys.stderr
-            stream.write(text if text.startswith(PREFIX) else PREFIX + text)
-            stream.write("\n")
+            # One write per line: ranks and helpers share one stderr pipe, and a line written in
+            # two pieces lets another process's line in between (a test read 'p@5bc4...hookpolicy:').
+            stream.write((text if text.startswith(PREFIX) else PREFIX + text) + "\n")
             stream.flush()
         except Exception:  # a closed stderr must not take training down with it
             self.handleError(record)
