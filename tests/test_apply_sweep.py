@@ -30,6 +30,7 @@ from hookpolicy.engine import loss, optimizer_hooks
 
 TRIALS = 8
 MIB = 1 << 20
+TRIAL_BYTES = 48 * MIB  # one trial's weights, gradients and Adam state
 
 POLICY = """\
 apiVersion: hookpolicy/v1
@@ -127,9 +128,12 @@ def test_a_sweep_under_apply_keeps_only_the_model_the_script_holds(
 
     # the script's own count: one model alive at the end of each trial, the one it holds
     assert reference["alive"] == applied["alive"] == [1] * TRIALS
-    # memory: the trials after the first add what they add without hookpolicy (a leak
-    # would be about 48 MiB per trial)
-    assert _growth(applied["rss"]) <= _growth(reference["rss"]) + 16 * MIB, (reference["rss"], applied["rss"])
+    # memory: the trials after the first add no more than one trial's footprint beyond what
+    # they add without hookpolicy. A leak of what a trial allocates would be about 48 MiB
+    # per trial, 336 MiB over the 7; the allocator's own noise is tens of MiB either way
+    # (CI saw the plain run shrink by 8 MiB while the applied one grew by 16).
+    allowance = max(_growth(reference["rss"]), 0) + TRIAL_BYTES
+    assert _growth(applied["rss"]) <= allowance, (reference["rss"], applied["rss"])
     # the exporter: the series of the model held, none of the dropped ones
     assert value(samples, "hookpolicy_grad_l2_norm", policy="sweep", rule="grads", module="0", tensor="",
                  model=last, rank="0") is not None
