@@ -32,6 +32,9 @@ from .discovery import Discovery
 from ..environment import ENV_LOCAL_RANK, ENV_PARENT, ChildConfig, rank_identity
 from ..errors import Halt, PolicyError
 from ..export.exporter import metrics_url, serve
+from ..export.metrics import store_for
+from ..export.sinks import output_root
+from ..export.summary import summary_lines
 from ..policy.sources import load_sources
 from . import lifetime
 from .reload import Reloader, fingerprint
@@ -54,6 +57,7 @@ class _Session:
         )
         self.reloader = Reloader(config, self.discovery.swaps, registry=self.registry, files=files)
         self._started = False
+        self._metrics: Optional[str] = None  # the URL this process serves its metrics on
         self._previous_excepthook = sys.excepthook
 
     def start(self) -> None:
@@ -69,9 +73,21 @@ class _Session:
                 signal.signal(signal.SIGHUP, lambda signum, frame: self.reloader.request())
 
     def close(self) -> None:
-        """At exit (normal, Ctrl-C, SIGTERM, halt): detach everything, which flushes the logs."""
+        """At exit (normal, Ctrl-C, SIGTERM, halt): detach everything, which flushes the logs; say the summary."""
         self.reloader.stop()
         self.discovery.remove()
+        if self._started and self.discovery.rank == 0:
+            self._summary()
+
+    def _summary(self) -> None:
+        """The run summary (`export.summary`) of rank 0: the other ranks' counts are in their own metrics."""
+        try:
+            policies = self.discovery.swaps.current()[0].policies
+            for line in summary_lines(store_for(self.registry, self.discovery.rank), policies, metrics=self._metrics,
+                                      root=output_root()):
+                say(line)
+        except Exception as exc:  # noqa: BLE001 - a summary must not turn a clean exit into a traceback
+            say(f"no run summary: {type(exc).__name__}: {exc}")
 
     def forked(self) -> None:
         """In a child forked from this process (`os.fork`, a fork DataLoader worker): be inert.
@@ -108,7 +124,8 @@ class _Session:
             if exporter is not None:
                 # Said once bound, by the rank that serves: a line before the bind would
                 # promise a port that may then be taken.
-                say(f"rank {attached.rank}: metrics on {metrics_url(self.config.metrics_addr, port)}")
+                self._metrics = metrics_url(self.config.metrics_addr, port)
+                say(f"rank {attached.rank}: metrics on {self._metrics}")
                 lifetime.release_when_orphaned(exporter, f"rank {attached.rank}'s metrics port {port}")
         self.reloader.start()
 

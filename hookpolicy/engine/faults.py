@@ -70,4 +70,5 @@ class Faults:
                 *rs.key, step, MAX_ERRORS, "".join(traceback.format_exception(exc)).rstrip(),
             )
         if rs.errors == MAX_ERRORS:
+            self._store.switch_off(rs.key, f"after {MAX_ERRORS} errors")
             log.error("hookpolicy: %s/%s switched off after %d errors", *rs.key, MAX_ERRORS)

@@ -23,6 +23,8 @@ from ..errors import Halt, HookPolicyError, PolicyError
 from ..export.metrics import (
     ALERT_FIRING, MODEL_FAMILIES, POLICY_INFO, SERIES_DROPPED, STEPS, Labels, ModelMetrics, store_for,
 )
+from ..export.sinks import output_root
+from ..export.summary import summary_lines
 from ..plan.matcher import model_class
 from ..plan.planner import Plan, build_plan
 from ..policy.model import Policy
@@ -177,6 +179,18 @@ class Attached:
         same = [key for key, rs in mine.items()
                 if key in theirs and replace(theirs[key].rule, index=rs.rule.index) == rs.rule]
         self.history.adopt(previous.history.carry(same))
+
+    def summary(self) -> list[str]:
+        """What the policies did to this model so far, in a few lines (also after `remove()`).
+
+        Steps, then per rule what it did (skipped steps, clips, alerts by severity, errors,
+        switched off), then where its files went: sums of the counters this attachment
+        exported (`export.summary`), of the model on every rank-local registry it shares.
+        Printing nothing by itself, so that a notebook or a test that attaches often stays
+        quiet: `print("\\n".join(handle.summary()))`. `hookpolicy apply` says it at the end of a run.
+        """
+        return summary_lines(self.store.store, self.policies, metrics="in the registry given to attach",
+                             root=output_root(), models=[self.store.model])
 
     def last_values(self) -> Mapping[str, Mapping[Labels, float]]:
         """The latest value of every statistic this attachment computed, read-only.

@@ -158,6 +158,7 @@ class MetricsStore:
         self._said_full = Once()  # policies told that they reached maxSeries, until forgotten
         self._models: "weakref.WeakKeyDictionary[object, str]" = weakref.WeakKeyDictionary()
         self._classes: dict[str, int] = {}
+        self._off: dict[Labels, str] = {}  # (policy, rule, model) -> why, for the run summary; not exported
 
     # -- engine families ---------------------------------------------------------------
     def inc(self, family: Family, labels: Labels = (), by: float = 1.0) -> None:
@@ -188,6 +189,16 @@ class MetricsStore:
             series = self._engine[RELOAD_SUCCESSFUL.name]
             if ok is not None or () not in series:
                 series[()] = 0.0 if ok is False else 1.0
+
+    def switch_off(self, labels: Labels, why: str) -> None:
+        """Note that a rule (policy, rule, model) was switched off, and why, for the run summary."""
+        with self._lock:
+            self._off[labels] = why
+
+    def switched_off(self) -> dict[Labels, str]:
+        """(policy, rule, model) -> why, of every rule switched off so far."""
+        with self._lock:
+            return dict(self._off)
 
     def drop(self, family: Family, keep: Callable[[Labels], bool]) -> None:
         name = _checked(family, family.labels)
@@ -300,6 +311,9 @@ class ModelMetrics:
 
     def config_loaded(self, ok: Optional[bool] = None) -> None:
         self.store.config_loaded(ok)
+
+    def switch_off(self, labels: Labels, why: str) -> None:
+        self.store.switch_off((*labels, self.model), why)
 
     def drop(self, family: Family, keep: Callable[[Labels], bool]) -> None:
         """Drop the series `keep` rejects (given the labels without `model`); only this model's."""

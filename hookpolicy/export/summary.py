@@ -1,0 +1,134 @@
+"""The run summary: what hookpolicy did in a run, in a few lines, read from the exported counters.
+
+    run summary (rank 0): Sequential 200 steps
+      nan-guard/nonfinite-grads: skipped 1 step, 1 critical alert
+      agc/agc: clipped 2691 units
+      outputs: metrics http://127.0.0.1:9400/metrics; log runs/observe.jsonl
+      watch/acts: its capture goes nowhere (no log, tensorboard or tensors, and no --metrics-port)
+
+Every number is a sum of a counter a scrape shows (`hookpolicy_steps_total`,
+`hookpolicy_skipped_steps_total`, ...) over the rule's series, so the summary and
+Prometheus never disagree; what the counter does not count, the summary does not say.
+`COUNTS` is the one list of what a rule's line says: a new counter that a rule's line
+should show (a `rewinds` count, say) is one more `Count` there.
+
+`hookpolicy apply` says it at the end of each governed process of rank 0 (at exit, on
+SIGTERM, after a halt); the Python API returns it from `Attached.summary()`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+from ..policy.model import Capture, Clip, Policy, Rule
+from .metrics import ALERTS, CLIPPED, HOOK_ERRORS, SKIPPED_STEPS, STEPS, Family, Labels, MetricsStore
+
+__all__ = ["COUNTS", "Count", "summary_lines"]
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+@dataclass(frozen=True)
+class Count:
+    """One counter as a rule's line says it: `family` summed over the rule's series.
+
+    `words(n, value, rule)` is the phrase for a sum `n` > 0; with `by` (a label of the
+    family), one phrase per value of that label (`value`), else `value` is "".
+    """
+
+    family: Family
+    words: Callable[[int, str, Rule], str]
+    by: Optional[str] = None
+
+
+def _clipped(n: int, mode: str, rule: Rule) -> str:
+    unitwise = any(isinstance(a, Clip) and a.unitwise_ratio is not None for a in rule.actions)
+    what = _plural(n, "unit") if unitwise else _plural(n, "time")
+    return f"would have clipped {what} (audit)" if mode == "audit" else f"clipped {what}"
+
+
+#: What a rule's summary line says, in order. Only counts above 0 are said.
+COUNTS: tuple[Count, ...] = (
+    Count(SKIPPED_STEPS, lambda n, _, rule: f"skipped {_plural(n, 'step')}"),
+    Count(CLIPPED, _clipped, by="mode"),
+    Count(ALERTS, lambda n, severity, rule: _plural(n, f"{severity} alert"), by="severity"),
+    Count(HOOK_ERRORS, lambda n, _, rule: _plural(n, "error")),
+)
+
+_SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+
+
+def summary_lines(
+    store: MetricsStore, policies: Sequence[Policy], *, metrics: Optional[str], root: Path,
+    models: Optional[Sequence[str]] = None, heading: str = "run summary",
+) -> list[str]:
+    """The summary of `policies` on `store`'s models (or only `models`), one string a line.
+
+    `metrics` says where the metrics go (a URL, "the registry given to attach"); None when
+    nothing serves them, and then a capture that writes no file computes into nowhere,
+    which its own line says. `root` is the folder the policies' paths are relative to.
+    """
+    engine, _ = store.snapshot()
+    def mine(model: str) -> bool:
+        return models is None or model in models
+
+    steps = {labels[-1]: int(v) for labels, v in engine.get(STEPS.name, {}).items() if mine(labels[-1])}
+    lines = [f"{heading} (rank {store.rank}): "
+             + (", ".join(f"{model} {_plural(n, 'step')}" for model, n in steps.items()) or "no model governed")]
+    rules = [(policy, rule) for policy in policies for rule in policy.rules]
+    for policy, rule in rules:
+        said = _rule_counts(engine, policy.name, rule, mine)
+        off = {why for (p, r, model), why in store.switched_off().items() if (p, r) == (policy.name, rule.name)
+               and mine(model)}
+        said += [f"switched off {why}" for why in sorted(off)]
+        lines.append(f"  {policy.name}/{rule.name}: {', '.join(said) or 'nothing counted'}")
+    outputs = [f"metrics {metrics}"] if metrics is not None else []
+    for kind, path in _files(policies, root):
+        if f"{kind} {path}" not in outputs:
+            outputs.append(f"{kind} {path}")
+    lines.append(f"  outputs: {'; '.join(outputs) or 'no metrics endpoint, no file'}")
+    if metrics is None:
+        for policy, rule in rules:
+            if any(isinstance(a, Capture) and a.log is None and a.tensorboard is None and a.tensors is None
+                   for a in rule.actions):
+                lines.append(f"  {policy.name}/{rule.name}: its capture goes nowhere "
+                             "(no log, tensorboard or tensors, and no --metrics-port)")
+    return lines
+
+
+def _rule_counts(
+    engine: Mapping[str, Mapping[Labels, float]], policy: str, rule: Rule, mine: Callable[[str], bool],
+) -> list[str]:
+    said = []
+    for count in COUNTS:
+        by = None if count.by is None else count.family.labels.index(count.by)
+        sums: dict[str, float] = defaultdict(float)
+        for labels, counted in engine.get(count.family.name, {}).items():
+            if labels[:2] == (policy, rule.name) and mine(labels[-1]):
+                sums["" if by is None else labels[by]] += counted
+        for value, n in sorted(sums.items(), key=lambda kv: (_SEVERITY_ORDER.get(kv[0], 9), kv[0])):
+            if int(n) > 0:
+                said.append(count.words(int(n), value, rule))
+    return said
+
+
+def _files(policies: Sequence[Policy], root: Path) -> list[tuple[str, str]]:
+    """(kind, path) of every file output of the policies' captures, as the user would look for it."""
+    out = []
+    for policy in policies:
+        for rule in policy.rules:
+            for action in rule.actions:
+                if not isinstance(action, Capture):
+                    continue
+                if action.log is not None:
+                    out.append(("log", str(root / action.log.path) if action.log.path else "stderr"))
+                if action.tensorboard is not None:
+                    out.append(("TensorBoard", str(root / action.tensorboard.dir)))
+                if action.tensors is not None:
+                    out.append(("tensors", str(root / action.tensors.dir)))
+    return out
