@@ -41,7 +41,6 @@ them, so nothing in this module attaches or detaches from inside an optimizer st
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Any, Callable, Optional
 
@@ -53,6 +52,7 @@ from ..api import PolicySet
 from ..errors import Halt, PolicyError
 from ..process import Once
 from ..engine import heap, module_hooks, optimizer_hooks
+from ..engine.distributed import data_parallel
 from ..engine.runtime import Attached
 from ..say import say
 from .reload import Governed, Swaps, Vote
@@ -149,7 +149,7 @@ class Discovery:
         step = max((g.attached.step for g in replaced), default=0)
         for governed in replaced:
             self._release(governed)
-        replicated = _data_parallel(module)
+        replicated = data_parallel(module)
         policies, generation = self.swaps.current(replicated)
         try:
             attached = self._attach(policies, module, step)
@@ -360,21 +360,6 @@ class _Forget:
 
     def __call__(self) -> None:
         self._discovery.forgotten(self._root, self._governed)
-
-
-def _data_parallel(module: torch.nn.Module) -> bool:
-    """Whether every rank of a process group holds this model and steps it together: DDP, FSDP
-    (either), or parameters that are DTensors. Its policy swaps wait for every rank (`reload`)."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    kinds = tuple(k for k in (torch.nn.parallel.DistributedDataParallel, getattr(fsdp, "FSDPModule", None),
-                              getattr(fsdp, "FullyShardedDataParallel", None)) if isinstance(k, type))
-    if any(isinstance(m, kinds) for m in module.modules()):
-        return True
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return isinstance(dtensor, type) and any(isinstance(p, dtensor) for p in module.parameters())
 
 
 def _known(cache: dict[int, "weakref.ref[torch.nn.Module]"], module: torch.nn.Module) -> bool:

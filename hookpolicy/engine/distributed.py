@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 from .stats import tensor_partials
 
-__all__ = ["Shards", "Units", "full_value", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards"]
+__all__ = ["Shards", "Units", "data_parallel", "full_value", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards"]
 
 #: What an empty shard contributes to each partial.
 _IDENTITY = {"sumsq": 0.0, "sum": 0.0, "m2": 0.0, "min": math.inf, "max": -math.inf, "nonzero": 0.0, "finite": 0.0}
@@ -204,6 +204,21 @@ def shard_partials(locals_: Sequence[torch.Tensor], kinds: Sequence[str]) -> tor
     if full:
         out[full] = tensor_partials([locals_[i] for i in full], kinds)
     return out
+
+
+def data_parallel(module: torch.nn.Module) -> bool:
+    """Whether every rank of a process group holds this model and steps it together: DDP, FSDP
+    (either), or parameters that are DTensors. Its policy swaps wait for every rank (`reload`)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kinds = tuple(k for k in (torch.nn.parallel.DistributedDataParallel, getattr(fsdp, "FSDPModule", None),
+                              getattr(fsdp, "FullyShardedDataParallel", None)) if isinstance(k, type))
+    if any(isinstance(m, kinds) for m in module.modules()):
+        return True
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return isinstance(dtensor, type) and any(isinstance(p, dtensor) for p in module.parameters())
 
 
 def shard_name(name: str) -> str:
