@@ -409,6 +409,8 @@ def test_two_governed_models_get_their_own_roots(tmp_path: Path) -> None:
     (["trigger: {at: step, phase: eval}", "target: loss"], "only phase: train (the default) applies"),
     (["trigger: {at: step}", "target: loss", "actions: [{clip: {max_norm: 1}}]"], "clip cannot change target: loss"),
     (["trigger: {at: step}", "target: loss", "actions: [{scale: {factor: 0.5}}]"], "scale cannot change target: loss"),
+    (["trigger: {at: step}", "target: grad", "ranks: own"], "ranks applies to target: loss"),
+    (["trigger: {at: step}", "target: loss", "ranks: each"], "ranks"),
 ])
 def test_a_loss_rule_that_cannot_work_is_refused_at_its_line(tmp_path: Path, keys: list[str], message: str) -> None:
     if not any(k.startswith("actions") for k in keys):

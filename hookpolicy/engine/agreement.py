@@ -1,23 +1,32 @@
-"""One decision on every rank: a step's skip or halt, agreed on in one collective, rules named by identity.
+"""One decision on every rank: a step's skip or halt agreed on, and the job's loss reduced, in one collective.
 
 A `skip_step` or `halt` decided on one rank (its own activations, its own gradient before
 DDP's all-reduce, a NaN injected into its shard) must be taken by every rank in the same
 step, or the ranks' parameters part ways (and FSDP's next collective waits forever for a
-rank that halted). `Agreement.agree` does one `all_reduce(MAX)` of six integers over the
-default process group at each step decision, only when the attached policies hold an
-enforced `skip_step` or `halt` and a process group is initialised (and, once it did, for
+rank that halted). `Agreement.agree` issues one collective over the default process group
+at each step decision: an `all_gather` of one row of `len(ROW)` int64 per rank (`ROW`
+names them), from which every rank computes the same maxima, minima and sums. It runs only
+when a process group is initialised and the attached policies hold an enforced `skip_step`
+or `halt`, a loss rule that sees the job's loss, or a reload vote (and, once it did, for
 the rest of the process: see `_AGREED`). Every rank of the group must then step its
 optimizer together (which DDP and FSDP require anyway). Decisions taken during evaluation
 forwards (a halt at a per-batch readback) are not agreed on: a rank may evaluate alone.
 
+**Why a gather.** One collective must give the largest code (which rule decided), the
+smallest and largest digest (do all ranks hold the same rules) and a sum (the loss); no
+reduction operator gives all three, and an `all_gather` of a fixed row does, exactly: the
+loss's float64 partials travel as their bits, and every rank merges the same rows in rank
+order, so its sums are bit for bit every other rank's. The price is `8 * len(ROW) * world`
+bytes to each rank instead of a constant (96 KiB at 1,024 ranks).
+
 **Rules are named by identity, never by position.** A rule's identity is (policy name, rule
 name) within a policy *generation* (`Attached.generation`: 0 for an attachment, raised
-by each hot reload). The first four integers are the skip code, the halt code, and a
-digest of this rank's identities and generation, once as it is and once negated: after
-the MAX reduction every rank holds the largest and the smallest digest of the group, so
-every rank sees, in the same step, whether all ranks hold the same rules. When they do, a
-code names a rule by its place in the *sorted* identities, which is the same on every
-rank, and the rank that decided (`1 + place * world_size + rank`).
+by each hot reload). The row carries the skip code, the halt code and a digest of this
+rank's identities and generation: every rank sees, in the same step, whether all ranks
+hold the same rules (smallest digest == largest). When they do, a code names a rule by its
+place in the *sorted* identities, which is the same on every rank, and the rank that
+decided (`1 + place * world_size + rank`). A new decision every rank must take at the same
+step is one more code in `ROW`, before "digest", encoded and decoded alike.
 
 **Ranks that hold different rules** (between two ranks' swaps at a hot reload, or policies
 that differ by rank) cannot tell from one collective which rules every rank holds, and a
@@ -27,14 +36,20 @@ included: the ranks stay consistent (no rank skips or halts alone, none waits on
 and each says so in one `hookpolicy:` line when the mismatch begins (and one when it ends),
 naming what it decided itself. Alerts that fired still count and log as such.
 
+**The job's loss.** The row also carries this rank's loss roots of the step (`loss.LossTap`):
+their count and partials (`stats.PARTIALS`), count 0 where it saw none. `Agreed.loss` is
+every rank's together; the step cycle evaluates the loss rules with `ranks: job` (the
+default) on it after this collective, so their statistics, history and decisions are the
+same on every rank by construction and need no agreement of their own.
+
 **A hot reload goes in on every rank at once.** Under `hookpolicy apply` a data-parallel
 model's agreement also carries a `Vote`: a digest of the newest policy version this rank
-has, once as it is and once negated (0 without a vote), so that after the MAX reduction
-every rank knows, at the same step, whether all ranks want the same version. `Vote.agreed`
-is told the version (or None); the reload swaps it in at the next step boundary on every
-rank (`apply/reload.py`), as generation + 1. Such a model agrees at every step, whatever its
-rules: one small collective a step is what a reloadable data-parallel job costs. The
-collective always carries six integers, vote or not, so ranks never issue different ones.
+has (0 without a vote), so that every rank knows, at the same step, whether all ranks want
+the same version. `Vote.agreed` is told the version (or None); the reload swaps it in at
+the next step boundary on every rank (`apply/reload.py`), as generation + 1. Such a model
+agrees at every step, whatever its rules: one small collective a step is what a reloadable
+data-parallel job costs. The row is the same length on every rank, vote or not, loss or
+not, so ranks never issue different collectives.
 
 The process-wide side of this: these collectives are issued from the optimizer step
 pre-hook, where every rank of a DDP or FSDP job is at the same point of the same step.
@@ -44,16 +59,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
 import torch
 
 from ..errors import Halt
-from ..policy.model import Alert, Policy
+from ..policy.model import LOSS, Alert, Policy
 from .decision import StepReport
 from .rulestate import RuleState
+from .stats import PARTIALS, combine, tensor_partials
 
-__all__ = ["Agreement", "Vote", "digest", "identities"]
+__all__ = ["Agreed", "Agreement", "Vote", "digest", "identities", "job_loss_rule", "ROW"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -82,6 +99,32 @@ class Vote(Protocol):
         """At `step`, every rank wants `wanted`; None when not every rank wants the same. Only take note here."""
 
 
+#: The row each rank contributes to the step's one collective, int64 each (the loss's partials
+#: travel as the bits of their float64): the decision codes (a rule's code, 0 for none; a new
+#: decision that every rank must take at the same step is one more name here, before "digest"),
+#: this rank's rules digest, its reload vote (0 for none), how many loss roots it saw, and their
+#: partials (`stats.PARTIALS`, anything where it saw none). The same length on every rank, every step.
+ROW: tuple[str, ...] = ("skip", "halt", "digest", "vote", "roots", *(f"loss_{p}" for p in PARTIALS))
+_AT = {name: place for place, name in enumerate(ROW)}
+_LOSS_AT = _AT["loss_" + PARTIALS[0]]
+
+
+def job_loss_rule(rs: RuleState) -> bool:
+    """Whether `rs` is a loss rule that sees the job's loss (`ranks: job`, the default) in a process group."""
+    return rs.rule.target == LOSS and rs.rule.ranks == "job"
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What a step's collective gave every rank alike."""
+
+    #: every rank holds the same rules (else no rank took a skip or halt decision at this step)
+    same: bool
+    #: the job's loss: the partials (`stats.PARTIALS`) of every rank's roots together and how many
+    #: roots there were; None when no rank saw one
+    loss: Optional[tuple[dict[str, float], int]]
+
+
 class Agreement:
     """The agreement of one attachment; see the module docstring."""
 
@@ -94,35 +137,44 @@ class Agreement:
             isinstance(a, Alert) and a.then in ("skip_step", "halt")
             for rs in rules.values() if rs.enforce for a in rs.rule.actions
         )
+        #: loss rules that see the job's loss: the loss travels in the collective, which then runs at every step
+        self.reduces_loss = any(job_loss_rule(rs) for rs in rules.values())
         self._apart = False  # the ranks held different rules at the last agreement
         #: set by a reload protocol before the first step (`Attached.vote_on_reloads`)
         self.vote: Optional[Vote] = None
 
-    def agree(self, report: StepReport, step: int) -> None:
-        """Make a skip or halt decided on any rank every rank's (in `report`); no collective without a group.
+    def active(self) -> bool:
+        """Whether this attachment agrees at its steps (a process group is up and something needs it)."""
+        return agreeing(self._decides or self.vote is not None or self.reduces_loss)
 
+    def agree(self, report: StepReport, step: int, loss: Optional[torch.Tensor] = None) -> Optional[Agreed]:
+        """Make a skip or halt decided on any rank every rank's (in `report`), and reduce the loss; None without a group.
+
+        `loss` is this rank's roots of the step (`loss.LossTap.take`), None where it saw none.
         `report.skip_by` gets the rule another rank skipped by; at a step where the ranks hold
         different rules, `report` ends with no skip and no halt on every rank.
         """
-        if not agreeing(self._decides or self.vote is not None):
-            return
+        if not self.active():
+            return None
         import torch.distributed as dist
         halt = report.halt
-        skip_code = self._encode(report.skip_rule)
-        halt_code = self._encode(None if halt is None else (halt.policy, halt.rule))
+        codes = [self._encode(report.skip_rule), self._encode(None if halt is None else (halt.policy, halt.rule))]
         wanted = 0 if self.vote is None else self.vote.wanted()
-        got = _all_reduce_max([skip_code, halt_code, self._digest, -self._digest, wanted, -wanted])
+        rows = _all_gather([*codes, self._digest, wanted], loss)
+        highest, lowest = rows.max(dim=0).values.tolist(), rows.min(dim=0).values.tolist()
         if self.vote is not None:
-            self.vote.agreed(got[4] if got[4] == -got[5] else None, step)
-        same = got[2] == -got[3]
+            vote = _AT["vote"]
+            self.vote.agreed(highest[vote] if highest[vote] == lowest[vote] else None, step)
+        job = _job_loss(rows)
+        same = highest[_AT["digest"]] == lowest[_AT["digest"]]
         if not same:
-            self._differ(report, step, dist.get_rank(), got[2], -got[3])
-            return
+            self._differ(report, step, dist.get_rank(), highest[_AT["digest"]], lowest[_AT["digest"]])
+            return Agreed(False, job)
         if self._apart:
             self._apart = False
             log.info("the ranks hold the same rules again at step %d (generation %d): skip and halt decisions "
                      "are agreed on again", step, self.generation)
-        other_skip, other_halt = self._decode(got[0]), self._decode(got[1])
+        other_skip, other_halt = self._decode(highest[_AT["skip"]]), self._decode(highest[_AT["halt"]])
         if not report.skip and other_skip is not None:
             report.skip, report.skip_rule = True, other_skip[0]
             report.skip_by.append(other_skip[0])
@@ -130,6 +182,7 @@ class Agreement:
         if halt is None and other_halt is not None:
             (policy, rule), rank = other_halt
             report.halt = Halt(policy, rule, step, f"rank {rank} halted; every rank stops at the same step")
+        return Agreed(True, job)
 
     def _encode(self, name: Optional[Identity]) -> int:
         """A decision's code: 1 + the rule's place in the sorted identities * world size + this rank; 0 for none."""
@@ -177,14 +230,40 @@ def agreeing(decides: bool) -> bool:
     return (decides or _AGREED) and dist.is_available() and dist.is_initialized()
 
 
-def _all_reduce_max(values: list[int]) -> list[int]:
-    """`values`, each the largest over the default process group: the one collective of a step's agreement."""
+def _all_gather(ints: list[int], loss: Optional[torch.Tensor]) -> torch.Tensor:
+    """Every rank's `ROW` (`ints`, then the roots' count and partials), `[world size, len(ROW)]` int64 on the host.
+
+    The one collective of a step's agreement, and its one read-back: an `all_gather` of
+    `len(ROW)` int64 per rank, the same on every rank whether it saw a loss or not.
+    """
     import torch.distributed as dist
     global _AGREED
     _AGREED = True
-    flags = torch.tensor(values, dtype=torch.int64, device=_collective_device())
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return [int(v) for v in flags.tolist()]
+    device = _collective_device()
+    head = torch.tensor([*ints, 0 if loss is None else loss.numel()], dtype=torch.int64)
+    if loss is None:
+        partials = torch.zeros(len(PARTIALS), dtype=torch.float64, device=device)
+    else:
+        partials = tensor_partials([loss], PARTIALS).reshape(-1).to(device)
+    row = torch.cat([head.to(device), partials.view(torch.int64)])
+    rows = torch.empty(dist.get_world_size() * len(ROW), dtype=torch.int64, device=device)
+    dist.all_gather_single(rows, row)
+    return rows.view(-1, len(ROW)).cpu()
+
+
+def _job_loss(rows: torch.Tensor) -> Optional[tuple[dict[str, float], int]]:
+    """The partials of every rank's roots together, and how many there were; None when no rank saw one.
+
+    Merged on the host in rank order from the same rows on every rank (`stats.combine`: exact
+    sums, Chan's formula for the spread), so every rank gets the same numbers, bit for bit.
+    """
+    counts = rows[:, _AT["roots"]]
+    seen = counts > 0
+    if not bool(seen.any()):
+        return None
+    partials = rows[seen][:, _LOSS_AT:].contiguous().view(torch.float64).tolist()
+    numels = counts[seen].tolist()
+    return combine(partials, numels, PARTIALS), sum(numels)
 
 
 def _collective_device() -> torch.device:

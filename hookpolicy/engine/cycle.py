@@ -3,8 +3,8 @@
 Before the update (`before_update`, the optimizer step pre-hook; or, for a script that
 steps no optimizer, the end of its backward pass):
 
-    scope -> active rules -> loss -> execute -> read back -> decide -> agree
-          -> commit history -> hide gradients
+    scope -> active rules -> loss -> execute -> read back -> decide -> agree (and reduce the loss)
+          -> the job's loss rules -> commit history -> hide gradients
 
 After it (`after_update`): restore the hidden gradients -> count the step -> activate the
 next step's rules.
@@ -38,7 +38,9 @@ from ..export.sinks import output_root
 from ..plan.planner import Plan
 from ..policy.model import LOSS, Policy
 from . import module_hooks, optimizer_hooks
-from .agreement import Agreement
+from .agreement import Agreed, Agreement, job_loss_rule
+from .decision import StepReport
+from .distributed import data_parallel
 from .executor import Executor
 from .programs import Programs
 from .faults import Faults
@@ -94,6 +96,7 @@ class StepCycle:
         self._rebinding = Rebinding(model, policies, plan, self.rules, store, audit, (self.executor, self.programs),
                                     self.installer, self._steps)
         self._forwarded = False  # a training forward ran in this step
+        self._checked_parallel = False  # whether the model showed data parallelism was looked at (job's loss)
         self._removed = False
         self._handles: list[Any] = []
 
@@ -142,32 +145,43 @@ class StepCycle:
             self._hidden.hide(optimizer)
 
     def _evaluate(self, left_out: frozenset[int]) -> bool:
-        """Run the step's rules on the parameters not in `left_out`, read back, decide; True to skip the step."""
+        """Run the step's rules on the parameters not in `left_out`, read back, decide; True to skip the step.
+
+        In a process group the loss rules that see the job's loss (`ranks: job`) wait for the
+        agreement, whose collective carries every rank's loss; they run after it.
+        """
         self._replan_if_changed()
         rules = self.installer.step_rules()
-        loss = self._take_loss(rules)
-        self.programs.run_step_rules(rules, loss, left_out)
-        return self._read_back(decide=True)
+        job = [rs for rs in rules if job_loss_rule(rs)] if self.agreement.active() else []
+        loss = self._take_loss([rs for rs in rules if rs.rule.target == LOSS and rs not in job])
+        if job:
+            self._say_not_data_parallel(job)
+        self.programs.run_step_rules([rs for rs in rules if rs not in job], loss, left_out)
+        return self._read_back(decide=True, job=job, loss=loss)
 
     def _take_loss(self, rules: Sequence[RuleState]) -> Optional[torch.Tensor]:
+        """This rank's roots of the step; a missing loss is said for `rules` (those that would see this rank's)."""
         if self._loss is None:
             return None
-        return self._loss.take(self.step, ["/".join(rs.key) for rs in rules if rs.rule.target == LOSS])
+        return self._loss.take(self.step, ["/".join(rs.key) for rs in rules])
 
-    def _read_back(self, final: bool = False, decide: bool = False) -> bool:
+    def _read_back(
+        self, final: bool = False, decide: bool = False, job: Sequence[RuleState] = (),
+        loss: Optional[torch.Tensor] = None,
+    ) -> bool:
         """Report what the ledger holds (one transfer) and decide the step; True to skip it.
 
         `final` (at `remove()`) publishes what is left but takes no skip or halt decision;
-        `decide` (at a step, not at an evaluation forward) makes the decision every rank's.
+        `decide` (at a step, not at an evaluation forward) makes the decision every rank's and
+        reduces this rank's `loss` with every rank's; the rules `job` then see the job's loss,
+        the same on every rank, so their decisions are every rank's as they are.
         A sink that failed is a fault of its rule (`Faults.fail`: counted, maybe a Halt).
         """
-        done = self.ledger.close()
-        decision = self.readback.run(done.entries, self.step, final)
-        self._count(done, decision.seconds)
-        for rs, exc in decision.errors:
-            self._faults.fail(rs, exc)
+        decision = self._report(final)
         if decide:
-            self.agreement.agree(decision, self.step)
+            agreed = self.agreement.agree(decision, self.step, loss)
+            if job and agreed is not None:
+                self._job_loss(job, agreed, loss, decision)
         for key in decision.skip_by:
             self.store.inc(SKIPPED_STEPS, key)
         if not decision.skip and not final:  # a skipped step did not happen: its values never become the baseline
@@ -175,6 +189,39 @@ class StepCycle:
         if decision.halt is not None:
             raise self._halting(decision.halt)
         return decision.skip
+
+    def _report(self, final: bool) -> StepReport:
+        """Read back what the ledger holds (one transfer), count it, hand its sink faults to `Faults`."""
+        done = self.ledger.close()
+        decision = self.readback.run(done.entries, self.step, final)
+        self._count(done, decision.seconds)
+        for rs, exc in decision.errors:
+            self._faults.fail(rs, exc)
+        return decision
+
+    def _job_loss(self, job: Sequence[RuleState], agreed: Agreed, own: Optional[torch.Tensor],
+                  decision: StepReport) -> None:
+        """Evaluate the rules `job` on the job's loss and join what they decided to `decision`."""
+        if agreed.loss is None:
+            if self._loss is not None:
+                self._loss.missing(self.step, ["/".join(rs.key) for rs in job], job=True)
+            return
+        self.programs.record_job_loss(job, *agreed.loss, own)
+        decision.join(self._report(final=False), decisions=agreed.same)
+
+    def _say_not_data_parallel(self, job: Sequence[RuleState]) -> None:
+        """Once: a model in a process group in which no data parallelism shows still gets the job's loss; say so."""
+        if self._checked_parallel:
+            return
+        self._checked_parallel = True
+        if not data_parallel(self.model):
+            import torch.distributed as dist
+            log.warning(
+                "%s: %s is in a process group of %d ranks but holds no DDP, FSDP or DTensor parameters: its loss "
+                "rules see every rank's backward roots together, the job's loss when the ranks hold replicas of "
+                "one model; if each rank trains a model of its own, or under pipeline parallelism (a stage's "
+                "backward from the next stage's gradient is no loss), write ranks: own",
+                ", ".join("/".join(rs.key) for rs in job), self.store.model, dist.get_world_size())
 
     def _count(self, done: Ledger, seconds: dict[tuple[str, str], float]) -> None:
         """`hookpolicy_actions_total` (once per step and binding) and `hookpolicy_hook_seconds_total`."""

@@ -31,6 +31,17 @@ class StepReport:
     #: what was evaluated against a history, appended to it (`History.commit`) unless the step is skipped
     observed: list[Observation] = field(default_factory=list)
 
+    def join(self, later: "StepReport", decisions: bool) -> None:
+        """Take in a later read-back of the same step (the job's loss): its skip and halt when
+        `decisions`, what it observed always. Its errors and seconds are acted on apart."""
+        if decisions:
+            if later.skip and not self.skip:
+                self.skip, self.skip_rule = True, later.skip_rule
+            self.skip_by.extend(key for key in later.skip_by if key not in self.skip_by)
+            if self.halt is None:
+                self.halt = later.halt
+        self.observed.extend(later.observed)
+
     def off(self, rs: RuleState) -> bool:
         """Whether `rs` is switched off, counting the errors this report still has to hand over."""
         return rs.errors + sum(1 for r, _ in self.errors if r is rs) >= MAX_ERRORS

@@ -121,13 +121,19 @@ class LossTap:
         if values:
             dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
             vector = torch.stack([v.to(dtype) for v in values])
-        if vector is None and rules and self._said_none():
-            log.warning("%s: no loss seen at step %d of %s: no backward pass reached its parameters during the "
-                        "step. target: loss is the tensor the script calls backward() on (loss.backward(), "
-                        "torch.autograd.backward); gradients computed with torch.autograd.grad and assigned to "
-                        ".grad have no such root. Until one is seen the rule evaluates nothing",
-                        ", ".join(rules), step, self.model)
+        if vector is None and rules:
+            self.missing(step, rules)
         return vector
+
+    def missing(self, step: int, rules: Sequence[str], job: bool = False) -> None:
+        """Say (once per tap) that no loss was seen at `step` (on any rank of the process group: `job`)."""
+        if not self._said_none():
+            return
+        where = "no rank of the process group saw one" if job else "no backward pass reached its parameters"
+        log.warning("%s: no loss seen at step %d of %s: %s during the step. target: loss is the tensor the script "
+                    "calls backward() on (loss.backward(), torch.autograd.backward); gradients computed with "
+                    "torch.autograd.grad and assigned to .grad have no such root. Until one is seen the rule "
+                    "evaluates nothing", ", ".join(rules), step, self.model, where)
 
     def remove(self) -> None:
         self.active = False

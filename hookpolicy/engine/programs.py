@@ -71,6 +71,28 @@ class Programs:
             elif loss is not None:
                 self.guarded(rs, self.execute, rs, LOSS, [("", "")], [loss], False)
 
+    def record_job_loss(
+        self, rules: Sequence[RuleState], partials: Mapping[str, float], roots: int, own: Optional[torch.Tensor],
+    ) -> None:
+        """The job's loss (`agreement.Agreed.loss`: partials of every rank's roots, how many) as the entries of
+        the loss rules `rules` (they only measure: `checks` refuses clip and scale on the loss).
+
+        `own`: this rank's roots, for tensor files (named as this rank's shard of the job's).
+        """
+        for rs in rules:
+            self.guarded(rs, self._record_job_loss, rs, partials, roots, own)
+
+    def _record_job_loss(
+        self, rs: RuleState, partials: Mapping[str, float], roots: int, own: Optional[torch.Tensor],
+    ) -> None:
+        for op, count_keys in zip(rs.program, rs.count_keys):
+            if not isinstance(op, StatsOp):
+                continue
+            matrix = torch.tensor([[partials[kind] for kind in op.kinds]], dtype=torch.float64)
+            copies = [] if own is None else [(index, "", shard_name(""), own.clone()) for index, _ in op.tensors]
+            self._ledger.entries.append(Entry(rs, op, LOSS, [("", "")], [roots], matrix, copies))
+            self._ledger.ran.update((key, "") for key in count_keys)
+
     def _run_step_rule(self, rs: RuleState, left_out: frozenset[int]) -> None:
         rows: list[tuple[str, str]] = []
         tensors: list[torch.Tensor] = []

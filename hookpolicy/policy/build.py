@@ -18,7 +18,7 @@ from .document import Document
 from .expr import parse, parse_value
 from .messages import CLIP_NAMES, expression_names, message_fields
 from .model import (
-    HOOK_POINTS, Action, Alert, Board, Capture, Clip, LogSink, Match, Policy, Rule, Scale, TensorFiles, Trigger,
+    HOOK_POINTS, LOSS, Action, Alert, Board, Capture, Clip, LogSink, Match, Policy, Rule, Scale, TensorFiles, Trigger,
 )
 from .schema import validate
 
@@ -87,6 +87,7 @@ def _rule(rule: dict[str, Any], index: int, mode: str, match_at: tuple[int, int]
         mode=rule.get("mode", mode),
         priority=int(rule.get("priority", Rule.priority)),
         select=tuple(s if isinstance(s, str) else int(s) for s in rule.get("select", ())),
+        ranks=rule.get("ranks", "job" if target == LOSS else "own"),
         match_at=match_at,
     )
 

@@ -122,6 +122,10 @@ class _Checker:
             )
         if target == LOSS:
             self.loss_rule(rule, path, trigger)
+        elif "ranks" in rule and target is not None:
+            self.add(path + ("ranks",), f"ranks applies to target: loss (the job's loss or this rank's); the "
+                     f"statistics of target {target!r} are this rank's own (gradients after DDP's all-reduce are "
+                     "the job's already): drop ranks", key=True)
         for index, item in enumerate(_list(rule.get("actions"))):
             if isinstance(item, dict) and len(item) == 1:
                 ((kind, body),) = item.items()

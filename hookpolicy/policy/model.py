@@ -16,7 +16,7 @@ from .expr import STATS, Call, Condition, Value
 
 __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "LOSS", "STATS", "Mode", "OnError", "HookPoint",
-    "TriggerPhase", "Per", "Adapters", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
+    "TriggerPhase", "Per", "Ranks", "Adapters", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
     "LogSink", "Board", "Clip", "Scale", "Alert", "Action", "Rule", "Policy",
 ]
 
@@ -31,6 +31,8 @@ Per = Literal["tensor", "module", "rule"]
 Severity = Literal["info", "warning", "critical"]
 Then = Literal["log", "skip_step", "halt"]
 Adapters = Literal["all", "down", "up"]
+#: whose values a rule's statistics are of in a process group: the job's (every rank's together) or this rank's
+Ranks = Literal["job", "own"]
 
 #: hook point -> its targets, the default first (spec section 3).
 HOOK_POINTS: Mapping[str, tuple[str, ...]] = {
@@ -232,6 +234,9 @@ class Rule:
     mode: Mode = "enforce"
     priority: int = 50
     select: tuple[Union[int, str], ...] = ()
+    #: in a process group, `job`: statistics of every rank's values together (the loss; reduced in the
+    #: step's agreement), `own`: this rank's; the default is `job` for target: loss, `own` for the others
+    ranks: Ranks = "own"
     #: (line, column) of the rule's `match` key in its file, for warnings about what it selected;
     #: where a rule is written is not what it means, so it takes no part in equality
     match_at: tuple[int, int] = field(default=(0, 0), compare=False)
