@@ -85,7 +85,8 @@ def job_loss(rank: int, policy: str, how: str, micro: list[int]) -> dict[str, An
 
         setattr(dist, name, counted)
     torch.manual_seed(0)
-    model = build_model() if how == "plain" else wrap(build_model(), how)
+    model = build_model() if how == "plain" else wrap(build_model(), how.removesuffix("-inside"))
+    governed = model.module if how == "ddp-inside" else model  # as Lightning: the module inside DDP is governed
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = make_data(rank)
     reg = CollectorRegistry()
@@ -93,7 +94,7 @@ def job_loss(rank: int, policy: str, how: str, micro: list[int]) -> dict[str, An
     published: list[dict[str, dict[str, float]]] = []
     collectives: list[list[str]] = []
     params: list[float] = []
-    attached = hookpolicy.load(policy).attach(model, registry=reg, rank=rank)
+    attached = hookpolicy.load(policy).attach(governed, registry=reg, rank=rank)
     try:
         for step in range(STEPS):
             step_roots = []
@@ -139,13 +140,14 @@ def same(published: dict[str, float], expected: dict[str, float]) -> bool:
     return all(published[s] == pytest.approx(expected[s], rel=1e-6, nan_ok=True) for s in STATS)
 
 
-@pytest.mark.parametrize("how, micro", [("ddp", [2, 2]), ("fsdp", [1, 1]), ("plain", [3, 1])])
+@pytest.mark.parametrize("how, micro", [("ddp", [2, 2]), ("fsdp", [1, 1]), ("plain", [3, 1]), ("ddp-inside", [1, 1])])
 def test_a_loss_rule_sees_the_jobs_loss_and_decides_the_same_on_every_rank(
     tmp_path: Path, free_port: int, how: str, micro: list[int],
 ) -> None:
-    """DDP and FSDP2 (the same number of micro-batches on each rank), and a model with no
-    wrapper in a process group with 3 roots on rank 0 and 1 on rank 1 (the job's mean weighs
-    each root once): the job's statistics are those of both ranks' roots together, on both
+    """DDP and FSDP2 (the same number of micro-batches on each rank), the module inside a DDP
+    wrapper governed while the script calls the wrapper (as Lightning does), and a model with
+    no wrapper in a process group with 3 roots on rank 0 and 1 on rank 1 (the job's mean
+    weighs each root once): the job's statistics are those of both ranks' roots together, on both
     ranks; `ranks: own` gives each rank its own; a spike on rank 1 alone skips the same step on
     both; one collective a step, and it is the agreement's."""
     policy = str(write_policy(tmp_path, RULES))
@@ -164,7 +166,7 @@ def test_a_loss_rule_sees_the_jobs_loss_and_decides_the_same_on_every_rank(
     for r in ranks:
         assert r["skipped"] == [1]
         assert r["params"][SPIKE_STEP] == r["params"][SPIKE_STEP - 1] != r["params"][SPIKE_STEP + 1]
-    if how == "ddp":
+    if how.startswith("ddp"):
         assert ranks[0]["params"] == ranks[1]["params"]
     said = [[line for line in r["lines"] if "holds no DDP, FSDP or DTensor parameters" in line] for r in ranks]
     assert [len(s) for s in said] == ([1, 1] if how == "plain" else [0, 0]), said

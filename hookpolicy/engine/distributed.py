@@ -34,6 +34,7 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
+from .heap import live_modules
 from .stats import tensor_partials
 
 __all__ = ["Shards", "Units", "data_parallel", "full_value", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards"]
@@ -208,7 +209,13 @@ def shard_partials(locals_: Sequence[torch.Tensor], kinds: Sequence[str]) -> tor
 
 def data_parallel(module: torch.nn.Module) -> bool:
     """Whether every rank of a process group holds this model and steps it together: DDP, FSDP
-    (either), or parameters that are DTensors. Its policy swaps wait for every rank (`reload`)."""
+    (either) in it or around it, or parameters that are DTensors. Its policy swaps wait for every
+    rank (`reload`); without it, the job's loss is said to be taken on trust (`cycle`).
+
+    A wrapper *around* the model is one that is alive and holds it, found by a heap scan (only
+    when nothing in the model shows): a framework may govern, and call, the module inside a
+    DDP wrapper (Lightning's strategies wrap the LightningModule and call its training_step).
+    """
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return False
@@ -218,7 +225,9 @@ def data_parallel(module: torch.nn.Module) -> bool:
     if any(isinstance(m, kinds) for m in module.modules()):
         return True
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return isinstance(dtensor, type) and any(isinstance(p, dtensor) for p in module.parameters())
+    if isinstance(dtensor, type) and any(isinstance(p, dtensor) for p in module.parameters()):
+        return True
+    return any(issubclass(type(m), kinds) and any(inner is module for inner in m.modules()) for m in live_modules())
 
 
 def shard_name(name: str) -> str:

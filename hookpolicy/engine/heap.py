@@ -4,7 +4,9 @@ A heap scan costs milliseconds per million objects, so it is only done where not
 cheaper can answer, and never per step: step tracking asks once whether any optimizer
 holds a model's parameters (optimizer steps or manual SGD), and `apply`'s discovery asks
 which optimizers exist when it meets a candidate model, and which modules own parameters
-an optimizer steps that nobody governs.
+an optimizer steps that nobody governs; `distributed.data_parallel` asks, once per governed
+model in a process group and only when nothing inside it shows, whether a DDP or FSDP
+wrapper holds it.
 
 Types are tested with `issubclass(type(o), ...)`, never `isinstance`: `isinstance` reads
 `__class__`, which a lazy proxy on the heap may compute (an import, a download).
