@@ -199,10 +199,10 @@ def test_torchrun_ddp_ranks_serve_on_port_and_port_plus_one(
     rank1 = wait_metrics(run, free_port + 1, steps_are(4, "1"), timeout=60)
     for module in ("0", "2", "4"):
         norm0 = value(rank0, "hookpolicy_grad_l2_norm", rule="grad-norms", module=module, rank="0")
-        norm1 = value(rank1, "hookpolicy_grad_l2_norm", rule="grad-norms", module=module, rank="1")
         assert norm0 is not None and norm0 > 0
-        assert norm0 == pytest.approx(norm1, rel=1e-6)  # read after DDP's all-reduce
-    assert {lab["rank"] for lab in labels_of(rank1, "hookpolicy_grad_l2_norm")} == {"1"}
+    # read after DDP's all-reduce, the same on both ranks: the job's series, exported by rank 0 alone
+    assert labels_of(rank1, "hookpolicy_grad_l2_norm") == []
+    assert {lab["rank"] for lab in labels_of(rank1, "hookpolicy_output_rms")} == {"1"}  # activations: per rank
     hold.touch()
     assert run.wait(180) == 0, run.stderr
     out = losses(run.stdout)

@@ -50,6 +50,7 @@ from .ledger import Ledger
 from .loss import LossTap
 from .scopes import Scopes
 from .readback import Readback
+from .replicas import Replicas
 from .rebinding import Rebinding
 from .rulestate import RuleState, rule_states
 from .skipping import HiddenGrads
@@ -86,9 +87,10 @@ class StepCycle:
         self.programs = Programs(self.rules, self.ledger, self._faults, self.history)
         self.executor = Executor(self.rules, phase, self._faults, self.programs)
         self.installer = HookInstaller(plan, self.rules, self.executor)
-        self.readback = Readback(store, policies, output_root(), rank, self.history)
         self.agreement = Agreement(policies, self.rules, generation)
         self._steps = StepTracker(model, phase, self.rules, store.model)
+        self.replicas = Replicas(model, self._steps)
+        self.readback = Readback(store, policies, output_root(), rank, self.history, self.replicas.exported)
         self._hidden = HiddenGrads()
         self._loss: Optional[LossTap] = None
         if any(rule.target == LOSS for policy in policies for rule in policy.rules):
@@ -108,15 +110,17 @@ class StepCycle:
             module_hooks.forward_hook(self.model, self._root_post, always_call=True),
         ]
         self._rebinding.start()
+        self.replicas.start(self.rules)
         self._activate()
 
     def remove(self) -> None:
         """Every hook off, then the last read-back (no decision), then the sinks closed; never raises."""
         self._removed = True
         self._rebinding.remove()
-        for handle in self._handles:
+        for handle in self._handles + self.replicas.handles:
             handle.remove()
         self._handles.clear()
+        self.replicas.handles.clear()
         self._steps.remove()
         self.installer.remove()
         if self._loss is not None:
@@ -130,7 +134,8 @@ class StepCycle:
 
     def leftovers(self) -> "Leftovers":
         """What `remove()` takes out of the process once the model is gone; none of it refers to the model."""
-        return Leftovers([self._handles, self.installer.handles], self._rebinding.watching, self._loss, self.readback)
+        return Leftovers([self._handles, self.installer.handles, self.replicas.handles], self._rebinding.watching,
+                         self._loss, self.readback)
 
     # -- the step --------------------------------------------------------------------------
     def before_update(self, optimizer: torch.optim.Optimizer) -> None:

@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -46,8 +46,12 @@ class Readback:
 
     def __init__(
         self, store: ModelMetrics, policies: Sequence[Policy], root: Path, rank: int, history: History,
+        exported: Callable[[RuleState, Capture], Optional[bool]] = lambda rs, capture: True,
     ) -> None:
         self.store = store
+        #: whether this rank exports a capture's series at this step (`replicas.Replicas.exported`)
+        self.exported = exported
+        self._withheld: set[tuple[str, Labels]] = set()  # series this rank leaves to rank 0 and dropped
         self.rank = rank
         self.history = history
         self._max_series = {p.name: p.max_series for p in policies}
@@ -103,11 +107,12 @@ class Readback:
             pass_.add(entry, rows)
         fetch_share = (time.perf_counter() - start) / max(1, len(passes))  # the transfer serves every pass
         published: dict[tuple[str, tuple[str, ...]], float] = {}
+        withheld: dict[tuple[str, Labels], Optional[bool]] = {}  # published here, exported by rank 0 (False) or not now
         now = time.time()
         for p in passes.values():
             pass_start = time.perf_counter()
             try:
-                self._report_pass(p, now, final, published, report)
+                self._report_pass(p, now, final, published, withheld, report)
             except SinkHalts:
                 raise
             except Exception as exc:  # noqa: BLE001 - a fault of this rule (a bug, a message), never of the training
@@ -116,14 +121,27 @@ class Readback:
         for entry in entries:
             if entry.copies:
                 self.writers.write_copies(entry, step, report)
-        self.store.set_stats(published, self._max_series)
+        self._export(published, withheld)
         for (family, labels), value in published.items():
             self._last[family][labels] = value
         self.writers.flush_boards(report)
 
+    def _export(self, published: dict[tuple[str, Labels], float], withheld: dict[tuple[str, Labels], Optional[bool]]) -> None:
+        """Publish the step's statistics this rank exports; drop those it leaves to rank 0 (`replicas`)."""
+        if not withheld:
+            self.store.set_stats(published, self._max_series)
+        else:
+            self.store.set_stats({k: v for k, v in published.items() if k not in withheld}, self._max_series)
+            gone = [k for k, v in withheld.items() if v is False and k not in self._withheld]
+            if gone:
+                self.store.forget_series(gone)
+                self._withheld.update(gone)
+        if self._withheld:
+            self._withheld.difference_update(k for k in published if k not in withheld)
+
     def _report_pass(
         self, p: "_Pass", now: float, final: bool, published: dict[tuple[str, tuple[str, ...]], float],
-        report: StepReport,
+        withheld: dict[tuple[str, Labels], Optional[bool]], report: StepReport,
     ) -> None:
         """Publish, log and decide one rule's statistics pass into `report`."""
         rs = p.rule
@@ -131,13 +149,17 @@ class Readback:
         logged: dict[tuple[int, Optional[LogSink]], list[dict[str, Any]]] = defaultdict(list)  # one write per sink
         boarded: dict[int, list[tuple[str, float]]] = defaultdict(list)
         for index, action in p.op.actions:
+            exported = self.exported(rs, action) if isinstance(action, Capture) else True
             for (module, tensor), stats in p.statistics(action.per):
                 base = {"time": now, "step": self._step, "rank": self.rank, "model": self.store.model,
                         "policy": rs.policy.name,
                         "rule": rs.rule.name, "module": module, "target": p.target, "tensor": tensor}
                 if isinstance(action, Capture):
                     for stat in action.stats:
-                        published[(stat_family(p.target, stat), (*rs.key, module, tensor))] = stats[stat]
+                        key = (stat_family(p.target, stat), (*rs.key, module, tensor))
+                        published[key] = stats[stat]
+                        if exported is not True:
+                            withheld[key] = exported
                     if action.log is not None:
                         shown = {s: json_number(stats[s]) for s in action.stats}
                         logged[(index, action.log)].append({**base, "stats": shown})

@@ -23,7 +23,7 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Collection, Iterator, Mapping, Optional, Union
+from typing import Callable, Collection, Iterable, Iterator, Mapping, Optional, Union
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -248,6 +248,15 @@ class MetricsStore:
                 self._series.pop(policy, None)
                 self._said_full.forget(policy)
 
+    def forget_series(self, keys: Iterable[tuple[str, Labels]]) -> None:
+        """Remove statistic series {(family, labels)} this process no longer exports (rank 0 exports the job's)."""
+        with self._lock:
+            for family, labels in keys:
+                series = self._stats.get(family)
+                if series is not None and labels in series:
+                    del series[labels]
+                    self._series[labels[0]] -= 1
+
     # -- models ------------------------------------------------------------------------
     def for_model(self, model: object, class_name: str) -> "ModelMetrics":
         """The view of this store that labels every per-model series with `model`'s label.
@@ -327,6 +336,9 @@ class ModelMetrics:
 
     def forget_policy(self, policy: str) -> None:
         self.store.forget_policy(policy, self.model)
+
+    def forget_series(self, keys: Iterable[tuple[str, Labels]]) -> None:
+        self.store.forget_series((family, (*labels, self.model)) for family, labels in keys)
 
     def forget_modules(self, policy: str, modules: Collection[str]) -> None:
         self.store.forget_modules(policy, modules)

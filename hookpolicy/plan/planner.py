@@ -231,7 +231,22 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
         if not made:
             what = "trainable parameters" if frozen else "parameters"
             selects_nothing(policy, rule, f"the matched modules have no {what} matching {list(rule.match.params) or '*'}")
+    notes.extend(_series_notes(policies, bindings))
     return Plan(tuple(bindings), tuple(warnings), tuple(unmatched), tuple(notes))
+
+
+def _series_notes(policies: Sequence[Policy], bindings: Sequence[Binding]) -> list[str]:
+    """Per policy, the rules whose series a process group exports once per job (`engine/replicas.py`)."""
+    bound = {b.key for b in bindings}
+    notes = []
+    for policy in policies:
+        rules = [r.name for r in policy.rules if (policy.name, r.name) in bound and r.trigger.at == "step"
+                 and r.target in PARAM_TARGETS and any(isinstance(a, Capture) and a.series == "job" for a in r.actions)]
+        if rules:
+            notes.append(f"{policy.name}: in a process group, the series of {', '.join(rules)} are exported once per "
+                         "job, by rank 0, where DDP or FSDP2 over every rank reduces their parameters and an optimizer "
+                         "steps; else per rank, and rank 0 says why (capture series: rank keeps them per rank)")
+    return notes
 
 
 #: how many module names a warning lists before "..."

@@ -125,6 +125,7 @@ def _capture(body: dict[str, Any], at: str, target: str) -> Capture:
     return Capture(
         stats=tuple(body.get("stats", ())),
         per=body.get("per", Capture.per),
+        series=body.get("series", Capture.series),
         tensors=None if tensors is None else TensorFiles(
             dir=tensors["dir"],
             max_files=int(tensors.get("max_files", TensorFiles.max_files)),

@@ -28,6 +28,7 @@ OnError = Literal["continue", "halt"]
 HookPoint = Literal["forward_pre", "forward", "backward", "step"]
 TriggerPhase = Literal["train", "eval", "any"]
 Per = Literal["tensor", "module", "rule"]
+SeriesPer = Literal["job", "rank"]
 Severity = Literal["info", "warning", "critical"]
 Then = Literal["log", "skip_step", "halt"]
 Adapters = Literal["all", "down", "up"]
@@ -118,6 +119,10 @@ class Capture:
     tensors: Optional[TensorFiles] = None
     log: Optional[LogSink] = None
     tensorboard: Optional[Board] = None
+    #: `job`: a statistic that is the same on every rank (gradients after DDP's all-reduce,
+    #: FSDP2's full tensors) is exported by rank 0 only (`engine/replicas.py`); `rank`: every
+    #: rank exports its own series, as for statistics that differ by rank
+    series: SeriesPer = "job"
 
     @property
     def copies(self) -> bool:

@@ -1,0 +1,294 @@
+"""A series set per job: statistics the same on every rank are exported by rank 0 only (`engine/replicas.py`).
+
+2 gloo ranks in process (`helpers.distributed.spawn`), each with its own registry (as
+`hookpolicy apply` gives each rank its own `/metrics`). The references are PyTorch's:
+`torch.linalg.vector_norm` of the gradients DDP left in `.grad` (or of FSDP2's
+`full_tensor()`), computed by the test on each rank, never by hookpolicy.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from torch import nn
+
+import hookpolicy
+from helpers import REPO
+from helpers.distributed import spawn
+from helpers.policies import write_policy
+
+sys.path.insert(0, str(REPO / "examples"))
+from train_mlp import build_model, make_data  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+LINEARS = ("0", "2", "4")
+
+RULES = """\
+- name: grads
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm]}
+- name: grads-each
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm], series: rank}
+- name: weights
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: weight
+  actions:
+    - capture: {stats: [l2_norm], per: tensor}
+- name: outputs
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  target: output
+  actions:
+    - capture: {stats: [abs_max]}
+"""
+
+
+def series(reg: CollectorRegistry, name: str, rule: str) -> dict[str, tuple[str, float]]:
+    """module[.tensor] -> (rank label, value) of one rule's series in a registry."""
+    found: dict[str, tuple[str, float]] = {}
+    for family in reg.collect():
+        for s in family.samples:
+            if s.name == name and s.labels["rule"] == rule:
+                key = s.labels["module"] + (f".{s.labels['tensor']}" if s.labels["tensor"] else "")
+                assert key not in found
+                found[key] = (s.labels["rank"], s.value)
+    return found
+
+
+def norm(*tensors: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(torch.cat([t.detach().double().reshape(-1) for t in tensors])))
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def listen() -> Lines:
+    lines = Lines()
+    logging.getLogger("hookpolicy").addHandler(lines)
+    return lines
+
+
+def linear(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name)
+
+
+# -- DDP ---------------------------------------------------------------------------------
+
+
+def ddp_series(rank: int, policy: str) -> dict[str, Any]:
+    """Two DDP steps: what this rank's registry exports, and the references of the last step."""
+    torch.manual_seed(0)
+    inner = build_model()
+    model = nn.parallel.DistributedDataParallel(inner)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    outputs: dict[str, float] = {}
+    for name in LINEARS:
+        linear(inner, name).register_forward_hook(
+            lambda m, a, out, name=name: outputs.__setitem__(name, float(out.detach().abs().max())))
+    x, y = make_data(0)
+    x, y = x[rank::2], y[rank::2]
+    reg = CollectorRegistry()
+    with hookpolicy.load(policy).attach(model, registry=reg, rank=rank) as attached:
+        for step in range(2):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x[step * 32:(step + 1) * 32]), y[step * 32:(step + 1) * 32]).backward()
+            grads = {m: norm(linear(inner, m).weight.grad, linear(inner, m).bias.grad) for m in LINEARS}
+            weights = {f"{m}.{t}": norm(getattr(linear(inner, m), t)) for m in LINEARS for t in ("weight", "bias")}
+            optimizer.step()
+        kept = attached.last_values()["hookpolicy_grad_l2_norm"]
+        return {
+            "grads": series(reg, "hookpolicy_grad_l2_norm", "grads"),
+            "grads-each": series(reg, "hookpolicy_grad_l2_norm", "grads-each"),
+            "weights": series(reg, "hookpolicy_weight_l2_norm", "weights"),
+            "outputs": series(reg, "hookpolicy_output_abs_max", "outputs"),
+            "last_values": {labels[2]: v for labels, v in kept.items() if labels[1] == "grads"},
+            "reference": {"grads": grads, "weights": weights, "outputs": outputs},
+        }
+
+
+def test_ddp_gradients_and_weights_are_exported_once_per_job_activations_per_rank(
+    tmp_path: Path, free_port: int,
+) -> None:
+    ranks = spawn(ddp_series, tmp_path, free_port, str(write_policy(tmp_path, RULES)))
+    zero, one = ranks
+    # the gradients after DDP's all-reduce are the same on both ranks (PyTorch's norms of .grad)
+    for m in LINEARS:
+        assert zero["reference"]["grads"][m] == pytest.approx(one["reference"]["grads"][m], rel=1e-12)
+    # exported once per job: by rank 0, equal to the norms of the gradients
+    assert set(zero["grads"]) == set(LINEARS) and one["grads"] == {}
+    for m in LINEARS:
+        assert zero["grads"][m][0] == "0"
+        assert zero["grads"][m][1] == pytest.approx(zero["reference"]["grads"][m], rel=1e-6)
+        assert one["last_values"][m] == pytest.approx(one["reference"]["grads"][m], rel=1e-6)  # still computed
+    assert set(zero["weights"]) == set(zero["reference"]["weights"]) and one["weights"] == {}
+    for key, (rank, got) in zero["weights"].items():
+        assert rank == "0" and got == pytest.approx(zero["reference"]["weights"][key], rel=1e-6)
+    # `series: rank` keeps them per rank
+    for r, result in enumerate(ranks):
+        assert set(result["grads-each"]) == set(LINEARS)
+        for m in LINEARS:
+            assert result["grads-each"][m] == [str(r), pytest.approx(result["reference"]["grads"][m], rel=1e-6)]
+    # activations are each rank's own: exported by both, each its own value
+    for r, result in enumerate(ranks):
+        for m in LINEARS:
+            assert result["outputs"][m] == [str(r), pytest.approx(result["reference"]["outputs"][m], rel=1e-6)]
+    assert zero["reference"]["outputs"] != one["reference"]["outputs"]
+
+
+# -- FSDP2 -------------------------------------------------------------------------------
+
+
+def fsdp_series(rank: int, policy: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    torch.manual_seed(0)
+    model = build_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = make_data(0)
+    x, y = x[rank::2], y[rank::2]
+    reg = CollectorRegistry()
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    with hookpolicy.load(policy).attach(model, registry=reg, rank=rank):
+        for step in range(2):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x[step * 32:(step + 1) * 32]), y[step * 32:(step + 1) * 32]).backward()
+            grads = {m: norm(full(linear(model, m).weight.grad), full(linear(model, m).bias.grad)) for m in LINEARS}
+            optimizer.step()
+        return {"grads": series(reg, "hookpolicy_grad_l2_norm", "grads"),
+                "grads-each": series(reg, "hookpolicy_grad_l2_norm", "grads-each"),
+                "outputs": series(reg, "hookpolicy_output_abs_max", "outputs"), "reference": grads}
+
+
+def test_fsdp2_full_tensor_statistics_are_exported_once_per_job(tmp_path: Path, free_port: int) -> None:
+    zero, one = spawn(fsdp_series, tmp_path, free_port, str(write_policy(tmp_path, RULES)))
+    assert set(zero["grads"]) == set(LINEARS) and one["grads"] == {}
+    for m in LINEARS:
+        assert zero["grads"][m] == ["0", pytest.approx(zero["reference"][m], rel=1e-6)]
+        assert one["grads-each"][m] == ["1", pytest.approx(one["reference"][m], rel=1e-6)]
+    assert set(one["outputs"]) == set(LINEARS)
+
+
+# -- what hookpolicy cannot be sure of stays per rank --------------------------------------
+
+ONE_RULE = """\
+- name: grads
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm]}
+"""
+
+
+def own_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses a hook annotated otherwise than torch's types
+    """A DDP communication hook that is not torch's: hookpolicy cannot know what it does (here: all-reduce)."""
+    import torch.distributed as dist
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+class Headed(nn.Module):
+    """A DDP body and a head outside it: the head's gradients are each rank's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.parallel.DistributedDataParallel(build_model())
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def kept_per_rank(rank: int, policy: str) -> dict[str, Any]:
+    x, y = make_data(0)
+    x, y = x[rank::2], y[rank::2]
+    out: dict[str, Any] = {}
+    lines = listen()
+
+    def train(model: nn.Module, steps: int, manual: bool = False, unsynced: Optional[int] = None) -> dict[str, Any]:
+        reg = CollectorRegistry()
+        optimizer = None if manual else torch.optim.SGD(model.parameters(), lr=0.05)
+        with hookpolicy.load(policy).attach(model, registry=reg, rank=rank):
+            for step in range(steps):
+                batch = slice(step * 32, (step + 1) * 32)
+                if step == unsynced:
+                    with model.no_sync():  # type: ignore[operator]
+                        nn.functional.mse_loss(model(x[batch]), y[batch]).backward()
+                        assert optimizer is not None
+                        optimizer.step()  # a local step, inside no_sync: nothing all-reduced
+                        out["unsynced"] = norm(model.module[0].weight.grad, model.module[0].bias.grad)
+                    optimizer.zero_grad()
+                    continue
+                nn.functional.mse_loss(model(x[batch]), y[batch]).backward()
+                if manual:
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p -= 0.05 * p.grad
+                            p.grad = None
+                else:
+                    assert optimizer is not None
+                    out["synced"] = norm(model.module[0].weight.grad, model.module[0].bias.grad) \
+                        if hasattr(model, "module") else None
+                    optimizer.step()
+                    optimizer.zero_grad()
+            return series(reg, "hookpolicy_grad_l2_norm", "grads")  # before detaching, which drops them
+
+    torch.manual_seed(0)
+    hooked = nn.parallel.DistributedDataParallel(build_model())
+    hooked.register_comm_hook(None, own_hook)
+    out["comm hook"] = train(hooked, 1)
+    out["head outside DDP"] = train(Headed(), 1)
+    torch.manual_seed(0)
+    out["no optimizer"] = train(nn.parallel.DistributedDataParallel(build_model()), 1, manual=True)
+    torch.manual_seed(0)
+    out["no_sync step"] = train(nn.parallel.DistributedDataParallel(build_model()), 2, unsynced=1)
+    out["lines"] = lines.lines
+    return out
+
+
+def test_what_may_differ_by_rank_stays_per_rank_and_rank_0_says_why(tmp_path: Path, free_port: int) -> None:
+    zero, one = spawn(kept_per_rank, tmp_path, free_port, str(write_policy(tmp_path, ONE_RULE)))
+    for case, modules in (("comm hook", set(LINEARS)), ("head outside DDP", {"body.0", "body.2", "body.4", "head"}),
+                          ("no optimizer", set(LINEARS))):
+        for r, result in enumerate((zero, one)):
+            assert set(result[case]) == modules, case
+            assert {rank for rank, _ in result[case].values()} == {str(r)}, case
+    said = [line for line in zero["lines"] if "its series stay per rank" in line]
+    assert any("a DDP communication hook (own_hook) may not all-reduce" in line for line in said), said
+    assert any("no optimizer steps this model" in line for line in said), said
+    assert any("head.weight is not all-reduced by a DistributedDataParallel over every rank" in line for line in said), said
+    assert not [line for line in one["lines"] if "its series stay per rank" in line]  # said once per job
+    # a step inside no_sync: rank 0 keeps the last all-reduced value; rank 1 exports none
+    assert one["no_sync step"] == {}
+    assert zero["no_sync step"]["0"] == ["0", pytest.approx(zero["synced"], rel=1e-6)]
+    assert zero["unsynced"] != pytest.approx(one["unsynced"])  # the local gradients did differ
+    assert sum("gradient sync off (no_sync)" in line for line in zero["lines"]) == 1
