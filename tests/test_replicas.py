@@ -55,6 +55,19 @@ RULES = """\
   target: output
   actions:
     - capture: {stats: [abs_max]}
+- name: loss
+  match: {root: true}
+  trigger: {at: step}
+  target: loss
+  actions:
+    - capture: {stats: [mean]}
+- name: loss-own
+  match: {root: true}
+  trigger: {at: step}
+  target: loss
+  ranks: own
+  actions:
+    - capture: {stats: [mean]}
 """
 
 
@@ -112,7 +125,8 @@ def ddp_series(rank: int, policy: str) -> dict[str, Any]:
     with hookpolicy.load(policy).attach(model, registry=reg, rank=rank) as attached:
         for step in range(2):
             optimizer.zero_grad()
-            nn.functional.mse_loss(model(x[step * 32:(step + 1) * 32]), y[step * 32:(step + 1) * 32]).backward()
+            loss = nn.functional.mse_loss(model(x[step * 32:(step + 1) * 32]), y[step * 32:(step + 1) * 32])
+            loss.backward()
             grads = {m: norm(linear(inner, m).weight.grad, linear(inner, m).bias.grad) for m in LINEARS}
             weights = {f"{m}.{t}": norm(getattr(linear(inner, m), t)) for m in LINEARS for t in ("weight", "bias")}
             optimizer.step()
@@ -122,12 +136,14 @@ def ddp_series(rank: int, policy: str) -> dict[str, Any]:
             "grads-each": series(reg, "hookpolicy_grad_l2_norm", "grads-each"),
             "weights": series(reg, "hookpolicy_weight_l2_norm", "weights"),
             "outputs": series(reg, "hookpolicy_output_abs_max", "outputs"),
+            "loss": series(reg, "hookpolicy_loss_mean", "loss"),
+            "loss-own": series(reg, "hookpolicy_loss_mean", "loss-own"),
             "last_values": {labels[2]: v for labels, v in kept.items() if labels[1] == "grads"},
-            "reference": {"grads": grads, "weights": weights, "outputs": outputs},
+            "reference": {"grads": grads, "weights": weights, "outputs": outputs, "loss": float(loss)},
         }
 
 
-def test_ddp_gradients_and_weights_are_exported_once_per_job_activations_per_rank(
+def test_ddp_gradients_weights_and_the_jobs_loss_are_exported_once_per_job_activations_per_rank(
     tmp_path: Path, free_port: int,
 ) -> None:
     ranks = spawn(ddp_series, tmp_path, free_port, str(write_policy(tmp_path, RULES)))
@@ -154,6 +170,11 @@ def test_ddp_gradients_and_weights_are_exported_once_per_job_activations_per_ran
         for m in LINEARS:
             assert result["outputs"][m] == [str(r), pytest.approx(result["reference"]["outputs"][m], rel=1e-6)]
     assert zero["reference"]["outputs"] != one["reference"]["outputs"]
+    # the job's loss (issue 23.2): the same on every rank, exported once; `ranks: own`: each rank's, per rank
+    job_loss = (zero["reference"]["loss"] + one["reference"]["loss"]) / 2
+    assert zero["loss"] == {"": ["0", pytest.approx(job_loss, rel=1e-6)]} and one["loss"] == {}
+    for r, result in enumerate(ranks):
+        assert result["loss-own"] == {"": [str(r), pytest.approx(result["reference"]["loss"], rel=1e-6)]}
 
 
 # -- FSDP2 -------------------------------------------------------------------------------

@@ -7,7 +7,10 @@ the same value at the same step; everything else stays per rank (`series: rank` 
 that explicitly). The values are still computed on every rank: alerts, clips and
 `Attached.last_values()` are unchanged; only the Prometheus series are left to rank 0.
 
-A rule's statistics are the job's when all of these hold, and per rank otherwise:
+A loss rule's statistics are the job's when it sees the job's loss (`ranks: job`, the
+default: every rank's roots reduced in the step's agreement, `agreement.job_loss_rule`),
+and each rank's with `ranks: own`. Any other rule's are the job's when all of these hold,
+and per rank otherwise:
 
 - a process group of more than one rank is up;
 - the rule is a `step` rule on `grad` or `weight`, and an optimizer's `step()` takes the
@@ -35,8 +38,8 @@ A rule's statistics are the job's when all of these hold, and per rank otherwise
 hookpolicy cannot see what the training script does to the gradients between `backward()`
 and `optimizer.step()`; a script that changes them differently on each rank makes them
 differ, as it would make its replicas differ. FSDP1's flat parameters, a DDP over a
-subgroup (2-D parallelism), a model wrapped after it was governed and the loss keep their
-series per rank, and rank 0 says so once when the process group is up.
+subgroup (2-D parallelism) and a model wrapped after it was governed keep their series per
+rank, and rank 0 says so once when the process group is up.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ from typing import Any, Optional
 import torch
 
 from ..plan.planner import param as find_param
-from ..policy.model import Capture
+from ..policy.model import LOSS, Capture
+from .agreement import job_loss_rule
 from ..process import Once
 from . import module_hooks
 from .rulestate import RuleState
@@ -108,6 +112,8 @@ class Replicas:
 
     def per_rank(self, rs: RuleState) -> Optional[str]:
         """Why `rs`'s statistics may differ by rank; None when they are the same on every rank (see the module docstring)."""
+        if rs.rule.target == LOSS:
+            return None if job_loss_rule(rs) else "ranks: own: each rank's own loss"
         if rs.rule.trigger.at != "step" or rs.rule.target not in _PARAMETERS:
             return f"target {rs.rule.target} at {rs.rule.trigger.at} is each rank's own"
         why = self.watch(rs)

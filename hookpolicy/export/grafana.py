@@ -152,9 +152,10 @@ def _stat_panel(family: str, feeds: list[tuple[Policy, Rule, Capture]]) -> dict[
         f"{stat} of the {target} tensors selected by {where}, read once per evaluated step "
         f"(per {', '.join(sorted(pers))}); the module label is \"\" for per: rule."
     )
-    if any(r.trigger.at == "step" and r.target in ("grad", "weight") and c.series == "job" for _, r, c in feeds):
+    if any(c.series == "job" and ((r.trigger.at == "step" and r.target in ("grad", "weight"))
+                                  or (r.target == "loss" and r.ranks == "job")) for _, r, c in feeds):
         description += (" In a process group, statistics that are the same on every rank (after DDP's all-reduce, "
-                        "FSDP2 full tensors) are exported by rank 0 alone: pick rank 0 or All.")
+                        "FSDP2 full tensors, the job's loss) are exported by rank 0 alone: pick rank 0 or All.")
     return _timeseries(family, description, [_target(expr, " ".join(legend))], unit=_UNITS.get(stat, "short"))
 
 

@@ -242,10 +242,15 @@ def _series_notes(policies: Sequence[Policy], bindings: Sequence[Binding]) -> li
     for policy in policies:
         rules = [r.name for r in policy.rules if (policy.name, r.name) in bound and r.trigger.at == "step"
                  and r.target in PARAM_TARGETS and any(isinstance(a, Capture) and a.series == "job" for a in r.actions)]
+        losses = [r.name for r in policy.rules if (policy.name, r.name) in bound and r.target == LOSS
+                  and r.ranks == "job" and any(isinstance(a, Capture) and a.series == "job" for a in r.actions)]
         if rules:
             notes.append(f"{policy.name}: in a process group, the series of {', '.join(rules)} are exported once per "
                          "job, by rank 0, where DDP or FSDP2 over every rank reduces their parameters and an optimizer "
                          "steps; else per rank, and rank 0 says why (capture series: rank keeps them per rank)")
+        if losses:
+            notes.append(f"{policy.name}: in a process group, the series of {', '.join(losses)} (the job's loss) are "
+                         "exported once per job, by rank 0 (capture series: rank keeps them per rank)")
     return notes
 
 
