@@ -255,8 +255,11 @@ def kept_per_rank(rank: int, policy: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     lines = listen()
 
-    def train(model: nn.Module, steps: int, manual: bool = False, unsynced: Optional[int] = None) -> dict[str, Any]:
+    def train(model: nn.Module, steps: int, manual: bool = False, unsynced: Optional[int] = None,
+              through: Optional[nn.Module] = None) -> dict[str, Any]:
+        """`steps` steps of `model` (called as `through`, a wrapper, when given) under the policy: its grad series."""
         reg = CollectorRegistry()
+        call = model if through is None else through
         optimizer = None if manual else torch.optim.SGD(model.parameters(), lr=0.05)
         with hookpolicy.load(policy).attach(model, registry=reg, rank=rank):
             for step in range(steps):
@@ -269,7 +272,7 @@ def kept_per_rank(rank: int, policy: str) -> dict[str, Any]:
                         out["unsynced"] = norm(model.module[0].weight.grad, model.module[0].bias.grad)
                     optimizer.zero_grad()
                     continue
-                nn.functional.mse_loss(model(x[batch]), y[batch]).backward()
+                nn.functional.mse_loss(call(x[batch]), y[batch]).backward()
                 if manual:
                     with torch.no_grad():
                         for p in model.parameters():
@@ -287,6 +290,9 @@ def kept_per_rank(rank: int, policy: str) -> dict[str, Any]:
     hooked = nn.parallel.DistributedDataParallel(build_model())
     hooked.register_comm_hook(None, own_hook)
     out["comm hook"] = train(hooked, 1)
+    torch.manual_seed(0)
+    inner = build_model()
+    out["governed inside DDP"] = train(inner, 1, through=nn.parallel.DistributedDataParallel(inner))
     out["head outside DDP"] = train(Headed(), 1)
     torch.manual_seed(0)
     out["no optimizer"] = train(nn.parallel.DistributedDataParallel(build_model()), 1, manual=True)
@@ -308,6 +314,8 @@ def test_what_may_differ_by_rank_stays_per_rank_and_rank_0_says_why(tmp_path: Pa
     assert any("no optimizer steps this model" in line for line in said), said
     assert any("head.weight is not all-reduced by a DistributedDataParallel over every rank" in line for line in said), said
     assert not [line for line in one["lines"] if "its series stay per rank" in line]  # said once per job
+    # a model governed inside a DDP wrapper (as Lightning does): its gradients are the job's
+    assert set(zero["governed inside DDP"]) == set(LINEARS) and one["governed inside DDP"] == {}
     # a step inside no_sync: rank 0 keeps the last all-reduced value; rank 1 exports none
     assert one["no_sync step"] == {}
     assert zero["no_sync step"]["0"] == ["0", pytest.approx(zero["synced"], rel=1e-6)]

@@ -23,8 +23,9 @@ and per rank otherwise:
     its statistics are those of the full tensor (`distributed.reduce_shards` reduces the
     shards' partials over the mesh dimensions that shard it; a `Replicate` dimension holds
     the same data by DTensor's contract), the same on every rank; or
-  * a parameter that a `DistributedDataParallel` inside the governed model all-reduces
-    over the whole default group: not in its `parameters_to_ignore` (which also holds
+  * a parameter that a `DistributedDataParallel` inside the governed model (or, when none
+    is, one alive around it: Lightning governs the module DDP wraps) all-reduces over the
+    whole default group: not in its `parameters_to_ignore` (which also holds
     `delay_all_reduce_named_params`), with no communication hook registered from Python
     but torch's own all-reduce ones (a hook may do anything: `post_localSGD_hook` stops
     all-reducing). DDP's reducer finishes the all-reduce in an autograd engine callback
@@ -56,6 +57,7 @@ from ..policy.model import LOSS, Capture
 from .agreement import job_loss_rule
 from ..process import Once
 from . import module_hooks
+from .heap import live_modules
 from .rulestate import RuleState
 from .steps import StepTracker
 
@@ -90,6 +92,7 @@ class Replicas:
         self.handles: list[Any] = []
         self._wrappers: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
         self._said = Once()
+        self._around: "Optional[weakref.WeakSet[torch.nn.parallel.DistributedDataParallel]]" = None
 
     def exported(self, rs: RuleState, action: Capture) -> Optional[bool]:
         """Whether this rank exports the series of `action` (a capture of `rs`) at this step.
@@ -176,12 +179,9 @@ class Replicas:
     def _reduced(self, model: torch.nn.Module, world: int) -> "set[int] | str":
         """Ids of the parameters DDP wrappers inside `model` all-reduce over all `world` ranks; else why none."""
         import torch.distributed as dist
-        ddp_type = torch.nn.parallel.DistributedDataParallel
         found: set[int] = set()
-        why = "no DistributedDataParallel or FSDP2 inside the governed model reduces its gradients"
-        for ddp in model.modules():
-            if not isinstance(ddp, ddp_type):
-                continue
+        why = "no DistributedDataParallel or FSDP2 in or around the governed model reduces its gradients"
+        for ddp in self._wrappers_of(model):
             hooks = [h for h, _ in getattr(ddp, "_comm_hooks", ())]
             unknown = [h for h in hooks if h not in _exact_hooks()]
             if unknown:
@@ -199,6 +199,19 @@ class Replicas:
                 self._wrappers[ddp] = bool(getattr(ddp, "require_backward_grad_sync", True))
                 self.handles.append(module_hooks.forward_pre_hook(ddp, _SyncWatch(self._wrappers)))
         return found if found else why
+
+
+    def _wrappers_of(self, model: torch.nn.Module) -> list[torch.nn.parallel.DistributedDataParallel]:
+        """The DDP wrappers inside `model`, else those alive around it (a framework may govern the module
+        a wrapper holds, as Lightning does: found by one heap scan, as `distributed.data_parallel` does)."""
+        ddp_type = torch.nn.parallel.DistributedDataParallel
+        inside = [m for m in model.modules() if isinstance(m, ddp_type)]
+        if inside:
+            return inside
+        if self._around is None:
+            self._around = weakref.WeakSet(
+                m for m in live_modules() if isinstance(m, ddp_type) and any(inner is model for inner in m.modules()))
+        return list(self._around)
 
 
 class _SyncWatch:
