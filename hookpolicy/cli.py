@@ -19,9 +19,10 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 import click
 
 from . import __version__
-from .environment import policy_dirs
+from . import environment
+from .environment import LOG_FORMATS, policy_dirs
 from .errors import PolicyError
-from .say import say
+from .say import PREFIX, say
 from .policy.model import Policy
 
 __all__ = ["cli", "main"]
@@ -36,16 +37,18 @@ class PolicyProblems(click.ClickException):
     user may not know is set) and what was not done because of them.
     """
 
-    def __init__(self, error: PolicyError, notes: Sequence[str] = ()) -> None:
+    def __init__(self, error: PolicyError, notes: Sequence[str] = (), prefixed: bool = False) -> None:
         super().__init__(str(error))
         self.problems = error.problems
         self.notes = list(notes)
+        #: under `apply`, problems are hookpolicy's lines among the run's: `hookpolicy: FILE:LINE:COL: ...`
+        self.prefixed = prefixed
 
     def show(self, file: Any = None) -> None:
         for problem in self.problems:
-            click.echo(str(problem), err=True)
+            click.echo(f"{PREFIX if self.prefixed else ''}{problem}", err=True)
         for note in self.notes:
-            click.echo(f"hookpolicy: {note}", err=True)
+            click.echo(f"{PREFIX}{note}", err=True)
 
 
 def _sources(policies: Sequence[str]) -> list[str]:
@@ -58,14 +61,15 @@ def _sources(policies: Sequence[str]) -> list[str]:
 
 def _load(sources: Sequence[str], not_done: Optional[str] = None) -> tuple[Policy, ...]:
     """Load `sources`; a PolicyProblems naming the HOOKPOLICY_POLICY_DIRS folders that hold
-    broken files, and saying `not_done` (what was not started), if any is invalid."""
+    broken files, and saying `not_done` (what `apply` did not start: its problems are then
+    `hookpolicy:` lines), if any is invalid."""
     from .policy.sources import load_sources
 
     try:
         return load_sources(list(sources))
     except PolicyError as exc:
         notes = [note for folder in policy_dirs(os.environ) if (note := _from_env_dir(exc, folder))]
-        raise PolicyProblems(exc, notes + ([not_done] if not_done else [])) from None
+        raise PolicyProblems(exc, notes + ([not_done] if not_done else []), prefixed=not_done is not None) from None
 
 
 def _from_env_dir(error: PolicyError, folder: str) -> Optional[str]:
@@ -344,10 +348,13 @@ def _dash_dash_hint(args: Sequence[str]) -> Optional[str]:
               help="A rule that selects nothing on the trained model stops the process (status 1) instead of a warning.")
 @click.option("--report", "report_page", type=click.Path(dir_okay=False), default=None, metavar="PAGE",
               help="When COMMAND ends, draw the policies' capture logs into this HTML page (hookpolicy report).")
+@click.option("--log-format", type=click.Choice(LOG_FORMATS), default=None,
+              help="Alerts on stderr as one readable 'hookpolicy:' line each (text, the default) or as JSON records "
+                   "(json, what HOOKPOLICY_LOG_FORMAT says when not given).")
 @click.pass_context
 def apply(
     ctx: click.Context, policies: tuple[str, ...], metrics_port: Optional[int], metrics_addr: str,
-    audit: bool, watch: bool, strict: bool, report_page: Optional[str],
+    audit: bool, watch: bool, strict: bool, report_page: Optional[str], log_format: Optional[str],
 ) -> None:
     """Run COMMAND with the policies on every model it trains, unmodified.
 
@@ -366,6 +373,11 @@ def apply(
     if not command:
         hint = _dash_dash_hint(policies)
         raise click.UsageError("missing '-- COMMAND': " + (hint or "e.g. hookpolicy apply policy.yaml -- python train.py"))
+    if log_format is None:
+        try:
+            environment.log_format(os.environ)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     sources = _sources(policies)
     loaded = _load(sources, not_done=f"nothing was started: {' '.join(command)} did not run")
     logs: tuple[str, ...] = ()
@@ -377,6 +389,7 @@ def apply(
         sources=tuple(os.path.abspath(s) for s in sources), metrics_port=metrics_port,
         metrics_addr=metrics_addr, audit=audit, watch=watch, strict=strict,
         report=None if report_page is None else os.path.abspath(report_page), report_logs=logs,
+        log_format=log_format,
     )
     ctx.exit(run(launch, command))
 
@@ -425,8 +438,9 @@ def report(logs: tuple[str, ...], output: str, png_dir: Optional[str]) -> None:
     """Plot capture logs (JSON lines): per rule and statistic, one line per module over steps.
 
     A LOG brings its rotated files (LOG.1, LOG.2, ...) along; logs of several ranks are
-    merged; alert records (the alert stream on stderr, e.g. saved with 2> run.err) add
-    alert and skipped-step markers. Needs matplotlib: pip install 'hookpolicy[report]'.
+    merged; alert records (a HOOKPOLICY_ALERT_LOG file, or a stderr saved from a run with
+    --log-format json) add alert and skipped-step markers. Needs matplotlib: pip install
+    'hookpolicy[report]'.
     """
     from pathlib import Path
 

@@ -3,7 +3,10 @@
 Three parties set them:
 
 - you: `HOOKPOLICY_POLICY_DIRS` (folders of ops-managed policies), `HOOKPOLICY_OUTPUT_DIR`
-  (where policy `log`/`tensors` paths point), `HOOKPOLICY_WATCH_INTERVAL`;
+  (where policy `log`/`tensors` paths point), `HOOKPOLICY_WATCH_INTERVAL`,
+  `HOOKPOLICY_LOG_FORMAT` (alerts on stderr as readable lines or JSON; `apply --log-format`
+  sets it too) and `HOOKPOLICY_ALERT_LOG` (a file that gets every alert record as JSON;
+  `apply --report` sets it when you have not);
 - `hookpolicy apply`, for every process of its COMMAND (`apply_variables` writes them,
   `ChildConfig.from_env` reads them back in the child): `HOOKPOLICY_BOOTSTRAP`,
   `HOOKPOLICY_POLICIES`, `HOOKPOLICY_AUDIT`, `HOOKPOLICY_STRICT`, `HOOKPOLICY_WATCH`,
@@ -29,8 +32,8 @@ from typing import Mapping, Optional, Sequence
 __all__ = [
     "ENV_POLICY_DIRS", "ENV_OUTPUT_DIR", "ENV_WATCH_INTERVAL", "ENV_BOOTSTRAP", "ENV_POLICIES",
     "ENV_AUDIT", "ENV_STRICT", "ENV_WATCH", "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_RUN_DIR", "ENV_PARENT", "ENV_RANK",
-    "ENV_LOCAL_RANK", "DEFAULT_METRICS_ADDR", "ChildConfig", "apply_variables", "local_rank",
-    "output_dir", "policy_dirs", "rank", "rank_identity",
+    "ENV_LOCAL_RANK", "ENV_LOG_FORMAT", "ENV_ALERT_LOG", "DEFAULT_METRICS_ADDR", "LOG_FORMATS", "ChildConfig",
+    "alert_log", "apply_variables", "local_rank", "log_format", "output_dir", "policy_dirs", "rank", "rank_identity",
 ]
 
 # -- set by you
@@ -40,6 +43,12 @@ ENV_POLICY_DIRS = "HOOKPOLICY_POLICY_DIRS"
 ENV_OUTPUT_DIR = "HOOKPOLICY_OUTPUT_DIR"
 #: Seconds between two looks at the policy files and the reload request (default 1).
 ENV_WATCH_INTERVAL = "HOOKPOLICY_WATCH_INTERVAL"
+#: How alerts are written on stderr: `text` (one readable `hookpolicy:` line each, the
+#: default) or `json` (one JSON record each); `apply --log-format` sets it for its COMMAND.
+ENV_LOG_FORMAT = "HOOKPOLICY_LOG_FORMAT"
+#: A file every alert record is appended to, as a JSON line, whatever the format on stderr;
+#: `apply --report` sets it (to a file of its run folder) unless you did.
+ENV_ALERT_LOG = "HOOKPOLICY_ALERT_LOG"
 
 # -- set by `hookpolicy apply` for its COMMAND
 #: Set to 1: the bootstrap is on (without it `_bootstrap/sitecustomize.py` does nothing).
@@ -80,6 +89,24 @@ _MAX_INTERVAL = 3600.0  # threading's waits refuse some larger timeouts (Overflo
 def policy_dirs(environ: Mapping[str, str]) -> list[str]:
     """The folders named by HOOKPOLICY_POLICY_DIRS (colon-separated; empty entries ignored)."""
     return [entry for entry in environ.get(ENV_POLICY_DIRS, "").split(":") if entry]
+
+
+#: The values of HOOKPOLICY_LOG_FORMAT, the default first.
+LOG_FORMATS = ("text", "json")
+
+
+def log_format(environ: Mapping[str, str]) -> str:
+    """HOOKPOLICY_LOG_FORMAT: `text` when unset or empty; another value than LOG_FORMATS' is a ValueError."""
+    value = environ.get(ENV_LOG_FORMAT, "").strip().lower() or LOG_FORMATS[0]
+    if value not in LOG_FORMATS:
+        raise ValueError(f"{ENV_LOG_FORMAT}={environ[ENV_LOG_FORMAT]!r}: write one of {', '.join(LOG_FORMATS)}")
+    return value
+
+
+def alert_log(environ: Mapping[str, str]) -> Optional[str]:
+    """The file named by HOOKPOLICY_ALERT_LOG, absolute (relative: to the working directory), or None."""
+    value = environ.get(ENV_ALERT_LOG)
+    return os.path.abspath(value) if value else None
 
 
 def output_dir(environ: Mapping[str, str]) -> Optional[str]:
@@ -138,10 +165,14 @@ def _sources(environ: Mapping[str, str]) -> tuple[str, ...]:
 
 def apply_variables(
     sources: Sequence[str], run_dir: str, *, audit: bool, watch: bool,
-    metrics_port: Optional[int], metrics_addr: str, strict: bool = False,
+    metrics_port: Optional[int], metrics_addr: str, strict: bool = False, log_format: Optional[str] = None,
+    alert_log: Optional[str] = None,
 ) -> dict[str, Optional[str]]:
-    """What `hookpolicy apply` sets for its COMMAND; None means "remove it if inherited"."""
-    return {
+    """What `hookpolicy apply` sets for its COMMAND; None means "remove it if inherited".
+
+    `log_format` and `alert_log` are set only when given: otherwise an inherited value stands.
+    """
+    variables: dict[str, Optional[str]] = {
         ENV_BOOTSTRAP: "1",
         ENV_POLICIES: json.dumps(list(sources)),
         ENV_RUN_DIR: run_dir,
@@ -151,6 +182,10 @@ def apply_variables(
         ENV_METRICS_ADDR: metrics_addr,
         ENV_METRICS_PORT: None if metrics_port is None else str(metrics_port),
     }
+    for name, value in ((ENV_LOG_FORMAT, log_format), (ENV_ALERT_LOG, alert_log)):
+        if value is not None:
+            variables[name] = value
+    return variables
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ Every stage speaks through the `hookpolicy` logger (`say()` or `logging.getLogge
 never with a bare write to stderr, so that a user sees one format and can route all of it
 in one place. The logger carries one handler of its own, installed at `import hookpolicy`,
 which writes each record to the *current* `sys.stderr` (so a test's or a script's
-redirection is honoured) as `hookpolicy: <message>`, at INFO and above. Records still
+redirection is honoured) as `hookpolicy: <message>`, at INFO and above; each line of a
+record of several lines (a traceback) is prefixed, so every line hookpolicy writes starts
+with `hookpolicy: `. Records still
 propagate to the root logger, so an application's logging configuration receives them
 too; to keep only that, remove ours: `logging.getLogger("hookpolicy").removeHandler(say.HANDLER)`.
 
@@ -30,9 +32,11 @@ class _StderrLines(logging.Handler):
         try:
             text = self.format(record)
             stream = sys.stderr
-            # One write per line: ranks and helpers share one stderr pipe, and a line written in
+            # One write per record: ranks and helpers share one stderr pipe, and a line written in
             # two pieces lets another process's line in between (a test read 'p@5bc4...hookpolicy:').
-            stream.write((text if text.startswith(PREFIX) else PREFIX + text) + "\n")
+            # Every line of a block (a traceback, a list of problems) carries the prefix.
+            stream.write("".join((line if line.startswith(PREFIX) else PREFIX + line) + "\n"
+                                 for line in text.splitlines() or [""]))
             stream.flush()
         except Exception:  # a closed stderr must not take training down with it
             self.handleError(record)
@@ -53,5 +57,5 @@ HANDLER = _install()
 
 
 def say(message: str, level: int = logging.INFO) -> None:
-    """One line (or a block whose first line is prefixed) from hookpolicy to the user."""
+    """One line (or a block, each of its lines prefixed) from hookpolicy to the user."""
     LOGGER.log(level, message)

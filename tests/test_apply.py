@@ -280,7 +280,8 @@ def test_halt_under_torchrun_is_one_line_too(apply: Callable[..., Run], tmp_path
 def test_audit_never_halts(apply: Callable[..., Run], tmp_path: Path) -> None:
     policy = tmp_path / "guard.yaml"
     policy.write_text(HALT_POLICY)
-    run = apply(str(policy), "--audit", "--", sys.executable, TRAIN, "--steps", "6", "--nan-at", "2")
+    run = apply(str(policy), "--audit", "--log-format", "json", "--", sys.executable, TRAIN, "--steps", "6",
+                "--nan-at", "2")
     assert run.wait() == 0
     assert "hookpolicy: halted by" not in run.stderr
     assert len(losses(run.stdout)) == 6

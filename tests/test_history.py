@@ -260,6 +260,12 @@ def _reference(values: list[float], warmup: int = 0) -> list[dict[str, float]]:
     return out
 
 
+@pytest.fixture(autouse=True)
+def _alert_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alerts on stderr as JSON records: these tests read every one (the readable lines stop at 10 a rule)."""
+    monkeypatch.setenv("HOOKPOLICY_LOG_FORMAT", "json")
+
+
 def _alerts(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"event": "alert"' in line]
 

@@ -11,7 +11,6 @@ run that does not take it. A script whose loss has no backward root gets one
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ import hookpolicy
 from helpers import REPO
 from helpers.hooks import no_host_sync
 from helpers.models import batch, make_model
-from helpers.outputs import json_lines, metric
+from helpers.outputs import alert_lines, json_lines, metric
 from helpers.policies import load_policy, policy_text
 from hookpolicy.errors import PolicyError
 
@@ -463,7 +462,7 @@ def test_loss_names_the_step_mean_in_conditions_functions_and_messages(
             maxima.append(max(losses))
             opt.step()
             opt.zero_grad()
-    messages = [json.loads(line)["message"] for line in capsys.readouterr().err.splitlines() if '"event": "alert"' in line]
+    messages = [a["message"] for a in alert_lines(capsys.readouterr().err)]
     # step 0 has no past loss: max(loss, 5) is NaN there and the condition false (ISSUE13 section 1)
     assert messages == [f"loss={m:.6f} max={x:.6f} prev={p:.6f}" for m, x, p in zip(means[1:], maxima[1:], means)]
 
@@ -540,8 +539,7 @@ def test_the_loss_spike_guard_skips_a_nan_multiplied_after_the_criterion(apply: 
     run = apply(str(REPO / "policies" / "loss-spike-guard.yaml"), "--", sys.executable,
                 str(REPO / "examples" / "train_mlp.py"), "--steps", "40", "--accum", "2", "--nan-at", "30")
     assert run.wait(180) == 0, run.stderr
-    skipped = [json.loads(line) for line in run.stderr.splitlines()
-               if line.startswith("{") and '"step skipped"' in line]
+    skipped = [a for a in alert_lines(run.stderr) if a["message"].endswith("step skipped")]
     assert [r["step"] for r in skipped] == [30], run.stderr
     printed = {int(line.split()[1]): float(line.split()[-1]) for line in run.stdout.splitlines()
                if line.startswith("step ") and " loss " in line and "validation" not in line}

@@ -590,10 +590,11 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("clean", [0, 5, 40], ids=["from-the-first-step", "short-history", "settled"])
 def test_loss_spike_guard_halts_at_the_20th_step_of_a_loss_that_stays_nan(
-        workdir: Path, clean: int, capsys: pytest.CaptureFixture[str]) -> None:
+        workdir: Path, clean: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The header: a NaN loss is never applied, from the first step on, and 20 steps in a row
     that are spikes or not finite halt the run at the 20th. A NaN weight makes every later
     loss NaN (a skipped step cannot repair it), after `clean` applied steps of history."""
+    monkeypatch.setenv("HOOKPOLICY_LOG_FORMAT", "json")  # every alert record (readable lines stop at 10)
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     idx, targets = batch(0)

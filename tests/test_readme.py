@@ -21,6 +21,8 @@ from typing import Iterator
 
 import pytest
 
+from helpers.outputs import alert_lines
+
 REPO = Path(__file__).resolve().parent.parent
 #: file -> the heading its quick start ends at (docs/guardrails.md has its one command in the README)
 QUICK_STARTS = {"README.md": None, "docs/operations.md": "## 3. "}
@@ -206,11 +208,14 @@ def test_every_command_runs_as_written(name: str, checkout: Path) -> None:
 def check_output(command: str, done: subprocess.CompletedProcess[str], checkout: Path) -> None:
     """What the README says a newcomer sees, for the commands it describes."""
     if "bench/instability.py train --corrupt epoch --steps 100" in command:
-        alerts = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
-        skipped = [a["step"] for a in alerts if a.get("outcome") == "step skipped"]
-        assert skipped == list(range(80, 88)), done.stderr[-2000:]
-        quoted = (REPO / "README.md").read_text("utf-8").split("a message such as `", 1)[1].split("`", 1)[0]
-        assert " ".join(quoted.split()) in [a["message"] for a in alerts]
+        alerts = alert_lines(done.stderr)
+        assert [a["step"] for a in alerts] == list(range(80, 88)), done.stderr[-2000:]
+        assert all(a["message"].endswith("; step skipped") for a in alerts)
+        readme = (REPO / "README.md").read_text("utf-8")
+        quoted = readme.split("each ending in `step skipped`,\nsuch as `", 1)[1].split("`", 1)[0]
+        assert " ".join(quoted.split()) in done.stderr.splitlines()
+        summary = readme.split("then the run summary (`", 1)[1].split("`", 1)[0]
+        assert f"hookpolicy:   {' '.join(summary.split())}" in done.stderr.splitlines()
         steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"step"')]
         assert len(steps) == 100
         assert [s["step"] for s in steps if not s["updated"]] == list(range(80, 88))

@@ -20,6 +20,8 @@ import hookpolicy
 from hookpolicy.cli import cli
 from hookpolicy.export.report import MISSING_MATPLOTLIB, figures, read_logs
 
+from helpers.outputs import alert_lines
+
 pytest.importorskip("matplotlib")
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,8 +52,15 @@ NAN_AT = 12
 
 
 def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], rank: int) -> Path:
-    """Train a small MLP under the policy as `rank`; returns the alert stream saved as a file."""
+    """Train a small MLP under the policy as `rank`; returns its alert records' file: rank 0's
+    HOOKPOLICY_ALERT_LOG, rank 1's stderr in the JSON format saved (`2> alerts.err`)."""
     monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path / f"rank{rank}"))
+    (tmp_path / f"rank{rank}").mkdir()
+    if rank == 0:
+        monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "rank0" / "alerts.jsonl"))
+    else:
+        monkeypatch.delenv("HOOKPOLICY_ALERT_LOG")
+        monkeypatch.setenv("HOOKPOLICY_LOG_FORMAT", "json")
     (tmp_path / "watch.yaml").write_text(POLICY)
     torch.manual_seed(rank)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
@@ -63,6 +72,8 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
             (loss * (math_nan() if step == NAN_AT else 1.0)).backward()
             opt.step()
             opt.zero_grad()
+    if rank == 0:
+        return tmp_path / "rank0" / "alerts.jsonl"
     alerts = tmp_path / f"rank{rank}" / "alerts.err"
     alerts.write_text(capsys.readouterr().err)
     return alerts
@@ -182,8 +193,11 @@ def test_report_in_a_real_browser(logs: list[str], tmp_path: Path) -> None:
     assert sum(near(c, 25) > 20 for c in viridis) >= 3  # the per-layer heatmaps, over the colour scale
 
 
-def test_an_audited_skip_is_not_reported_as_a_skip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_audited_skip_is_not_reported_as_a_skip(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """example-monitor's nan-guard under audit: the message and the record say the step was not skipped."""
+    monkeypatch.setenv("HOOKPOLICY_LOG_FORMAT", "json")
     from examples.train_mlp import build_model
 
     monitor = hookpolicy.load(str(Path(__file__).resolve().parent.parent / "policies" / "example-monitor.yaml"))
@@ -286,7 +300,8 @@ def test_equal_statistics_are_drawn_once_and_values_over_decades_on_a_log_scale(
 @pytest.mark.slow
 def test_apply_writes_the_report_at_the_end_of_the_run(tmp_path: Path) -> None:
     """`hookpolicy apply --report`: the run's stderr still reaches the terminal, and the page has
-    the capture log's figures and the alert stream's markers (a NaN at step 7, skipped)."""
+    the capture log's figures and the markers of the alert records the run folder kept (a NaN
+    at step 7, skipped)."""
     (tmp_path / "watch.yaml").write_text(POLICY)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
@@ -295,8 +310,7 @@ def test_apply_writes_the_report_at_the_end_of_the_run(tmp_path: Path) -> None:
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "hookpolicy: governing Sequential" in done.stderr  # the child's lines passed through
-    alerts = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
-    assert [a["step"] for a in alerts if a["rule"] == "guard"] == [7]
+    assert [a["step"] for a in alert_lines(done.stderr) if a["rule"] == "guard"] == [7]  # readable, on stderr
     assert len([line for line in done.stdout.splitlines() if line.startswith("step ")]) == 20  # stdout untouched
     page = (tmp_path / "out" / "report.html").read_text()
     assert f"hookpolicy: report: {tmp_path / 'out' / 'report.html'} (" in done.stderr

@@ -10,9 +10,11 @@ the way it ended into an exit status:
   `halt` in the run folder, and the parent prints that one line on stderr;
 - 127 when the COMMAND cannot be found, 126 when it cannot be executed (as shells do).
 
-With `--report PATH`, the COMMAND's stderr passes through the parent (copied to the
-terminal as it comes, and kept for the alert markers), and when the COMMAND has ended the
-parent draws the policies' capture logs into PATH (`hookpolicy report`'s page).
+With `--report PATH`, the COMMAND's processes append every alert record as a JSON line to
+a file (HOOKPOLICY_ALERT_LOG: yours when set, else `alerts.jsonl` in the run folder), and
+when the COMMAND has ended the parent draws the policies' capture logs and those alerts
+into PATH (`hookpolicy report`'s page). `--log-format json` has the alerts written on
+stderr as JSON records instead of readable lines (HOOKPOLICY_LOG_FORMAT).
 
 Signals: the COMMAND runs in its own session and process group, so the parent decides
 what reaches it. SIGINT (Ctrl-C), SIGTERM and SIGQUIT sent to the parent are forwarded to
@@ -29,14 +31,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-from ..environment import DEFAULT_METRICS_ADDR, apply_variables
-from ..process import start_thread
+from ..environment import DEFAULT_METRICS_ADDR, alert_log, apply_variables
 from ..say import say
 
 __all__ = ["BOOTSTRAP_DIR", "HALT_STATUS", "Launch", "child_environment", "resolve_command", "run"]
@@ -64,6 +64,8 @@ class Launch:
     #: `--report`: the HTML page to write at the end (absolute), and the capture logs it draws
     report: Optional[str] = None
     report_logs: tuple[str, ...] = ()
+    #: `--log-format`: None leaves HOOKPOLICY_LOG_FORMAT as inherited
+    log_format: Optional[str] = None
 
 
 def resolve_command(command: Sequence[str]) -> list[str]:
@@ -87,6 +89,7 @@ def child_environment(launch: Launch, run_dir: str, environ: Mapping[str, str]) 
     variables = apply_variables(
         launch.sources, run_dir, audit=launch.audit, watch=launch.watch,
         metrics_port=launch.metrics_port, metrics_addr=launch.metrics_addr, strict=launch.strict,
+        log_format=launch.log_format, alert_log=_alert_file(launch, run_dir, environ),
     )
     for name, value in variables.items():
         if value is None:
@@ -94,6 +97,13 @@ def child_environment(launch: Launch, run_dir: str, environ: Mapping[str, str]) 
         else:
             env[name] = value
     return env
+
+
+def _alert_file(launch: Launch, run_dir: str, environ: Mapping[str, str]) -> Optional[str]:
+    """With `--report`, the file the alert records go to (absolute): HOOKPOLICY_ALERT_LOG's, else the run folder's."""
+    if not launch.report:
+        return None
+    return alert_log(environ) or os.path.join(run_dir, "alerts.jsonl")
 
 
 def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> int:
@@ -104,11 +114,12 @@ def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, s
         return 127
     run_dir = tempfile.mkdtemp(prefix="hookpolicy-run-")
     try:
-        env = child_environment(launch, run_dir, os.environ if environ is None else environ)
-        stderr_copy = os.path.join(run_dir, "stderr") if launch.report else None
-        status = _supervise(argv, env, run_dir, stderr_copy)
-        if launch.report and stderr_copy:
-            _write_report(launch.report, launch.report_logs, stderr_copy)
+        given = os.environ if environ is None else environ
+        env = child_environment(launch, run_dir, given)
+        status = _supervise(argv, env, run_dir)
+        alerts = _alert_file(launch, run_dir, given)
+        if launch.report and alerts:
+            _write_report(launch.report, launch.report_logs, alerts)
         halt = _read_halt(run_dir)
         if halt is not None:
             say(halt)  # already starts with 'hookpolicy: ', which say does not repeat
@@ -123,14 +134,9 @@ def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, s
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _supervise(argv: list[str], env: dict[str, str], run_dir: str, stderr_copy: Optional[str] = None) -> int:
-    """Start the COMMAND in its own session, forward signals to its group, wait for it.
-
-    With `stderr_copy`, the COMMAND's stderr is a pipe whose bytes go on to this process's
-    stderr as they come and to that file.
-    """
+def _supervise(argv: list[str], env: dict[str, str], run_dir: str) -> int:
+    """Start the COMMAND in its own session, forward signals to its group, wait for it."""
     child: Optional[subprocess.Popen[bytes]] = None
-    copier: Optional[threading.Thread] = None
     early: list[int] = []  # signals that came before the child existed
     reloads = 0
 
@@ -154,42 +160,24 @@ def _supervise(argv: list[str], env: dict[str, str], run_dir: str, stderr_copy: 
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, reload)
     try:
         try:
-            child = subprocess.Popen(argv, env=env, start_new_session=True,
-                                     stderr=subprocess.PIPE if stderr_copy else None)
+            child = subprocess.Popen(argv, env=env, start_new_session=True)
         except FileNotFoundError:
             say(f"error: command not found: {argv[0]}")
             return 127
         except OSError as exc:  # permission denied, not an executable format, ...
             say(f"error: cannot execute {argv[0]}: {exc.strerror or exc}")
             return 126
-        if stderr_copy and child.stderr is not None:
-            pipe, copy = child.stderr, stderr_copy
-            copier = start_thread("stderr", lambda: _pass_on(pipe, copy))
-            copier.start()
         for signum in early:
             forward(signum, None)
         status = child.wait()
-        if copier is not None:
-            copier.join(timeout=10)  # a process of the COMMAND's that outlives it may hold the pipe open
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 128 - status if status < 0 else status
 
 
-def _pass_on(pipe: IO[bytes], copy_path: str) -> None:
-    """Copy the COMMAND's stderr to ours, chunk by chunk as it comes, and into `copy_path`."""
-    out = sys.stderr.buffer
-    with open(copy_path, "wb") as copy:
-        while chunk := os.read(pipe.fileno(), 1 << 16):
-            out.write(chunk)
-            out.flush()
-            copy.write(chunk)
-            copy.flush()
-
-
-def _write_report(page: str, logs: Sequence[str], stderr_copy: str) -> None:
-    """Draw the capture logs the run left (with the alerts of its stderr) into `page`; one line either way."""
+def _write_report(page: str, logs: Sequence[str], alerts: str) -> None:
+    """Draw the capture logs the run left (with its alert records, if any) into `page`; one line either way."""
     from ..export.report import ReportError, write_report
 
     written = [log for log in logs if os.path.isfile(log)]
@@ -197,7 +185,7 @@ def _write_report(page: str, logs: Sequence[str], stderr_copy: str) -> None:
         say(f"no report: no capture of the policies wrote a log ({', '.join(logs) or 'none has `log: {path: ...}`'})")
         return
     try:
-        _, figures = write_report([*written, stderr_copy], Path(page))
+        _, figures = write_report([*written, *([alerts] if os.path.isfile(alerts) else [])], Path(page))
     except ReportError as exc:
         say(f"no report: {exc}")
         return

@@ -8,6 +8,7 @@ halt) that did not happen.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Optional, Union
 
@@ -17,7 +18,7 @@ from .decision import StepReport
 from .history import History, Tracked
 from .rulestate import RuleState
 
-__all__ = ["Alerts", "MAX_RENDERED_CHARS", "json_number", "outcome", "render"]
+__all__ = ["Alerts", "MAX_RENDERED_CHARS", "alert_line", "json_number", "outcome", "render"]
 
 
 class Alerts:
@@ -95,6 +96,20 @@ def render(
     if action.then != "log" and not applied and "outcome" not in action.message:
         message += f" [{base['outcome']}]"
     return message if len(message) <= MAX_RENDERED_CHARS else message[: MAX_RENDERED_CHARS - 1] + "…"
+
+
+#: The logging level of an alert's line, by severity.
+LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL}
+
+
+def alert_line(record: dict[str, Any]) -> tuple[int, str]:
+    """An alert record as one readable line and its logging level:
+    `CRITICAL nan-guard/nonfinite-grads step 40: <message>` (`step 40 rank 1` on another rank
+    than 0); a line break in the message is written as a space, so it stays one line."""
+    severity = str(record["severity"])
+    where = f"step {record['step']}" + (f" rank {record['rank']}" if record.get("rank", 0) != 0 else "")
+    message = " ".join(str(record["message"]).splitlines())
+    return LEVELS.get(severity, logging.WARNING), f"{severity.upper()} {record['policy']}/{record['rule']} {where}: {message}"
 
 
 def json_number(value: float) -> Union[float, int]:

@@ -11,19 +11,22 @@ of the TensorBoard runs is such a write too (`flush_boards`).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
+from .. import environment
 from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
 from ..export.tensorboard import Boards, histogram_tag
 from ..policy.model import Board, Capture, LogSink
+from .alerts import alert_line
 from .decision import SinkHalts, StepReport
 from .ledger import Entry
 from .rulestate import RuleState
 
-__all__ = ["Writers"]
+__all__ = ["AlertStream", "MAX_ALERT_LINES", "Writers"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -32,6 +35,7 @@ class Writers:
     """The sinks of one attachment's captures, opened at their first write, closed at `close()`."""
 
     def __init__(self, root: Path, rank: int) -> None:
+        self.alerts = AlertStream(environment.log_format(os.environ), environment.alert_log(os.environ))
         self._root = root
         self._writers: dict[tuple[tuple[str, str], int], TensorWriter] = {}
         self._logs: dict[tuple[tuple[str, str], int], JsonLines] = {}
@@ -45,6 +49,7 @@ class Writers:
                 sink.close()
             except Exception as exc:  # noqa: BLE001 - JsonLines.close does not raise; a sink that does is one line
                 log.error("hookpolicy: %s/%s: closing its log failed: %s: %s", *key, type(exc).__name__, exc)
+        self.alerts.close()
         for folder, error in self.boards.close():
             log.error("hookpolicy: closing the TensorBoard run %s failed: %s: %s", folder, type(error).__name__, error)
 
@@ -123,11 +128,58 @@ class Writers:
     def write_log(
         self, rs: RuleState, index: int, sink: Optional[LogSink], records: list[dict[str, Any]], report: StepReport,
     ) -> None:
-        """Append one step's records to a capture's JSON lines (by action index; -1: the alert stream, stderr)."""
+        """Append one step's records to a capture's JSON lines (by action index; -1: the alert stream, `AlertStream`)."""
         def write() -> None:
+            if index < 0:
+                self.alerts.write(records)
+                return
             writer = self._logs.get((rs.key, index))
             if writer is None:
                 writer = self._logs[(rs.key, index)] = JsonLines(self._root, sink)
             writer.write(records)
 
         self.sink(report, rs, write)
+
+
+#: Readable alert lines printed per (policy, rule, severity) before the rest are only counted.
+MAX_ALERT_LINES = 10
+
+
+class AlertStream:
+    """Where alert records go: stderr, as one readable `hookpolicy:` line each (`text`) or
+    as JSON lines (`json`, HOOKPOLICY_LOG_FORMAT), and, with HOOKPOLICY_ALERT_LOG, every
+    record as a JSON line to that file too.
+
+    In `text`, a rule's alerts of one severity are printed up to MAX_ALERT_LINES times,
+    then one line says that the rest are counted, not printed (`hookpolicy_alerts_total`,
+    the run summary; the JSON outputs keep every record): a guard that fires on every
+    module at every step must not bury the script's own output.
+    """
+
+    def __init__(self, form: str, copy: Optional[str]) -> None:
+        self.form = form
+        self._stderr = JsonLines(Path.cwd(), None)
+        self._copy: Optional[JsonLines] = None
+        if copy is not None:
+            self._copy = JsonLines(Path(copy).parent.resolve(), LogSink(path=Path(copy).name))
+        self._printed: dict[tuple[str, str, str], int] = {}
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        if self._copy is not None:
+            self._copy.write(records)
+        if self.form == "json":
+            self._stderr.write(records)
+            return
+        for record in records:
+            key = (str(record["policy"]), str(record["rule"]), str(record["severity"]))
+            printed = self._printed[key] = self._printed.get(key, 0) + 1
+            if printed <= MAX_ALERT_LINES:
+                log.log(*alert_line(record))
+            if printed == MAX_ALERT_LINES:
+                log.log(alert_line(record)[0], "%s %s/%s: %d alert lines printed; the rest are counted "
+                        "(hookpolicy_alerts_total, the run summary), not printed", key[2].upper(), key[0], key[1],
+                        MAX_ALERT_LINES)
+
+    def close(self) -> None:
+        if self._copy is not None:
+            self._copy.close()

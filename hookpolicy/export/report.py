@@ -8,9 +8,9 @@ embedded as `data:` URIs, and the page forbids itself any network access (a
 Content-Security-Policy of `default-src 'none'`), so it opens offline, from a mail or an
 artefact store, exactly as written.
 
-Input is what the sinks write: capture records and alert records (the alert stream is
-stderr, so `2> run.err` may be passed too; lines that are not records, such as
-`hookpolicy:` lines or a script's prints, are skipped and counted). A log named
+Input is what the sinks write: capture records and alert records (a HOOKPOLICY_ALERT_LOG
+file, or a stderr saved from a run with `--log-format json`; lines that are not records,
+such as `hookpolicy:` lines or a script's prints, are skipped and counted). A log named
 `path` brings its rotated predecessors `path.1`, `path.2`, ... along; logs of several
 ranks (one file each, or a shared one) are merged and told apart by their `rank`.
 """

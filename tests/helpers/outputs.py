@@ -47,6 +47,17 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines()]
 
 
+#: A readable alert line on stderr (`engine/alerts.alert_line`).
+ALERT_LINE = re.compile(r"^hookpolicy: (INFO|WARNING|CRITICAL) ([^/ ]+)/(\S+) step (\d+)(?: rank (\d+))?: (.*)$")
+
+
+def alert_lines(text: str) -> list[dict[str, Any]]:
+    """The readable alert lines of a stderr, as {severity, policy, rule, step, rank, message}."""
+    found = [ALERT_LINE.match(line) for line in text.splitlines()]
+    return [{"severity": m[1].lower(), "policy": m[2], "rule": m[3], "step": int(m[4]), "rank": int(m[5] or 0),
+             "message": m[6]} for m in found if m]
+
+
 def sample(reg: CollectorRegistry, name: str, **labels: str) -> Optional[float]:
     """`metric` of rank 0."""
     return metric(reg, name, {**labels, "rank": "0"})
