@@ -299,7 +299,7 @@ def test_invalid_policy_runs_nothing(apply: Callable[..., Run], tmp_path: Path) 
     bad.write_text(BROKEN_POLICY)
     run = apply(MONITOR, str(bad), "--", sys.executable, str(script))
     assert run.wait() == 1
-    assert re.search(rf"^{re.escape(str(bad))}:9:\d+: \$\.spec\.rules\[0\]\.trigger\.every: ", run.stderr, re.M)
+    assert re.search(rf"^hookpolicy: {re.escape(str(bad))}:9:\d+: \$\.spec\.rules\[0\]\.trigger\.every: ", run.stderr, re.M)
     assert "Traceback" not in run.stderr
     assert not marker.exists()
     # an invalid file in an ops-managed folder stops the run just the same
@@ -441,7 +441,7 @@ def test_watch_swaps_a_valid_version_and_keeps_the_old_on_an_invalid_one(
     stop.touch()
     assert run.wait() == 0
     assert "reloaded policies" in run.stderr
-    assert re.search(rf"^{re.escape(str(policy))}:9:\d+: \$\.spec\.rules\[0\]\.trigger\.every: ", run.stderr, re.M)
+    assert re.search(rf"^hookpolicy: {re.escape(str(policy))}:9:\d+: \$\.spec\.rules\[0\]\.trigger\.every: ", run.stderr, re.M)
 
 
 @pytest.mark.slow

@@ -149,7 +149,7 @@ def test_sighup_with_a_broken_policy_keeps_the_old_one(tmp_path: Path, procs: li
     stop.touch()
     assert proc.wait(60) == 0, proc.stderr
     assert "reload failed; keeping the current policies" in proc.stderr
-    assert re.search(rf"^{re.escape(str(policy))}:\d+:\d+: \$\.spec\.rules\[0\]\.trigger\.at: ", proc.stderr, re.M)
+    assert re.search(rf"^hookpolicy: {re.escape(str(policy))}:\d+:\d+: \$\.spec\.rules\[0\]\.trigger\.at: ", proc.stderr, re.M)
 
 
 # --------------------------------------------------------------------------- reloads: bounded, off the training thread

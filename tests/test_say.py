@@ -81,5 +81,5 @@ def test_every_line_apply_writes_on_stderr_starts_with_the_prefix(tmp_path: Path
         lines = done.stderr.splitlines()
         assert len(lines) >= 2 and all(line.startswith("hookpolicy: ") for line in lines), f"{name}:\n{done.stderr}"
         said = {"example": "hookpolicy: CRITICAL example-monitor/", "halt": "hookpolicy: halted by halter/nan-halt",
-                "sigterm": "hookpolicy: run summary (rank 0): Linear 5 steps", "invalid": "bad.yaml:12:"}[name]
+                "sigterm": "hookpolicy: run summary (rank 0): Linear 5 steps", "invalid": "hookpolicy: bad.yaml:8:21: $.spec.rules[0].trigger.at:"}[name]
         assert any(line.startswith(said) or said in line for line in lines), f"{name}:\n{done.stderr}"

@@ -353,7 +353,7 @@ def test_a_broken_file_from_policy_dirs_says_where_it_came_from_and_that_nothing
     )
     assert result.returncode == 1 and not ran.exists()
     lines = result.stderr.splitlines()
-    assert lines[0].startswith(f"{folder / 'broken.yaml'}:")
+    assert lines[0].startswith(f"hookpolicy: {folder / 'broken.yaml'}:")
     assert lines[-2] == (f"hookpolicy: {folder / 'broken.yaml'} comes from HOOKPOLICY_POLICY_DIRS (folder {folder}), "
                          "which adds every policy of its folders to every run")
     assert lines[-1].startswith("hookpolicy: nothing was started: ")
