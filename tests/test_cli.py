@@ -446,7 +446,7 @@ spec:
         f"{path}:13:44: $.spec.rules[0].actions[2].capture.log: expected a mapping, got string 'runs/x.jsonl'; "
         "write log: {path: runs/x.jsonl}",
         f"{path}:17:15: $.spec.rules[1].target: 'los' is not one of: input, output, grad_output, grad_input, grad, "
-        "weight, loss; did you mean 'loss'?",
+        "weight, loss, update, optimizer_state; did you mean 'loss'?",
         f"{path}:19:33: $.spec.rules[1].actions[0].alert.if: invalid condition: unexpected character '|'; "
         "write 'or' to combine comparisons",
     ]

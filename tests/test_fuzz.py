@@ -464,11 +464,13 @@ def test_random_byte_flips_load_or_give_positioned_problems(
         train_under(loaded)
 
 
-STAT_NAMES = list(STATS)
+STAT_NAMES = [s for s in STATS if s != "update_ratio"]  # a statistic of target: update only
 TARGETS_AT = {
     "forward_pre": ["input"], "forward": ["output", "input"],
-    "backward": ["grad_output", "grad_input"], "step": ["grad", "weight"],
+    "backward": ["grad_output", "grad_input"], "step": ["grad", "weight", "update", "optimizer_state"],
 }
+#: measured after the update: nothing changes them, a skip cannot undo them
+AFTER_UPDATE = ("update", "optimizer_state")
 
 
 @st.composite
@@ -480,16 +482,19 @@ def valid_rule(draw: st.DrawFn, name: str) -> dict[str, Any]:
         {"modules": ["**"]}, {"types": ["Linear"]}, {"modules": ["transformer.h.*.attn.*"], "exclude": ["**.c_proj"]},
         {"root": True}, {"modules": ["re:.*mlp.*"], "types": ["torch.nn.Module"]}, {"modules": ["lm_head", "nothing.*"]},
     ]))
-    if target in ("grad", "weight") and draw(st.booleans()):
+    if target in ("grad", "weight", *AFTER_UPDATE) and draw(st.booleans()):
         match = {**match, "params": draw(st.sampled_from([["weight"], ["bias"], ["*"]]))}
+    if target == "optimizer_state" and draw(st.booleans()):
+        match = {**match, "state": draw(st.sampled_from([["exp_avg_sq"], ["exp_avg*"], ["momentum_buffer", "step"]]))}
     trigger: dict[str, Any] = {"at": at, "every": draw(st.integers(1, 3)),
                                "phase": draw(st.sampled_from(["train", "eval", "any"]))}
     if draw(st.booleans()):
         start = draw(st.integers(0, 2))
         trigger["steps"] = {"from": start, "until": start + draw(st.integers(1, 3))}
-    stats = draw(st.lists(st.sampled_from(STAT_NAMES), min_size=1, max_size=4, unique=True))
+    stats = draw(st.lists(st.sampled_from(STAT_NAMES + (["update_ratio"] if target == "update" else [])),
+                          min_size=1, max_size=4, unique=True))
     per = draw(st.sampled_from(["module", "tensor", "rule"]))
-    changes_input_too_late = at == "forward" and target == "input"
+    changes_input_too_late = (at == "forward" and target == "input") or target in AFTER_UPDATE
     actions: list[dict[str, Any]] = []
     for kind in draw(st.lists(st.sampled_from(["capture", "log", "tensors", "clip", "clamp", "scale", "alert"]),
                               min_size=1, max_size=4)):
@@ -518,7 +523,8 @@ def valid_rule(draw: st.DrawFn, name: str) -> dict[str, Any]:
                                               "zscore(l2_norm, 3) > 2 or mean > 2 * ema(mean, 0.5) + 1",
                                               "l2_norm - prev(l2_norm) > -1e9"]))
             actions.append({"alert": {"if": condition, "for": draw(st.integers(1, 2)), "warmup": draw(st.integers(0, 2)),
-                                      "then": draw(st.sampled_from(["log", "skip_step", "halt"])), "per": per,
+                                      "then": draw(st.sampled_from(["log", "halt"] if target in AFTER_UPDATE
+                                                                   else ["log", "skip_step", "halt"])), "per": per,
                                       "severity": draw(st.sampled_from(["info", "warning", "critical"])),
                                       "message": "{policy}/{rule} {module} {tensor} step {step}: {condition} "
                                                  "{zscore(l2_norm, 3):.2f}"}})
@@ -526,7 +532,7 @@ def valid_rule(draw: st.DrawFn, name: str) -> dict[str, Any]:
         actions = [{"capture": {"stats": stats}}]
     rule: dict[str, Any] = {"name": name, "match": match, "trigger": trigger, "target": target, "actions": actions,
                             "priority": draw(st.integers(0, 100)), "mode": draw(st.sampled_from(["enforce", "audit"]))}
-    if target not in ("grad", "weight") and draw(st.booleans()):
+    if target not in ("grad", "weight", *AFTER_UPDATE) and draw(st.booleans()):
         rule["select"] = draw(st.sampled_from([[0], ["scale"], [0, 1]]))
     return rule
 

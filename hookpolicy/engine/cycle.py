@@ -6,8 +6,8 @@ steps no optimizer, the end of its backward pass):
     scope -> active rules -> loss -> execute -> read back -> decide -> agree (and reduce the loss)
           -> the job's loss rules -> commit history -> hide gradients
 
-After it (`after_update`): restore the hidden gradients -> count the step -> activate the
-next step's rules.
+After it (`after_update`): restore the hidden gradients -> measure the update (`updates`,
+read back at the next read-back) -> count the step -> activate the next step's rules.
 
 The parts below the cycle do one job each and return what they found; none calls the
 cycle back. `steps.StepTracker` tells where steps begin and end (and which parameters a
@@ -36,7 +36,7 @@ from ..errors import Halt
 from ..export.metrics import ACTIONS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, SKIPPED_STEPS, STEPS, ModelMetrics
 from ..export.sinks import output_root
 from ..plan.planner import Plan
-from ..policy.model import LOSS, Policy
+from ..policy.model import AFTER_UPDATE, LOSS, Policy
 from . import module_hooks, optimizer_hooks
 from .agreement import Agreed, Agreement, job_loss_rule
 from .decision import StepReport
@@ -56,6 +56,7 @@ from .rulestate import RuleState, rule_states
 from .skipping import HiddenGrads
 from .steps import Phase, StepTracker
 from .structure import named_tensors
+from .updates import Updates
 
 __all__ = ["StepCycle", "Leftovers"]
 
@@ -92,6 +93,7 @@ class StepCycle:
         self.replicas = Replicas(model, self._steps)
         self.readback = Readback(store, policies, output_root(), rank, self.history, self.replicas.exported)
         self._hidden = HiddenGrads()
+        self.updates = Updates(self.programs)
         self._loss: Optional[LossTap] = None
         if any(rule.target == LOSS for policy in policies for rule in policy.rules):
             self._loss = LossTap(store.model, _WeakReached(self._steps.scopes))
@@ -148,6 +150,8 @@ class StepCycle:
             self._steps.evaluated(optimizer, skip)
         if self._steps.skipping:
             self._hidden.hide(optimizer)
+        else:
+            self.updates.before(optimizer, self.installer.step_rules())
 
     def _evaluate(self, left_out: frozenset[int]) -> bool:
         """Run the step's rules on the parameters not in `left_out`, read back, decide; True to skip the step.
@@ -189,8 +193,8 @@ class StepCycle:
                 self._job_loss(job, agreed, loss, decision)
         for key in decision.skip_by:
             self.store.inc(SKIPPED_STEPS, key)
-        if not decision.skip and not final:  # a skipped step did not happen: its values never become the baseline
-            self.history.commit(decision.observed)
+        if not final:  # a skipped step did not happen: its values never become the baseline (an earlier update's did)
+            self.history.commit([o for o in decision.observed if not decision.skip or self._updated(o.key[0])])
         if decision.halt is not None:
             raise self._halting(decision.halt)
         return decision.skip
@@ -228,6 +232,11 @@ class StepCycle:
                 "backward from the next stage's gradient is no loss), write ranks: own",
                 ", ".join("/".join(rs.key) for rs in job), self.store.model, dist.get_world_size())
 
+    def _updated(self, rule: tuple[str, str]) -> bool:
+        """Whether `rule` measures an update already applied (`updates`): a skip now does not undo it."""
+        rs = self.rules.get(rule)
+        return rs is not None and rs.rule.target in AFTER_UPDATE
+
     def _count(self, done: Ledger, seconds: dict[tuple[str, str], float]) -> None:
         """`hookpolicy_actions_total` (once per step and binding) and `hookpolicy_hook_seconds_total`."""
         counts: dict[tuple[str, ...], int] = defaultdict(int)
@@ -245,6 +254,7 @@ class StepCycle:
         if not self._steps.owns(optimizer):
             return
         self._hidden.restore(optimizer)
+        self.updates.after(optimizer, self.step, self._steps.skipping)
         if self._steps.update_ends(optimizer):
             self._end_step()
 
@@ -301,6 +311,7 @@ class StepCycle:
 
     def _backward_done(self) -> None:
         if self._steps.backward_done():  # no optimizer steps this model: the backward pass is the step
+            self.updates.no_optimizer(self.installer.step_rules(), self.store.model)
             if self._evaluate(frozenset()):
                 self._steps.zero_grads()
             self._end_step()

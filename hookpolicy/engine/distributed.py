@@ -40,9 +40,11 @@ from .stats import tensor_partials
 __all__ = ["Shards", "Units", "data_parallel", "full_value", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards"]
 
 #: What an empty shard contributes to each partial.
-_IDENTITY = {"sumsq": 0.0, "sum": 0.0, "m2": 0.0, "min": math.inf, "max": -math.inf, "nonzero": 0.0, "finite": 0.0}
+_IDENTITY = {
+    "sumsq": 0.0, "sum": 0.0, "m2": 0.0, "min": math.inf, "max": -math.inf, "nonzero": 0.0, "finite": 0.0, "ref_sumsq": 0.0,
+}
 #: The partials that add up across shards, in the layout of the SUM reduction; a NaN count last.
-_SUMMED = ("sumsq", "sum", "m2", "nonzero", "finite")
+_SUMMED = ("sumsq", "sum", "m2", "nonzero", "finite", "ref_sumsq")
 
 
 @dataclass(frozen=True)
@@ -195,15 +197,18 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     return cast("DTensor", t).full_tensor()
 
 
-def shard_partials(locals_: Sequence[torch.Tensor], kinds: Sequence[str]) -> torch.Tensor:
+def shard_partials(
+    locals_: Sequence[torch.Tensor], kinds: Sequence[str], references: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """`stats.tensor_partials` of the local shards, where an empty shard gets the identity row."""
     full = [i for i, t in enumerate(locals_) if t.numel() > 0]
     if len(full) == len(locals_):
-        return tensor_partials(locals_, kinds)
+        return tensor_partials(locals_, kinds, references=references)
     device = locals_[0].device
     out = torch.tensor([_IDENTITY[k] for k in kinds], dtype=torch.float64, device=device).repeat(len(locals_), 1)
     if full:
-        out[full] = tensor_partials([locals_[i] for i in full], kinds)
+        out[full] = tensor_partials([locals_[i] for i in full], kinds,
+                                    references=None if references is None else references[full])
     return out
 
 

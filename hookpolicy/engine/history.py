@@ -36,7 +36,7 @@ import numpy as np
 
 from ..plan.planner import Binding
 from ..policy.expr import Call, Value
-from ..policy.model import PARAM_TARGETS, Alert, Clip, Policy
+from ..policy.model import OPTIMIZER_STATE, PARAM_TARGETS, Alert, Clip, Policy
 from ..process import Once
 
 __all__ = ["GroupKey", "History", "Observation", "Past", "Series", "SeriesSpec", "Tracked", "bounds", "cost",
@@ -99,7 +99,8 @@ def bounds(policies: Sequence[Policy], bindings: Sequence[Binding]) -> tuple[lis
                     continue
                 stats = action.stats if isinstance(action, Alert) else ("norm",)
                 each = sum(cost(spec) for spec in group_specs(stats, action.calls, action.warmup).values())
-                at_least = action.per == "tensor" and rule.target not in PARAM_TARGETS  # its tensors show at run time
+                # its tensors show at run time: a module's outputs, a parameter's optimizer state keys
+                at_least = (action.per == "tensor" and rule.target not in PARAM_TARGETS) or rule.target == OPTIMIZER_STATE
                 if action.per == "rule":
                     groups = 1
                 elif action.per == "module":

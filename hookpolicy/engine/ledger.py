@@ -40,6 +40,9 @@ class Entry:
     deferred: Optional[list[torch.Tensor]] = None
     #: rows of DTensor shards, reduced over their mesh before the readback (distributed.reduce_shards)
     shards: Optional[Shards] = None
+    #: the step whose update it measured (`update`, `optimizer_state`: read back at a later step's
+    #: read-back); None for an entry of the step being read back
+    step: Optional[int] = None
 
 
 @dataclass
@@ -81,5 +84,8 @@ class Ledger:
         return done
 
     def discard(self) -> None:
-        """Forget the statistics of a step no optimizer took (what ran and its time still count)."""
-        self.entries.clear()
+        """Forget the statistics of a step no optimizer took (what ran and its time still count).
+
+        What an earlier update did (entries with a `step`) happened, and stays.
+        """
+        self.entries = [e for e in self.entries if isinstance(e, Entry) and e.step is not None]

@@ -18,7 +18,7 @@ import torch
 
 from ..plan.planner import param as find_param
 from ..policy.expr import Past, Value
-from ..policy.model import LOSS, Clip
+from ..policy.model import AFTER_UPDATE, LOSS, Clip
 from ..process import Once
 from .actions import DeviceLimit, Limit, MutateOp, StatsOp, clip_norm, clip_unitwise, mutate
 from .distributed import Shards, local_shards, shard_name, shard_partials, sum_over_groups, unit_shards
@@ -66,6 +66,8 @@ class Programs:
         `left_out`: ids of parameters another optimizer updates, not this step (`scopes`).
         """
         for rs in rules:
+            if rs.rule.target in AFTER_UPDATE:
+                continue  # measured after the update (`updates`)
             if rs.rule.target != LOSS:
                 self.guarded(rs, self._run_step_rule, rs, left_out)
             elif loss is not None:
@@ -115,9 +117,15 @@ class Programs:
 
     def execute(
         self, rs: RuleState, target: str, rows: list[tuple[str, str]], tensors: list[torch.Tensor], inplace: bool,
-        defer: bool = False, weights: Sequence[torch.Tensor] = (),
+        defer: bool = False, weights: Sequence[torch.Tensor] = (), references: Optional[torch.Tensor] = None,
+        step: Optional[int] = None,
     ) -> Optional[list[torch.Tensor]]:
-        """Run a rule's program on tensors; returns replacements when a mutation applied."""
+        """Run a rule's program on tensors; returns replacements when a mutation applied.
+
+        `references` (`target: update`): per tensor, the sum of squares of its parameter
+        before the update (of the local shard, for a DTensor), which `update_ratio` divides
+        by. `step` stamps entries that measure an update already applied (`Entry.step`).
+        """
         changed = False
         modules = {module for module, _ in rows}
         for op, count_keys in zip(rs.program, rs.count_keys):
@@ -126,14 +134,16 @@ class Programs:
                 copies = _copies(op, rows, tensors, sharded) if op.tensors else []
                 deferred = defer and "finite" in op.kinds and sharded is None
                 if sharded is not None:
-                    matrix = shard_partials(sharded[0], op.kinds)
+                    matrix = shard_partials(sharded[0], op.kinds, references)
                 elif deferred:
                     matrix = tensor_partials(tensors, op.kinds, defer_counts=True)
+                elif references is not None:
+                    matrix = tensor_partials(tensors, op.kinds, references=references)
                 else:
                     matrix = tensor_partials(tensors, op.kinds)
                 self._ledger.entries.append(Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies,
                                          list(tensors) if deferred else None,
-                                         None if sharded is None else sharded[1]))
+                                         None if sharded is None else sharded[1], step))
                 self._ledger.ran.update((key, module) for key in count_keys for module in modules)
             elif op.unitwise:
                 self._ledger.ran.update((count_keys[0], module) for module in modules)

@@ -26,7 +26,7 @@ from ..errors import Halt
 from ..export.metrics import ALERT_FIRING, ALERTS, CLIPPED, ModelMetrics, Labels, stat_family
 from ..export.tensorboard import scalar_tag
 from ..policy.expr import NO_PAST
-from ..policy.model import Capture, Clip, LogSink, Policy
+from ..policy.model import OPTIMIZER_STATE, Capture, Clip, LogSink, Policy
 from .alerts import Alerts, json_number, outcome, render
 from .decision import SinkHalts, StepReport
 from .distributed import reduce_shards
@@ -34,6 +34,7 @@ from .history import History, group_key
 from .ledger import ClipEntry, Entry
 from .rulestate import RuleState
 from .stats import combine, finish, resolve_counts
+from .updates import state_group_key
 from .writers import Writers
 
 __all__ = ["Readback", "StepReport"]
@@ -57,7 +58,6 @@ class Readback:
         self._max_series = {p.name: p.max_series for p in policies}
         self._alerts = Alerts(history)
         self._last: dict[str, dict[Labels, float]] = defaultdict(dict)
-        self._step = 0
         self.writers = Writers(root, rank)
 
     def last_values(self) -> Mapping[str, Mapping[Labels, float]]:
@@ -83,7 +83,6 @@ class Readback:
 
     def _run(self, buffered: Sequence[Union[Entry, ClipEntry]], step: int, final: bool, report: StepReport) -> None:
         start = time.perf_counter()
-        self._step = step
         passes: dict[tuple[tuple[str, str], int], _Pass] = {}
         entries = [e for e in buffered if isinstance(e, Entry)]
         clips = [e for e in buffered if isinstance(e, ClipEntry)]
@@ -103,7 +102,7 @@ class Readback:
             pkey = (entry.rule.key, entry.op.segment)
             pass_ = passes.get(pkey)
             if pass_ is None:
-                pass_ = passes[pkey] = _Pass(entry.rule, entry.op, entry.target)
+                pass_ = passes[pkey] = _Pass(entry.rule, entry.op, entry.target, step if entry.step is None else entry.step)
             pass_.add(entry, rows)
         fetch_share = (time.perf_counter() - start) / max(1, len(passes))  # the transfer serves every pass
         published: dict[tuple[str, tuple[str, ...]], float] = {}
@@ -120,7 +119,7 @@ class Readback:
             report.seconds[p.rule.key] += fetch_share + time.perf_counter() - pass_start
         for entry in entries:
             if entry.copies:
-                self.writers.write_copies(entry, step, report)
+                self.writers.write_copies(entry, step if entry.step is None else entry.step, report)
         self._export(published, withheld)
         for (family, labels), value in published.items():
             self._last[family][labels] = value
@@ -151,7 +150,7 @@ class Readback:
         for index, action in p.op.actions:
             exported = self.exported(rs, action) if isinstance(action, Capture) else True
             for (module, tensor), stats in p.statistics(action.per):
-                base = {"time": now, "step": self._step, "rank": self.rank, "model": self.store.model,
+                base = {"time": now, "step": p.step, "rank": self.rank, "model": self.store.model,
                         "policy": rs.policy.name,
                         "rule": rs.rule.name, "module": module, "target": p.target, "tensor": tensor}
                 if isinstance(action, Capture):
@@ -188,11 +187,11 @@ class Readback:
                         report.skip_rule = report.skip_rule or rs.key
                         report.skip_by.append(rs.key)  # counted once per step and rule, once agreed on
                     elif action.then == "halt" and report.halt is None:
-                        report.halt = Halt(rs.policy.name, rs.rule.name, self._step, message)
+                        report.halt = Halt(rs.policy.name, rs.rule.name, p.step, message)
         for (index, sink), records in logged.items():
             self.writers.write_log(rs, index, sink, records, report)
         for index, scalars in boarded.items():
-            self.writers.write_board(rs, index, lambda board: self.writers.boards.scalars(board, self._step, scalars), report)
+            self.writers.write_board(rs, index, lambda board: self.writers.boards.scalars(board, p.step, scalars), report)
         for severity, on in firing.items():
             self.store.set(ALERT_FIRING, (*rs.key, severity), 1.0 if on else 0.0)
 
@@ -248,8 +247,10 @@ def _fetch(matrices: Sequence[torch.Tensor]) -> list[list[list[float]]]:
 class _Pass:
     """One statistics pass of one rule over a step: rows grouped by `per`, ready to finish."""
 
-    def __init__(self, rule: RuleState, op: StatsOp, target: str) -> None:
-        self.rule, self.op, self.target = rule, op, target
+    def __init__(self, rule: RuleState, op: StatsOp, target: str, step: int) -> None:
+        #: the step its values belong to (an `update` pass: the step of the update it measured)
+        self.rule, self.op, self.target, self.step = rule, op, target, step
+        self._group_key = state_group_key if target == OPTIMIZER_STATE else group_key
         self._groups: dict[str, dict[tuple[str, str], tuple[list[list[float]], list[int]]]] = {
             a.per: {} for _, a in op.actions
         }
@@ -257,7 +258,7 @@ class _Pass:
     def add(self, entry: Entry, rows: list[list[float]]) -> None:
         for (module, tensor), row, n in zip(entry.rows, rows, entry.numels):
             for per, groups in self._groups.items():
-                bucket = groups.setdefault(group_key(module, tensor, per), ([], []))
+                bucket = groups.setdefault(self._group_key(module, tensor, per), ([], []))
                 bucket[0].append(row)
                 bucket[1].append(n)
 

@@ -22,6 +22,10 @@ The passes, chosen by measurement (`bench/run.py`; numbers in docs/benchmarks.md
   about 30x slower); on CUDA one `var_mean`. With `m2` at hand, l2_norm and rms need no
   pass of their own: `sumsq = m2 + sum**2 / n`.
 - zero_fraction: `count_nonzero(x)`, one pass (`x == 0` and a count would be two).
+- update_ratio (`target: update` only): the update's sum of squares (`sumsq`) and its
+  parameter's before the update (`ref_sumsq`), which the caller measured before the
+  update and hands over (`references`): `sqrt(sumsq / ref_sumsq)`, so `per: module`
+  is the joint norm of the module's updates over the joint norm of its parameters.
 - nonfinite: an exact count of NaN and +-Inf without `isfinite` (which is four
   element-wise kernels on CPU): `1 + 0 * x` is 1 where x is finite and NaN elsewhere, so
   its `nansum` counts the finite elements, and `nonfinite = numel - finite` on the host.
@@ -39,10 +43,10 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["PARTIALS", "partials_for", "tensor_partials", "resolve_counts", "combine", "finish"]
+__all__ = ["PARTIALS", "partials_for", "tensor_partials", "sums_of_squares", "resolve_counts", "combine", "finish"]
 
 #: The partials a hook computes, in column order.
-PARTIALS: tuple[str, ...] = ("sumsq", "sum", "m2", "min", "max", "nonzero", "finite")
+PARTIALS: tuple[str, ...] = ("sumsq", "sum", "m2", "min", "max", "nonzero", "finite", "ref_sumsq")
 
 _NEEDS: Mapping[str, tuple[str, ...]] = {
     "l2_norm": ("sumsq",),
@@ -55,6 +59,7 @@ _NEEDS: Mapping[str, tuple[str, ...]] = {
     "zero_fraction": ("nonzero",),
     "nonfinite": ("finite",),
     "numel": (),
+    "update_ratio": ("sumsq", "ref_sumsq"),
 }
 
 #: float32 holds every integer up to 2**24 exactly: a count of ones summed in float32 is exact up to there.
@@ -76,6 +81,7 @@ def partials_for(stats: Iterable[str]) -> tuple[str, ...]:
 
 def tensor_partials(
     tensors: Sequence[torch.Tensor], kinds: Sequence[str], *, defer_counts: bool = False,
+    references: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reduce each tensor to the partials `kinds`: a `[len(tensors), len(kinds)]` float64 matrix.
 
@@ -89,17 +95,30 @@ def tensor_partials(
     after the readback, while the tensors still hold the same values. That suits `step`
     targets (gradients and weights live until the optimizer step), and only when nothing
     clips or scales them in between; never forward or backward targets.
+
+    `references` is the `ref_sumsq` column, when `kinds` has it: a float64 vector with one
+    value per tensor (`sums_of_squares` of the parameters before their update).
     """
     n = len(tensors)
     if not kinds:
         return torch.empty((n, 0), dtype=torch.float64, device=tensors[0].device)
     if any(t.requires_grad for t in tensors):  # forward targets: no graph for the statistics
         with torch.no_grad():
-            return _partials(tensors, kinds, defer_counts)
-    return _partials(tensors, kinds, defer_counts)
+            return _partials(tensors, kinds, defer_counts, references)
+    return _partials(tensors, kinds, defer_counts, references)
 
 
-def _partials(tensors: Sequence[torch.Tensor], kinds: Sequence[str], defer_counts: bool) -> torch.Tensor:
+def sums_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's sum of squares, a float64 vector on their device (no host sync)."""
+    with torch.no_grad():
+        col, are_norms = _sums_of_squares(tensors)
+        squares = torch.stack(list(col)).to(torch.float64)
+        return squares.square_() if are_norms else squares
+
+
+def _partials(
+    tensors: Sequence[torch.Tensor], kinds: Sequence[str], defer_counts: bool, references: Optional[torch.Tensor],
+) -> torch.Tensor:
     # One 0-d tensor per cell, row-major, stacked once: a handful of small operators per
     # call however many partials are asked for (each costs 1-3 us of dispatch on CPU).
     columns: list[Sequence[torch.Tensor]] = []
@@ -120,6 +139,10 @@ def _partials(tensors: Sequence[torch.Tensor], kinds: Sequence[str], defer_count
             col = minmax[0]
         elif kind == "max" and minmax is not None:
             col = minmax[1]
+        elif kind == "ref_sumsq":
+            if references is None:
+                raise ValueError("update_ratio needs the parameters' sums of squares before the update")
+            col = list(references.unbind())
         elif kind == "nonzero":
             col = [torch.count_nonzero(t).to(torch.float64) for t in tensors]  # one pass; NaN counts as nonzero
         elif defer_counts:  # finite, as a placeholder: any partial that is finite only when every element is
@@ -338,6 +361,8 @@ def _finish_one(stat: str, p: Mapping[str, float], n: int) -> float:
         return float(n)
     if stat == "nonfinite":
         return float(n) - p["finite"]
+    if stat == "update_ratio":
+        return _ratio(math.sqrt(_sumsq(p, n)), math.sqrt(p["ref_sumsq"]))
     if stat == "l2_norm":
         return math.sqrt(_sumsq(p, n))
     if stat == "min":
@@ -358,3 +383,10 @@ def _finish_one(stat: str, p: Mapping[str, float], n: int) -> float:
     if n < 2:
         return math.nan
     return math.sqrt(max(p["m2"], 0.0) / (n - 1)) if not math.isnan(p["m2"]) else math.nan
+
+
+def _ratio(update: float, weight: float) -> float:
+    """`update / weight` as IEEE division has it: a zero weight gives inf (nan for a zero update too)."""
+    if weight == 0.0:
+        return math.nan if update == 0.0 or math.isnan(update) else math.inf
+    return update / weight

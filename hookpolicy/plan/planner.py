@@ -18,7 +18,9 @@ from .matcher import Matcher, ModuleEntry, Target, iter_modules
 from ..errors import Problem
 from ..policy.messages import missing_extras
 from ..policy.patterns import compile_glob
-from ..policy.model import LOSS, PARAM_TARGETS, Action, Alert, Capture, Clip, Policy, Rule, Scale
+from ..policy.model import (
+    AFTER_UPDATE, LOSS, OPTIMIZER_STATE, PARAM_TARGETS, UPDATE, Action, Alert, Capture, Clip, Policy, Rule, Scale,
+)
 
 __all__ = ["LOSS_SOURCE", "Binding", "Plan", "build_plan", "describe_action", "param"]
 
@@ -26,6 +28,9 @@ __all__ = ["LOSS_SOURCE", "Binding", "Plan", "build_plan", "describe_action", "p
 LOSS_SOURCE = ("the tensor the script calls backward() on (loss.backward(), torch.autograd.backward), at each "
                "backward call of the step that reaches its parameters, divided by GradScaler's scale when one "
                "scaled it: one value per root; the optimizer applies the gradient of their sum (mean * numel)")
+
+#: the targets of parameters the optimizer updates: a frozen parameter (no gradient) has none of them
+_TRAINED_TARGETS = frozenset({"grad"}) | AFTER_UPDATE
 
 #: Modules whose inputs are integer indices: no gradient ever reaches them.
 _INDEX_INPUT_TYPES = ("Embedding", "EmbeddingBag")
@@ -212,7 +217,7 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
             params = target.params
             if rule.target in PARAM_TARGETS:
                 params = tuple(p for p in params if _claim(claimed, param(target.module, p[1])))
-                if rule.target == "grad":
+                if rule.target in _TRAINED_TARGETS:
                     trainable = tuple(p for p in params if param(target.module, p[1]).requires_grad)
                     frozen += len(params) - len(trainable)
                     params = trainable
@@ -228,6 +233,8 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
         if frozen:
             warnings.append(f"{where}: {frozen} frozen parameters (requires_grad=False) left out: "
                             "they never get a gradient")
+        if made and rule.target in AFTER_UPDATE:
+            notes.append(f"{where}: {_after_update_note(rule, bindings[-made:])}")
         if not made:
             what = "trainable parameters" if frozen else "parameters"
             selects_nothing(policy, rule, f"the matched modules have no {what} matching {list(rule.match.params) or '*'}")
@@ -305,6 +312,21 @@ def _ancestors(names: Iterable[str]) -> set[str]:
         parts = name.split(".")
         out.update(".".join(parts[:i]) for i in range(1, len(parts)))
     return out
+
+
+def _after_update_note(rule: Rule, bound: Sequence[Binding]) -> str:
+    """What an `update` or `optimizer_state` rule measures, when, and what it costs (for `explain`)."""
+    when = ("measured after the optimizer applied the step and read back with the next step's statistics "
+            "(a step a skip or GradScaler kept from updating has none)")
+    if rule.target == OPTIMIZER_STATE:
+        keys = ", ".join(rule.match.state) if rule.match.state else "every state tensor shaped like its parameter"
+        return f"{OPTIMIZER_STATE} is the optimizer's state of each parameter ({keys}), {when}"
+    params = [param(b.obj, path) for b in bound for path in b.paths()]
+    size = sum(p.numel() * p.element_size() for p in params)
+    shown = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
+    return (f"{UPDATE} is w_after - w_before of each parameter, {when}; on a step where the rule is active, a copy "
+            f"of its {len(params)} parameters ({shown}; under FSDP2 each rank copies its shards) "
+            "is kept on their device from before the update to after it")
 
 
 def _binding(policy: Policy, rule: Rule, entry: ModuleEntry, target: Target,

@@ -112,6 +112,7 @@ def _match(match: dict[str, Any]) -> Match:
         exclude=tuple(match.get("exclude", ())),
         params=tuple(match.get("params", ())),
         adapters=match.get("adapters"),
+        state=tuple(match.get("state", ())),
     )
 
 

@@ -16,7 +16,7 @@ from ..errors import Problem
 from .document import Document, JsonPath
 from .expr import ExprError, parse, parse_value
 from .messages import CLIP_NAMES, expression_names, message_problem
-from .model import HOOK_POINTS, LOSS, PARAM_TARGETS, TARGETS, Trigger
+from .model import AFTER_UPDATE, HOOK_POINTS, LOSS, OPTIMIZER_STATE, PARAM_TARGETS, TARGETS, UPDATE, UPDATE_RATIO, Trigger
 from .patterns import compile_glob, shown
 
 __all__ = ["RESERVED_LABELS", "check_semantics"]
@@ -117,7 +117,8 @@ class _Checker:
             self.add(
                 path + ("select",),
                 f"select narrows tuple, list and dict inputs and outputs; the target {target!r} "
-                "is a parameter: choose parameters with match.params instead",
+                "is a parameter: choose parameters with match.params instead"
+                + (" and state keys with match.state" if target == OPTIMIZER_STATE else ""),
                 key=True,
             )
         if target == LOSS:
@@ -126,6 +127,8 @@ class _Checker:
             self.add(path + ("ranks",), f"ranks applies to target: loss (the job's loss or this rank's); the "
                      f"statistics of target {target!r} are this rank's own (gradients after DDP's all-reduce are "
                      "the job's already): drop ranks", key=True)
+        if target in AFTER_UPDATE:
+            self.after_update_rule(rule, path, target)
         for index, item in enumerate(_list(rule.get("actions"))):
             if isinstance(item, dict) and len(item) == 1:
                 ((kind, body),) = item.items()
@@ -167,6 +170,24 @@ class _Checker:
                              "was already backpropagated); clip or scale target: grad, or alert with "
                              "then: skip_step", key=True)
 
+    def after_update_rule(self, rule: dict[str, Any], path: JsonPath, target: str) -> None:
+        """`update` and `optimizer_state` are measured after the optimizer applied the step: nothing
+        can change them any more, and a skip cannot undo them."""
+        for index, item in enumerate(_list(rule.get("actions"))):
+            if not isinstance(item, dict):
+                continue
+            for kind in ("clip", "scale"):
+                if kind in item:
+                    self.add(path + ("actions", index, kind), f"{kind} cannot change target: {target} (measured after "
+                             "the optimizer applied the step); to bound what reaches the weights, "
+                             f"{kind} target: grad; here use capture or alert", key=True)
+            then = _dict(item.get("alert")).get("then")
+            if then == "skip_step":
+                self.add(path + ("actions", index, "alert", "then"), f"then: skip_step cannot undo target: {target}: "
+                         "it is measured after the optimizer applied the step, and read back at the next step; use "
+                         "then: halt (training stops before the next update) or log, or alert on target: grad "
+                         "with then: skip_step to keep a step from being applied")
+
     def match(self, match: dict[str, Any], path: JsonPath, target: Optional[str]) -> None:
         if not ("modules" in match or "types" in match or match.get("root") is True or "adapters" in match):
             self.add(path, "a match needs at least one of: modules, types, root: true, adapters")
@@ -177,7 +198,7 @@ class _Checker:
                 "is never one: drop root: true, or select the layers with modules or types",
                 key=True,
             )
-        for field in ("modules", "exclude", "params"):
+        for field in ("modules", "exclude", "params", "state"):
             for index, pattern in enumerate(_list(match.get(field))):
                 if isinstance(pattern, str) and pattern:
                     self.pattern(pattern, path + (field, index))
@@ -185,9 +206,12 @@ class _Checker:
             self.add(
                 path + ("params",),
                 "params applies only to the parameter targets "
-                f"({', '.join(sorted(PARAM_TARGETS))}); this rule's target is {target!r}",
+                f"({', '.join(t for t in TARGETS if t in PARAM_TARGETS)}); this rule's target is {target!r}",
                 key=True,
             )
+        if "state" in match and target is not None and target != OPTIMIZER_STATE:
+            self.add(path + ("state",), f"state selects the optimizer's state tensors (exp_avg, exp_avg_sq, ...) "
+                     f"of target: {OPTIMIZER_STATE}; this rule's target is {target!r}", key=True)
 
     def pattern(self, pattern: str, path: JsonPath) -> None:
         try:
@@ -208,6 +232,9 @@ class _Checker:
 
     def capture(self, body: dict[str, Any], site: _Site) -> None:
         path = site.path
+        for index, stat in enumerate(_list(body.get("stats"))):
+            if stat == UPDATE_RATIO and site.target not in (None, UPDATE):
+                self.add(path + ("stats", index), _only_update(site.target))
         board = _dict(body.get("tensorboard"))
         if "tensorboard" in body and "stats" not in body and board.get("histograms") is not True:
             self.add(path + ("tensorboard",), "tensorboard writes statistics or histograms: add stats to this "
@@ -357,3 +384,28 @@ class _Checker:
             wrong = message_problem(message, names)
             if wrong:
                 self.add(path + ("message",), wrong[0], offset=wrong[1])
+        if site.target in (None, UPDATE):
+            return
+        for key, text in (("if", condition), ("message", message)):
+            if not isinstance(text, str):
+                continue
+            found = _RATIO.search(text)
+            if found is not None and (key == "if" or _in_field(text, found.start())):
+                self.add(path + (key,), _only_update(site.target), offset=found.start())
+
+
+def _only_update(target: Optional[str]) -> str:
+    return (f"{UPDATE_RATIO} is the update's norm over its parameter's: only target: {UPDATE} (at step) has it; "
+            f"this rule's target is {target!r} (l2_norm is its norm)")
+
+
+#: the statistic `update_ratio` named in an expression
+_RATIO = re.compile(rf"\b{UPDATE_RATIO}\b")
+
+
+def _in_field(message: str, offset: int) -> bool:
+    """Whether `offset` of a message template lies inside a `{field}` (not in its literal text)."""
+    depth = 0
+    for char in re.sub(r"\{\{|\}\}", "  ", message[:offset]):
+        depth += 1 if char == "{" else -1 if char == "}" else 0
+    return depth > 0

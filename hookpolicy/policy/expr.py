@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
 __all__ = [
     "Arith", "Call", "Compare", "Condition", "ExprError", "FUNCTIONS", "Junction", "MAD_SCALE", "MAX_EXPR_NESTING",
-    "MAX_OPERATIONS_DEEP", "MAX_TOKENS", "MAX_WINDOW", "Name", "Neg", "Num", "NO_PAST", "Past", "STATS", "Template",
+    "MAX_OPERATIONS_DEEP", "MAX_TOKENS", "MAX_WINDOW", "Name", "Neg", "Num", "NO_PAST", "Past", "STATS", "Template", "UPDATE_RATIO",
     "Value", "names_with", "parse", "parse_value",
 ]
 
@@ -65,8 +65,10 @@ MAX_WINDOW = 10000
 #: The statistics of a tensor, in the order every listing uses: the one definition of their names
 #: (`policy.model`, the engine, the metric families and the schema's enum all follow it).
 STATS: tuple[str, ...] = (
-    "l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel",
+    "l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel", "update_ratio",
 )
+#: The statistic of `target: update` alone: the update's L2 norm over its parameter's before the update.
+UPDATE_RATIO = "update_ratio"
 _STAT_SET = frozenset(STATS)
 #: The names a condition may use when its caller adds none: each statistic, as itself.
 _STAT_TABLE: Mapping[str, str] = {name: name for name in STATS}

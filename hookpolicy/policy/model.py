@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal, Mapping, Optional, Union
 
-from .expr import STATS, Call, Condition, Value
+from .expr import STATS, UPDATE_RATIO, Call, Condition, Value
 
 __all__ = [
-    "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "LOSS", "STATS", "Mode", "OnError", "HookPoint",
+    "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "AFTER_UPDATE", "UPDATE", "OPTIMIZER_STATE",
+    "UPDATE_RATIO", "LOSS", "STATS", "Mode", "OnError", "HookPoint",
     "TriggerPhase", "Per", "Ranks", "Adapters", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
     "LogSink", "Board", "Clip", "Scale", "Alert", "Action", "Rule", "Policy",
 ]
@@ -40,13 +41,22 @@ HOOK_POINTS: Mapping[str, tuple[str, ...]] = {
     "forward_pre": ("input",),
     "forward": ("output", "input"),
     "backward": ("grad_output", "grad_input"),
-    "step": ("grad", "weight", "loss"),
+    "step": ("grad", "weight", "loss", "update", "optimizer_state"),
 }
-TARGETS: tuple[str, ...] = ("input", "output", "grad_output", "grad_input", "grad", "weight", "loss")
-#: targets that are a module's parameters (where `match.params` applies).
-PARAM_TARGETS: frozenset[str] = frozenset({"grad", "weight"})
+TARGETS: tuple[str, ...] = (
+    "input", "output", "grad_output", "grad_input", "grad", "weight", "loss", "update", "optimizer_state",
+)
+#: targets that are (or belong to) a module's parameters (where `match.params` applies).
+PARAM_TARGETS: frozenset[str] = frozenset({"grad", "weight", "update", "optimizer_state"})
 #: the target that is the step's training loss (one value per micro-batch), not a module's tensor
 LOSS = "loss"
+#: the change the optimizer applied to each parameter at a step (`w_after - w_before`)
+UPDATE = "update"
+#: the optimizer's state tensors of each parameter (Adam's `exp_avg`, `exp_avg_sq`), by key
+OPTIMIZER_STATE = "optimizer_state"
+#: the targets known only once the optimizer applied the step: measured after the update, read
+#: back with the next step's statistics; nothing can change them and a skip cannot undo them
+AFTER_UPDATE: frozenset[str] = frozenset({UPDATE, OPTIMIZER_STATE})
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,9 @@ class Match:
     exclude: tuple[str, ...] = ()
     params: tuple[str, ...] = ()
     adapters: Optional[Adapters] = None
+    #: `target: optimizer_state`: globs over the state keys (`exp_avg_sq`); () is every state
+    #: tensor shaped like its parameter (the moments and buffers, not Adam's `step` counter)
+    state: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
