@@ -296,3 +296,155 @@ def test_a_halt_on_an_update_stops_before_the_next_update(tmp_path: Path) -> Non
             opt.step()
     assert halted.value.step == 0 and "at step 0" in str(halted.value)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after_first))
+
+
+FSDP_RULES = """\
+- name: update
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: update
+  actions:
+    - capture: {stats: [l2_norm, update_ratio, max, numel], per: tensor}
+    - capture: {stats: [l2_norm, update_ratio], per: module}
+- name: state
+  match: {types: [Linear], state: [exp_avg_sq]}
+  trigger: {at: step}
+  target: optimizer_state
+  actions:
+    - capture: {stats: [l2_norm, min], per: tensor}
+"""
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def fsdp_updates(rank: int, policy: str) -> list[list[Any]]:
+    """Four FSDP2 Adam steps: (what, published, reference on the full tensors) of each update and state statistic.
+
+    The update of step i is read back at step i+1 (the last one, at detach, is not: sharded
+    statistics need a collective), so the values are read after the next `opt.step()`.
+    """
+    import hookpolicy
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))  # 3 rows over 2 ranks: uneven shards
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    names = [name.rsplit(".", 1) for name, _ in model.named_parameters()]
+    seen: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = []
+    rows: list[list[Any]] = []
+    with hookpolicy.load(policy).attach(model, registry=CollectorRegistry(), rank=rank) as attached:
+        for step in range(4):
+            before = [full(p) for p in model.parameters()]
+            g = torch.Generator().manual_seed(2 * step + rank)
+            opt.zero_grad()
+            model(torch.randn(4, 4, generator=g)).pow(2).mean().backward()
+            opt.step()
+            if step == 0:
+                assert not attached.last_values().get("hookpolicy_update_l2_norm")
+            else:
+                old_before, old_after, old_state = seen[-1]
+                values = attached.last_values()
+                for (module, tensor), b, a, s in zip(names, old_before, old_after, old_state):
+                    what = f"step {step - 1} {module}.{tensor}"
+                    key = ("p", "update", module, tensor)
+                    rows.append([f"{what} l2_norm", values["hookpolicy_update_l2_norm"][key], norm(a - b)])
+                    rows.append([f"{what} ratio", values["hookpolicy_update_update_ratio"][key], norm(a - b) / norm(b)])
+                    rows.append([f"{what} max", values["hookpolicy_update_max"][key], float((a - b).max())])
+                    rows.append([f"{what} numel", values["hookpolicy_update_numel"][key], float(a.numel())])
+                    skey = ("p", "state", module, f"{tensor}.exp_avg_sq")
+                    rows.append([f"{what} state", values["hookpolicy_optimizer_state_l2_norm"][skey], norm(s)])
+                    rows.append([f"{what} state min", values["hookpolicy_optimizer_state_min"][skey], float(s.min())])
+                for module in ("0", "2"):
+                    pairs = [(b, a) for (m, _), b, a in zip(names, old_before, old_after) if m == module]
+                    joint = norm(*(a - b for b, a in pairs))
+                    rows.append([f"step {step - 1} {module} joint ratio",
+                                 values["hookpolicy_update_update_ratio"][("p", "update", module, "")],
+                                 joint / norm(*(b for b, _ in pairs))])
+            seen.append((before, [full(p) for p in model.parameters()],
+                         [full(opt.state[p]["exp_avg_sq"]) for p in model.parameters()]))
+    return rows
+
+
+@pytest.mark.slow
+def test_fsdp2_update_and_state_are_those_of_the_full_tensors(tmp_path: Path, free_port: int) -> None:
+    from helpers.distributed import spawn
+    from helpers.policies import write_policy
+
+    policy = str(write_policy(tmp_path, FSDP_RULES))
+    ranks = spawn(fsdp_updates, tmp_path, free_port, policy)
+    assert ranks[0] and [r[0] for r in ranks[0]] == [r[0] for r in ranks[1]]
+    for rows in ranks:
+        for what, got, want in rows:
+            assert got == pytest.approx(want, rel=1e-6), what
+    assert [got for _, got, _ in ranks[0]] == [got for _, got, _ in ranks[1]]  # the same numbers on both ranks
+
+
+def test_measuring_the_update_reads_nothing_back_inside_the_step_hooks(tmp_path: Path) -> None:
+    """The pre-hook's copy and the post-hook's update and state statistics stay on the device."""
+    from helpers.hooks import no_host_sync
+    from helpers.outputs import errors_of
+
+    model = tiny()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    reg = CollectorRegistry()
+    with load_policy(tmp_path, UPDATE_RULES.replace(", log: {path: tensor.jsonl}", "").replace(
+            ", log: {path: module.jsonl}", "") + STATE_RULES.replace(", log: {path: state.jsonl}", "").replace(
+            ", log: {path: state-module.jsonl}", "").replace(", log: {path: second.jsonl}", "")).attach(
+            model, registry=reg) as attached:
+        loss_of(model, 0).backward()
+        opt.step()  # Adam's state exists from here on
+        cycle = attached._cycle
+        rules = cycle.installer.step_rules()
+        loss_of(model, 1).backward()
+        with no_host_sync():
+            cycle.updates.before(opt, rules)
+        with torch.no_grad():  # an update, outside the optimizer's hooks
+            for p in model.parameters():
+                p.sub_(0.01 * p.grad)
+        with no_host_sync():
+            cycle.updates.after(opt, 1, skipped=False)
+        stamped = [e for e in cycle.ledger.entries if getattr(e, "step", None) == 1]
+        assert {e.target for e in stamped} == {"update", "optimizer_state"}
+        for rule in ("update", "state", "second-moment"):
+            assert errors_of(reg, rule) == 0
+
+
+HISTORY_ACROSS_A_SKIP = """\
+- name: update
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: update
+  actions:
+    - alert: {if: "l2_norm >= 0", per: rule, message: "{count(l2_norm):.0f} before"}
+- name: skip-two
+  match: {types: [Linear]}
+  trigger: {at: step, steps: {from: 2, until: 3}}
+  target: grad
+  actions:
+    - alert: {if: "l2_norm >= 0", then: skip_step, per: rule}
+"""
+
+
+def test_an_update_enters_the_history_also_when_the_step_reading_it_back_is_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Step 1's update is read back at step 2, which is skipped: it happened all the same, so it counts."""
+    import re
+
+    model = tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with load_policy(tmp_path, HISTORY_ACROSS_A_SKIP).attach(model, registry=CollectorRegistry()):
+        for step in range(5):
+            opt.zero_grad()
+            loss_of(model, step).backward()
+            opt.step()
+    # updates of steps 0, 1, 3, 4 (2 was skipped); each one's past holds all the ones before it
+    shown = [found[1] for r in caplog.records if (found := re.search(r"(\d+) before$", r.getMessage()))]
+    assert shown == ["0", "1", "2", "3"]
