@@ -121,11 +121,15 @@ def explain(policies: tuple[str, ...], model_spec: str, fmt: str, strict: bool) 
 
     from .api import PolicySet
     from .engine.history import bounds as history_bounds
+    from .engine.snapshots import config as snapshot_config, describe as describe_snapshots
 
     loaded = PolicySet(_load(_sources(policies)))
     model = _resolve_model(model_spec)
     plan = loaded.plan(model)
     history_notes, history_warnings = history_bounds(loaded.policies, plan.bindings)
+    snapshots = snapshot_config(loaded.policies)
+    if snapshots is not None:
+        history_notes.append(describe_snapshots(model, *snapshots))
     plan = replace(plan, notes=plan.notes + tuple(history_notes), warnings=plan.warnings + tuple(history_warnings))
     triggers = {(p.name, r.name): r.trigger for p in loaded.policies for r in p.rules}
     rows = [{**row, "when": _window(triggers[(row["policy"], row["rule"])])} for row in plan.rows()]

@@ -17,7 +17,7 @@ smallest and largest digest (do all ranks hold the same rules) and a sum (the lo
 reduction operator gives all three, and an `all_gather` of a fixed row does, exactly: the
 loss's float64 partials travel as their bits, and every rank merges the same rows in rank
 order, so its sums are bit for bit every other rank's. The price is `8 * len(ROW) * world`
-bytes to each rank instead of a constant (96 KiB at 1,024 ranks).
+bytes to each rank instead of a constant (104 KiB at 1,024 ranks).
 
 **Rules are named by identity, never by position.** A rule's identity is (policy name, rule
 name) within a policy *generation* (`Attached.generation`: 0 for an attachment, raised
@@ -27,6 +27,9 @@ hold the same rules (smallest digest == largest). When they do, a code names a r
 place in the *sorted* identities, which is the same on every rank, and the rank that
 decided (`1 + place * world_size + rank`). A new decision every rank must take at the same
 step is one more code in `ROW`, before "digest", encoded and decoded alike.
+The "heal" code (`then: cool_down` / `then: rewind`, `healing.py`) is the place (+1) of the
+healing alert this rank's step takes in `healing.heal_order`, times the world size, plus the
+rank (0 for none): after the maximum every rank takes the same alert.
 
 **Ranks that hold different rules** (between two ranks' swaps at a hot reload, or policies
 that differ by rank) cannot tell from one collective which rules every rank holds, and a
@@ -104,7 +107,7 @@ class Vote(Protocol):
 #: decision that every rank must take at the same step is one more name here, before "digest"),
 #: this rank's rules digest, its reload vote (0 for none), how many loss roots it saw, and their
 #: partials (`stats.PARTIALS`, anything where it saw none). The same length on every rank, every step.
-ROW: tuple[str, ...] = ("skip", "halt", "digest", "vote", "roots", *(f"loss_{p}" for p in PARTIALS))
+ROW: tuple[str, ...] = ("skip", "halt", "heal", "digest", "vote", "roots", *(f"loss_{p}" for p in PARTIALS))
 _AT = {name: place for place, name in enumerate(ROW)}
 _LOSS_AT = _AT["loss_" + PARTIALS[0]]
 
@@ -134,7 +137,7 @@ class Agreement:
         self._digest = digest(self._names, generation)
         # Whether a step's decision must be every rank's (one collective a step).
         self._decides = any(
-            isinstance(a, Alert) and a.then in ("skip_step", "halt")
+            isinstance(a, Alert) and a.then in ("skip_step", "halt", "cool_down", "rewind")
             for rs in rules.values() if rs.enforce for a in rs.rule.actions
         )
         #: loss rules that see the job's loss: the loss travels in the collective, which then runs at every step
@@ -160,7 +163,8 @@ class Agreement:
         halt = report.halt
         codes = [self._encode(report.skip_rule), self._encode(None if halt is None else (halt.policy, halt.rule))]
         wanted = 0 if self.vote is None else self.vote.wanted()
-        rows = _all_gather([*codes, self._digest, wanted], loss)
+        heal = 0 if not report.heal else (report.heal - 1) * dist.get_world_size() + dist.get_rank() + 1
+        rows = _all_gather([*codes, heal, self._digest, wanted], loss)
         highest, lowest = rows.max(dim=0).values.tolist(), rows.min(dim=0).values.tolist()
         if self.vote is not None:
             vote = _AT["vote"]
@@ -175,6 +179,8 @@ class Agreement:
             log.info("the ranks hold the same rules again at step %d (generation %d): skip and halt decisions "
                      "are agreed on again", step, self.generation)
         other_skip, other_halt = self._decode(highest[_AT["skip"]]), self._decode(highest[_AT["halt"]])
+        # the healing alert of the highest place any rank took (`healing.heal_order`, the same list on every rank)
+        report.heal = 0 if highest[_AT["heal"]] == 0 else (highest[_AT["heal"]] - 1) // dist.get_world_size() + 1
         if not report.skip and other_skip is not None:
             report.skip, report.skip_rule = True, other_skip[0]
             report.skip_by.append(other_skip[0])
@@ -204,7 +210,7 @@ class Agreement:
         own = [f"skip by {'/'.join(report.skip_rule)}"] if report.skip_rule is not None else []
         if report.halt is not None:
             own.append(f"halt by {report.halt.policy}/{report.halt.rule}")
-        report.skip, report.skip_rule, report.halt = False, None, None
+        report.skip, report.skip_rule, report.halt, report.heal = False, None, None, 0
         report.skip_by.clear()
         if self._apart and not own:
             return

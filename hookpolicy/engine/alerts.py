@@ -39,6 +39,10 @@ class Alerts:
         report.observed.append(tracked.observe(module, tensor, stats))
         return tracked
 
+    def restart(self) -> None:
+        """Every `for:` streak from 0: after a rewind, the steps that made them were dropped."""
+        self._streaks.clear()
+
     def evaluate(
         self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
         tracked: Optional[Tracked],
@@ -64,14 +68,20 @@ class _StatFormat(dict[str, Any]):
 MAX_RENDERED_CHARS = 4096
 
 
+#: then -> (what it did, what it did not do)
+_OUTCOMES = {
+    "skip_step": ("step skipped", "step not skipped"), "halt": ("halting", "not halted"),
+    "cool_down": ("cooling down", "not cooled down"), "rewind": ("rewinding", "not rewound"),
+}
+
+
 def outcome(then: str, applied: bool, mode: str) -> str:
     """What an alert's `then` did this time, in words: a message must not claim a skip that did not happen."""
     if then == "log":
         return "logged"
-    done = "step skipped" if then == "skip_step" else "halting"
+    done, undone = _OUTCOMES[then]
     if applied:
         return done
-    undone = "step not skipped" if then == "skip_step" else "not halted"
     return f"{undone} ({'audit mode' if mode == 'audit' else 'the policy was being removed'})"
 
 

@@ -4,10 +4,11 @@ Before the update (`before_update`, the optimizer step pre-hook; or, for a scrip
 steps no optimizer, the end of its backward pass):
 
     scope -> active rules -> loss -> execute -> read back -> decide -> agree (and reduce the loss)
-          -> the job's loss rules -> commit history -> hide gradients
+          -> the job's loss rules -> heal -> commit history -> hide gradients -> lower the lr (a cool-down)
 
 After it (`after_update`): restore the hidden gradients -> measure the update (`updates`,
-read back at the next read-back) -> count the step -> activate the next step's rules.
+read back at the next read-back) -> the lr as it was -> at the step's end, restore a
+snapshot (a rewind) or take one -> count the step -> activate the next step's rules.
 
 The parts below the cycle do one job each and return what they found; none calls the
 cycle back. `steps.StepTracker` tells where steps begin and end (and which parameters a
@@ -16,7 +17,8 @@ bodies (`executor.Executor`, through `programs.Programs`) append to the step's `
 which the cycle owns; the read-back (`readback.Readback`) reads the ledger's entries and
 returns a decision (skip, halt, faults of sinks, time); `agreement.Agreement` makes that
 decision every rank's; `history.History.commit` keeps what a step that happened saw;
-`skipping.HiddenGrads` hides a skipped step's gradients from its optimizers. The cycle
+`skipping.HiddenGrads` hides a skipped step's gradients from its optimizers; `healing.Healing`
+holds a cool-down's learning rate factor and a rewind's snapshots. The cycle
 also installs the root module's two hooks (the phase of each forward, backward passes)
 and has the rules re-bound when the model's tree changed (`rebinding`), at a step
 boundary only.
@@ -44,6 +46,7 @@ from .distributed import data_parallel
 from .executor import Executor
 from .programs import Programs
 from .faults import Faults
+from .healing import Healing
 from .history import History
 from .installer import HookInstaller
 from .ledger import Ledger
@@ -94,6 +97,8 @@ class StepCycle:
         self.readback = Readback(store, policies, output_root(), rank, self.history, self.replicas.exported)
         self._hidden = HiddenGrads()
         self.updates = Updates(self.programs)
+        #: `then: cool_down` and `then: rewind`, and the snapshots a rewind goes back to
+        self.healing = Healing(model, policies, store)
         self._loss: Optional[LossTap] = None
         if any(rule.target == LOSS for policy in policies for rule in policy.rules):
             self._loss = LossTap(store.model, _WeakReached(self._steps.scopes))
@@ -152,6 +157,7 @@ class StepCycle:
             self._hidden.hide(optimizer)
         else:
             self.updates.before(optimizer, self.installer.step_rules())
+        self.healing.before(optimizer, self.step)
 
     def _evaluate(self, left_out: frozenset[int]) -> bool:
         """Run the step's rules on the parameters not in `left_out`, read back, decide; True to skip the step.
@@ -187,10 +193,14 @@ class StepCycle:
         A sink that failed is a fault of its rule (`Faults.fail`: counted, maybe a Halt).
         """
         decision = self._report(final)
+        decision.heal = self.healing.choose(decision.heals) if decide else 0
         if decide:
             agreed = self.agreement.agree(decision, self.step, loss)
             if job and agreed is not None:
                 self._job_loss(job, agreed, loss, decision)
+            if agreed is None or agreed.same:  # the job's loss rules' heals are every rank's as they are
+                decision.heal = max(decision.heal, self.healing.choose(decision.heals))
+            self.healing.decided(decision, self.step, self._steps.mode == "optimizer")
         for key in decision.skip_by:
             self.store.inc(SKIPPED_STEPS, key)
         if not final:  # a skipped step did not happen: its values never become the baseline (an earlier update's did)
@@ -255,7 +265,10 @@ class StepCycle:
             return
         self._hidden.restore(optimizer)
         self.updates.after(optimizer, self.step, self._steps.skipping)
+        self.healing.after(optimizer)
         if self._steps.update_ends(optimizer):
+            if self.healing.step_ended(self.step):
+                self.readback.restart_streaks()
             self._end_step()
 
     def _end_step(self) -> None:

@@ -22,6 +22,10 @@ class StepReport:
     skip_rule: Optional[tuple[str, str]] = None
     #: the rules whose alerts skip the step (each counts the step once, however many modules fired)
     skip_by: list[tuple[str, str]] = field(default_factory=list)
+    #: the alerts with `then: cool_down` or `then: rewind` that fired in enforce mode: (rule key, action index)
+    heals: list[tuple[tuple[str, str], int]] = field(default_factory=list)
+    #: the one the step takes, agreed on by every rank: its place + 1 in `healing.heal_order`; 0 for none
+    heal: int = 0
     #: the first alert with `then: halt` in enforce mode
     halt: Optional[Halt] = None
     #: sinks that could not write, in order: each is a fault of its rule, handled by `onError`
@@ -32,7 +36,7 @@ class StepReport:
     observed: list[Observation] = field(default_factory=list)
 
     def join(self, later: "StepReport", decisions: bool) -> None:
-        """Take in a later read-back of the same step (the job's loss): its skip and halt when
+        """Take in a later read-back of the same step (the job's loss): its skip, halt and heals when
         `decisions`, what it observed always. Its errors and seconds are acted on apart."""
         if decisions:
             if later.skip and not self.skip:
@@ -40,6 +44,7 @@ class StepReport:
             self.skip_by.extend(key for key in later.skip_by if key not in self.skip_by)
             if self.halt is None:
                 self.halt = later.halt
+            self.heals.extend(heal for heal in later.heals if heal not in self.heals)
         self.observed.extend(later.observed)
 
     def off(self, rs: RuleState) -> bool:

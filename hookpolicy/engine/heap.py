@@ -6,7 +6,8 @@ holds a model's parameters (optimizer steps or manual SGD), and `apply`'s discov
 which optimizers exist when it meets a candidate model, and which modules own parameters
 an optimizer steps that nobody governs; `distributed.data_parallel` asks, once per governed
 model in a process group and only when nothing inside it shows, whether a DDP or FSDP
-wrapper holds it.
+wrapper holds it; a snapshot for `then: rewind` (every K steps, not every step) asks which LR
+schedulers and GradScalers go with the model's optimizers.
 
 Types are tested with `issubclass(type(o), ...)`, never `isinstance`: `isinstance` reads
 `__class__`, which a lazy proxy on the heap may compute (an import, a download).
@@ -15,10 +16,13 @@ Types are tested with `issubclass(type(o), ...)`, never `isinstance`: `isinstanc
 from __future__ import annotations
 
 import gc
+from typing import TypeVar
 
 import torch
 
-__all__ = ["live_modules", "live_optimizers"]
+__all__ = ["live_modules", "live_of", "live_optimizers"]
+
+T = TypeVar("T")
 
 
 def live_optimizers(collect: bool = False) -> list[torch.optim.Optimizer]:
@@ -38,3 +42,9 @@ def live_optimizers(collect: bool = False) -> list[torch.optim.Optimizer]:
 def live_modules() -> list[torch.nn.Module]:
     """Every `torch.nn.Module` alive in the process."""
     return [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
+
+
+def live_of(kind: type[T]) -> list[T]:
+    """Every object of `kind` (a subclass included) alive in the process: LR schedulers and GradScalers
+    for a snapshot (`snapshots`), which has no other way to find what steps an optimizer's lr or scale."""
+    return [o for o in gc.get_objects() if issubclass(type(o), kind)]

@@ -64,6 +64,10 @@ class Readback:
         """A read-only copy of the latest value of every statistic series published so far."""
         return MappingProxyType({family: MappingProxyType(dict(series)) for family, series in self._last.items()})
 
+    def restart_streaks(self) -> None:
+        """After a rewind: every alert's `for:` count starts again (`Alerts.restart`)."""
+        self._alerts.restart()
+
     def close(self) -> None:
         """Close the sinks (at `remove()`); never raises, so `remove()` never does."""
         self.writers.close()
@@ -186,6 +190,8 @@ class Readback:
                         report.skip = True
                         report.skip_rule = report.skip_rule or rs.key
                         report.skip_by.append(rs.key)  # counted once per step and rule, once agreed on
+                    elif action.then in ("cool_down", "rewind") and (rs.key, index) not in report.heals:
+                        report.heals.append((rs.key, index))
                     elif action.then == "halt" and report.halt is None:
                         report.halt = Halt(rs.policy.name, rs.rule.name, p.step, message)
         for (index, sink), records in logged.items():

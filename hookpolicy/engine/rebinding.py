@@ -16,7 +16,7 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from ..export.metrics import ALERT_FIRING, ALERTS, HOOK_ERRORS, SKIPPED_STEPS, ModelMetrics
+from ..export.metrics import ALERT_FIRING, ALERTS, HOOK_ERRORS, REWINDS, SKIPPED_STEPS, ModelMetrics
 from ..plan.planner import Plan, build_plan
 from ..policy.model import Alert, Policy
 from ..process import Once
@@ -120,6 +120,8 @@ def publish_rule_series(store: ModelMetrics, rs: RuleState) -> None:
             store.set(ALERT_FIRING, (*rs.key, action.severity), 0.0)
             if action.then == "skip_step":
                 store.inc(SKIPPED_STEPS, rs.key, 0)
+            elif action.then == "rewind":
+                store.inc(REWINDS, rs.key, 0)
 
 
 #: module classes `_warn_self_reducing` has looked at (each once a process)

@@ -34,7 +34,7 @@ from ..process import Once
 
 __all__ = [
     "ACTIONS", "ALERTS", "ALERT_FIRING", "CLIPPED", "FAMILIES", "Family", "HOOK_ERRORS", "HOOK_SECONDS",
-    "LAST_STEP_TIMESTAMP", "POLICY_INFO", "RELOAD_SUCCESSFUL", "SERIES_DROPPED", "SKIPPED_STEPS", "STAT_LABELS",
+    "LAST_STEP_TIMESTAMP", "POLICY_INFO", "RELOAD_SUCCESSFUL", "REWINDS", "SERIES_DROPPED", "SKIPPED_STEPS", "STAT_LABELS",
     "STEPS", "Labels", "MODEL_FAMILIES", "MetricsStore", "ModelMetrics", "StoreCollector", "split_family", "stat_family",
     "store_for",
 ]
@@ -80,6 +80,10 @@ SKIPPED_STEPS = Family(
     "hookpolicy_skipped_steps", "counter", "Optimizer steps skipped by a rule's alert: one per skipped step, however "
     "many modules fired.", ("policy", "rule", "model"),
 )
+REWINDS = Family(
+    "hookpolicy_rewinds", "counter", "Rewinds to an in-memory snapshot by a rule's then: rewind alert: one per rewind "
+    "(the steps since the snapshot are dropped).", ("policy", "rule", "model"),
+)
 CLIPPED = Family(
     "hookpolicy_clipped", "counter", "Groups (per: tensor, module or rule) a norm clip scaled down, or units a unit-wise "
     "clip did: one per group or unit and clip execution (a call of the hooked module, or a step for trigger.at: "
@@ -105,7 +109,8 @@ SERIES_DROPPED = Family(
 
 #: Every engine family, in exposition order.
 FAMILIES: tuple[Family, ...] = (
-    STEPS, LAST_STEP_TIMESTAMP, ACTIONS, ALERTS, ALERT_FIRING, SKIPPED_STEPS, CLIPPED, HOOK_ERRORS, HOOK_SECONDS,
+    STEPS, LAST_STEP_TIMESTAMP, ACTIONS, ALERTS, ALERT_FIRING, SKIPPED_STEPS, REWINDS, CLIPPED, HOOK_ERRORS,
+    HOOK_SECONDS,
     POLICY_INFO, RELOAD_SUCCESSFUL, SERIES_DROPPED,
 )
 _BY_NAME = {f.name: f for f in FAMILIES}

@@ -13,7 +13,7 @@ and `hookpolicy_alert_firing` only move once the condition has held on N consecu
 evaluations. Prometheus sees wall-clock scrapes, not steps, so re-counting N there would
 count twice. Each alert therefore becomes one of two shapes:
 
-- an **event** (`then: skip_step`, `then: halt`, or `for: 1`): one confirmed occurrence
+- an **event** (`then: skip_step`, `cool_down`, `rewind`, `halt`, or `for: 1`): one confirmed occurrence
   matters and the condition usually clears on the next step, faster than a scrape, so
   the firing gauge would be missed. The rule watches the counter,
   `increase(hookpolicy_alerts_total[5m]) > 0` (plus a clause for a counter series that
@@ -156,7 +156,7 @@ def _trigger_text(rule: Rule) -> str:
 
 
 def _is_event(alert: Alert) -> bool:
-    return alert.then in ("skip_step", "halt") or alert.for_ <= 1
+    return alert.then != "log" or alert.for_ <= 1
 
 
 def _alert_name(*parts: str) -> str:

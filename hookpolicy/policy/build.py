@@ -18,7 +18,8 @@ from .document import Document
 from .expr import parse, parse_value
 from .messages import CLIP_NAMES, expression_names, message_fields
 from .model import (
-    HOOK_POINTS, LOSS, Action, Alert, Board, Capture, Clip, LogSink, Match, Policy, Rule, Scale, TensorFiles, Trigger,
+    HOOK_POINTS, LOSS, Action, Alert, Board, Capture, Clip, CoolDown, LogSink, Match, Policy, Rewind, Rule, Scale,
+    Snapshots, TensorFiles, Trigger,
 )
 from .schema import validate
 
@@ -68,6 +69,7 @@ def _policy(document: Document) -> Policy:
         on_error=spec.get("onError", Policy.on_error),
         max_series=int(spec.get("limits", {}).get("maxSeries", Policy.max_series)),
         max_history_values=int(spec.get("limits", {}).get("maxHistoryValues", Policy.max_history_values)),
+        snapshots=_snapshots(spec["snapshots"]) if "snapshots" in spec else None,
         labels=dict(metadata.get("labels", {})),
         annotations=dict(metadata.get("annotations", {})),
     )
@@ -173,8 +175,22 @@ def _alert(body: dict[str, Any], at: str, target: str) -> Alert:
         then=body.get("then", Alert.then),
         per=body.get("per", Alert.per),
         warmup=int(body.get("warmup", Alert.warmup)),
+        cool_down=_cool_down(body["cool_down"]) if body.get("then") == "cool_down" else None,
+        rewind=_rewind(body.get("rewind", {})) if body.get("then") == "rewind" else None,
         **optional,
     )
+
+
+def _cool_down(body: dict[str, Any]) -> CoolDown:
+    return CoolDown(factor=float(body["factor"]), steps=int(body["steps"]))
+
+
+def _rewind(body: dict[str, Any]) -> Rewind:
+    return Rewind(back=int(body.get("back", Rewind.back)), max_rewinds=int(body.get("max_rewinds", Rewind.max_rewinds)))
+
+
+def _snapshots(body: dict[str, Any]) -> Snapshots:
+    return Snapshots(every=int(body["every"]), keep=int(body.get("keep", Snapshots.keep)))
 
 
 #: action name -> how to build it; the one place that knows every action.

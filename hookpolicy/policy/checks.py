@@ -88,6 +88,7 @@ class _Checker:
                     f"has {', '.join(sorted(RESERVED_LABELS))}); choose another name",
                     key=True,
                 )
+        self.snapshots = "snapshots" in _dict(data.get("spec"))
         first_line: dict[str, int] = {}
         for index, rule in enumerate(_list(_dict(data.get("spec")).get("rules"))):
             if not isinstance(rule, dict):
@@ -369,6 +370,25 @@ class _Checker:
                 key=True,
             )
 
+    def heals(self, body: dict[str, Any], path: JsonPath) -> None:
+        """`then: cool_down` takes a `cool_down` block, `then: rewind` snapshots to go back to."""
+        then = body.get("then")
+        for key in ("cool_down", "rewind"):
+            if key in body and then != key:
+                self.add(path + (key,), f"{key} says how then: {key} acts, but this alert's then is "
+                         f"{then if isinstance(then, str) else 'log'}: write then: {key}, or drop {key}", key=True)
+        if then == "cool_down" and "cool_down" not in body:
+            self.add(path + ("then",), "then: cool_down needs its factor and length: add "
+                     "cool_down: {factor: 0.1, steps: 100} (the lr times 0.1 for 100 steps) to this alert")
+        factor = _number(_dict(body.get("cool_down")).get("factor"))
+        if factor is not None and not 0 < factor <= 1:
+            self.add(path + ("cool_down", "factor"), f"cool_down.factor ({factor:g}) multiplies the learning rate: "
+                     "it must be above 0 and at most 1 (0.1 is ten times lower)")
+        if then == "rewind" and not self.snapshots:
+            self.add(path + ("then",), "then: rewind goes back to a snapshot, and this policy takes none: add "
+                     "snapshots: {every: 50, keep: 2} under spec (a copy of the model and optimizer state "
+                     "after every 50 steps, 2 kept in host memory)")
+
     def alert(self, body: dict[str, Any], site: _Site) -> None:
         path = site.path
         names = expression_names(site.target)
@@ -379,6 +399,7 @@ class _Checker:
             except ExprError as exc:
                 for error in (exc, *exc.others):
                     self.add(path + ("if",), f"invalid condition: {error}", offset=error.offset)
+        self.heals(body, path)
         message = body.get("message")
         if isinstance(message, str):
             wrong = message_problem(message, names)

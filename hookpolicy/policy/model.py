@@ -18,7 +18,7 @@ __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "AFTER_UPDATE", "UPDATE", "OPTIMIZER_STATE",
     "UPDATE_RATIO", "LOSS", "STATS", "Mode", "OnError", "HookPoint",
     "TriggerPhase", "Per", "Ranks", "Adapters", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
-    "LogSink", "Board", "Clip", "Scale", "Alert", "Action", "Rule", "Policy",
+    "LogSink", "Board", "Clip", "Scale", "CoolDown", "Rewind", "Alert", "Action", "Rule", "Snapshots", "Policy",
 ]
 
 API_VERSION = "hookpolicy/v1"
@@ -31,7 +31,7 @@ TriggerPhase = Literal["train", "eval", "any"]
 Per = Literal["tensor", "module", "rule"]
 SeriesPer = Literal["job", "rank"]
 Severity = Literal["info", "warning", "critical"]
-Then = Literal["log", "skip_step", "halt"]
+Then = Literal["log", "skip_step", "cool_down", "rewind", "halt"]
 Adapters = Literal["all", "down", "up"]
 #: whose values a rule's statistics are of in a process group: the job's (every rank's together) or this rank's
 Ranks = Literal["job", "own"]
@@ -204,6 +204,24 @@ class Scale:
 
 
 @dataclass(frozen=True)
+class CoolDown:
+    """`then: cool_down`: every parameter group's lr times `factor` (0 < factor <= 1) for `steps` steps,
+    counting the step the alert fires at; applied around each update, the LR scheduler's own value kept."""
+
+    factor: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """`then: rewind`: go back to the newest snapshot at least `back` steps older than the rewinding
+    step (the oldest kept if none is); after `max_rewinds` rewinds by this alert, halt instead."""
+
+    back: int = 0
+    max_rewinds: int = 3
+
+
+@dataclass(frozen=True)
 class Alert:
     condition: Condition
     source: str
@@ -216,6 +234,9 @@ class Alert:
     warmup: int = 0
     #: the message's fields that are expressions (`{zscore(loss, 100):.1f}`), parsed by the loader
     fields: tuple[tuple[str, Value], ...] = ()
+    #: set exactly when `then` is `cool_down` / `rewind`
+    cool_down: Optional[CoolDown] = None
+    rewind: Optional[Rewind] = None
 
     @cached_property
     def stats(self) -> frozenset[str]:
@@ -272,6 +293,15 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class Snapshots:
+    """`spec.snapshots`: copies of the model and its optimizer state taken after every `every` updates,
+    at most `keep` of them in host memory, for `then: rewind`."""
+
+    every: int
+    keep: int = 2
+
+
+@dataclass(frozen=True)
 class Policy:
     name: str
     source: str
@@ -282,5 +312,7 @@ class Policy:
     max_series: int = 10000
     #: the most history values (ring slots, two per ema) all the policy's history series may keep
     max_history_values: int = 1000000
+    #: what `then: rewind` goes back to; None: no snapshots (and no rewind alert)
+    snapshots: Optional[Snapshots] = None
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)

@@ -1,0 +1,173 @@
+"""A step's healing: `then: cool_down` (a lower learning rate for a while) and `then: rewind` (back to a snapshot).
+
+Both are step decisions like `skip_step`: an alert fires at the read-back of step `s`, the
+decision is agreed on by every rank (`agreement`), and it acts on the update of step `s`.
+
+**Which one, when several fire.** The alerts that can heal are put in one order, the same
+on every rank holding the same rules (`heal_order`): the cool-downs by falling factor
+(then longer ones, then identity), then the rewinds (by identity). A step takes the last
+of the alerts that fired in this order (the rewind wins; else the strongest cool-down), so
+that one integer, reduced with MAX over the ranks, is the decision of the whole group.
+
+**Cool-down.** From step `s` to `s + steps - 1`, every parameter group's `lr` of each
+optimizer that steps the model is multiplied by `factor` in the step pre-hook, after the
+step was evaluated, and the value that was there (the LR scheduler's or the script's) is put
+back, as the same object, in the step post-hook: the scheduler's state never sees the
+factor, and a scheduler or script that sets the lr between two steps keeps working. A cool-down
+that fires while one runs extends it (to the later end) with the smaller of the two factors.
+
+**Rewind.** The update of step `s` is not applied (its gradients are hidden, as for a skip),
+and at the end of the step the model's parameters and buffers, its optimizers' state and
+parameter groups, its LR schedulers and its GradScaler go back to a snapshot (`snapshots`).
+The script's code after `optimizer.step()` (the scheduler's step, the scaler's update,
+`zero_grad()`) then runs on the restored state exactly as it ran after the snapshot was
+taken, so the run goes on as if the batches of the steps in between had never been seen.
+Every alert's `for:` count starts again from 0 (the steps that made it were dropped). After
+`max_rewinds` rewinds by one alert, its next firing halts the run. A rewind that has
+no snapshot to go back to (none taken yet, or the model's steps cannot be snapshotted)
+skips the step instead, said in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..errors import Halt
+from ..process import Once
+from ..export.metrics import REWINDS, ModelMetrics
+from ..policy.model import Alert, Policy
+from .decision import StepReport
+from .snapshots import Snapshots, snapshots_of
+
+__all__ = ["Healing", "Healer", "heal_order"]
+
+log = logging.getLogger("hookpolicy")
+
+
+@dataclass(frozen=True)
+class Healer:
+    """One alert that heals: its rule's identity, the action's index, the alert."""
+
+    policy: str
+    rule: str
+    index: int
+    alert: Alert
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.policy, self.rule)
+
+
+def heal_order(policies: Sequence[Policy]) -> list[Healer]:
+    """Every alert with `then: cool_down` or `then: rewind`, in the order a step chooses by (the last wins)."""
+    healers = [Healer(policy.name, rule.name, index, action) for policy in policies for rule in policy.rules
+               for index, action in enumerate(rule.actions)
+               if isinstance(action, Alert) and action.then in ("cool_down", "rewind")]
+
+    def place(h: Healer) -> tuple[Any, ...]:
+        if h.alert.cool_down is not None:
+            return (0, -h.alert.cool_down.factor, h.alert.cool_down.steps, h.policy, h.rule, h.index)
+        return (1, 0.0, 0, h.policy, h.rule, h.index)
+    return sorted(healers, key=place)
+
+
+class Healing:
+    """The cool-down in force, the rewinds taken, and the snapshots of one attached model."""
+
+    def __init__(self, model: torch.nn.Module, policies: Sequence[Policy], store: ModelMetrics) -> None:
+        self.order = heal_order(policies)
+        self._store = store
+        self.snapshots: Optional[Snapshots] = snapshots_of(model, policies, store.model)
+        self._factor = 1.0
+        self._until = 0  # the cool-down lasts while step < _until
+        self._lowered: dict[int, list[Any]] = {}  # id(optimizer) -> the lr of each group before the factor
+        self._rewinds: dict[tuple[str, str, int], int] = defaultdict(int)
+        self._rewinding: Optional[tuple[Healer, int]] = None  # restore at this step's end
+        self._said = Once()
+
+    @property
+    def heals(self) -> bool:
+        return bool(self.order)
+
+    def choose(self, fired: Sequence[tuple[tuple[str, str], int]]) -> int:
+        """The place + 1 in `order` of the alert a step takes among those that `fired` ((rule key, index)); 0 for none."""
+        places = [i for i, h in enumerate(self.order) if (h.key, h.index) in fired]
+        return max(places) + 1 if places else 0
+
+    def decided(self, report: StepReport, step: int, optimizer: bool) -> None:
+        """Act on the agreed `report.heal` at `step`: start a cool-down, or make the step a rewind (or a halt).
+
+        Without an `optimizer` stepping the model (one step per backward pass), there is no
+        learning rate to lower and no update to replace: said once, nothing done.
+        """
+        if not report.heal or report.halt is not None:
+            return
+        healer = self.order[report.heal - 1]
+        if not optimizer:
+            if self._said(healer.alert.then):
+                log.warning("%s/%s: then: %s acts on optimizer steps, and no optimizer steps this model (a step is "
+                            "a backward pass): not taken", healer.policy, healer.rule, healer.alert.then)
+            return
+        cool = healer.alert.cool_down
+        if cool is not None:
+            self._factor = cool.factor if step >= self._until else min(self._factor, cool.factor)
+            self._until = max(self._until, step + cool.steps)
+            log.warning("%s/%s: learning rate x%g from step %d to step %d", healer.policy, healer.rule, self._factor,
+                        step, self._until - 1)
+            return
+        rewind = healer.alert.rewind
+        assert rewind is not None  # heal_order holds cool-downs and rewinds only
+        name = (healer.policy, healer.rule, healer.index)
+        if self._rewinds[name] >= rewind.max_rewinds:
+            report.halt = Halt(healer.policy, healer.rule, step,
+                               f"{healer.policy}/{healer.rule}: would rewind at step {step} a "
+                               f"{self._rewinds[name] + 1}th time (max_rewinds: {rewind.max_rewinds}); halting")
+            return
+        report.skip = True  # the update is not applied; the snapshot comes back at the step's end
+        target = None if self.snapshots is None else self.snapshots.pick(step, rewind.back)
+        if target is None:
+            why = "no snapshot is taken of this model" if self.snapshots is None else self.snapshots.missing()
+            log.warning("%s/%s: cannot rewind at step %d (%s): step skipped instead", healer.policy, healer.rule,
+                        step, why)
+            return
+        self._rewinds[name] += 1
+        self._rewinding = (healer, target)
+
+    def before(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """Before `optimizer` updates at `step`: the snapshot's copies are done; a cool-down lowers its lr."""
+        if self.snapshots is not None:
+            self.snapshots.before_update(optimizer)
+        if step < self._until and id(optimizer) not in self._lowered:
+            self._lowered[id(optimizer)] = [group["lr"] for group in optimizer.param_groups]
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * self._factor
+
+    def after(self, optimizer: torch.optim.Optimizer) -> None:
+        """After `optimizer`'s update: its groups' lr as they were before the cool-down's factor."""
+        lowered = self._lowered.pop(id(optimizer), None)
+        if lowered is not None:
+            for group, lr in zip(optimizer.param_groups, lowered):
+                group["lr"] = lr
+
+    def step_ended(self, step: int) -> bool:
+        """At the end of `step`: restore the snapshot of a rewind (True), or take one when it is due."""
+        if self.snapshots is None:
+            return False
+        if self._rewinding is not None:
+            healer, target = self._rewinding
+            self._rewinding = None
+            restored = self.snapshots.restore(target)
+            self._store.inc(REWINDS, healer.key)
+            rewind = healer.alert.rewind
+            count = self._rewinds[(healer.policy, healer.rule, healer.index)]
+            log.warning("%s/%s: rewound at step %d to the snapshot taken after step %d: the %d steps %d..%d are "
+                        "dropped (rewind %d of %d)", healer.policy, healer.rule, step, restored - 1,
+                        step - restored + 1, restored, step, count, 0 if rewind is None else rewind.max_rewinds)
+            return True
+        self.snapshots.take_if_due(step)
+        return False

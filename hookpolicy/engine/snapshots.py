@@ -1,0 +1,289 @@
+"""In-memory snapshots of one governed model and what moves with it, for `then: rewind`.
+
+A snapshot is taken at the end of a step (in the optimizer step post-hook, right after the
+update), after every `every` updates, and holds:
+
+- the model's parameters and buffers (each rank its own shards: a DTensor's local tensor);
+- each optimizer's state (every tensor copied, every other value deep-copied) and its
+  parameter groups' settings (`lr`, betas, ...: everything but `params`);
+- every LR scheduler of those optimizers (`state_dict()`, deep-copied) and every
+  GradScaler that stepped them (its scale and growth tracker), found by a heap scan at
+  each snapshot (`heap.live_of`): one scan every `every` steps.
+
+Taken and restored at the same point of a step (the post-hook), so the script's code
+after `optimizer.step()` (`scheduler.step()`, `scaler.update()`, `zero_grad()`) runs on
+the restored state as it ran right after the snapshot was taken.
+
+Memory: at most `keep` snapshots, in host memory, each the size of the model's parameters
+and buffers plus the optimizer state (Adam: twice the parameters, and a step count); the
+buffers are allocated once per slot and reused. On CUDA the copies go to pinned host
+memory on a side stream, off the critical path: the next update waits for them on the
+device (no host sync), and the forward and backward passes in between overlap them. On
+the CPU a copy is a copy: the step pays for it (see docs/guardrails.md for the cost).
+
+Not snapshotted: the data loader (the script's loop goes on with the next batch, which is
+the point: the batches in between are dropped), the RNG states (dropout masks after a
+rewind are the ones the next batch would have had), hookpolicy's own alert histories
+(they keep the values of the dropped steps), and anything else the script keeps. With
+several optimizers stepping the model in one step, no snapshot is taken (the first one's
+post-hook ends the step, before the others updated): said once, and a rewind skips.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..policy.model import Alert, Policy
+from ..process import Once
+from .heap import live_of
+
+__all__ = ["Snapshot", "Snapshots", "config", "describe", "model_bytes", "snapshots_of"]
+
+log = logging.getLogger("hookpolicy")
+
+
+def snapshots_of(model: torch.nn.Module, policies: Sequence[Policy], name: str) -> Optional["Snapshots"]:
+    """The snapshots the enforced policies' rewind alerts need (said in one line); None if none."""
+    wanted = config(policies)
+    if wanted is None:
+        return None
+    log.info("%s: %s", name, describe(model, *wanted))
+    return Snapshots(model, *wanted, name)
+
+
+def config(policies: Sequence[Policy]) -> Optional[tuple[int, int]]:
+    """(every, keep) of the snapshots that enforced rewind alerts need: the smallest `every`, the largest `keep`."""
+    wanted = [p.snapshots for p in policies if p.snapshots is not None and p.mode == "enforce" and any(
+        isinstance(a, Alert) and a.then == "rewind" for r in p.rules if r.mode == "enforce" for a in r.actions)]
+    if not wanted:
+        return None
+    return min(s.every for s in wanted), max(s.keep for s in wanted)
+
+
+def describe(model: torch.nn.Module, every: int, keep: int) -> str:
+    """What the snapshots of `model` cost, in words (at attach and in `explain`)."""
+    size = model_bytes(model)
+    return (f"snapshots for then: rewind after every {every} steps, at most {keep} in host memory, each "
+            f"{mib(size)} of parameters and buffers plus the optimizer state (Adam: 2 x {mib(size)} more): "
+            f"{mib(keep * size * 3)} with Adam")
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the model's parameters and buffers that one snapshot copies (this rank's shards)."""
+    return sum(_local(t).nbytes for t in _model_tensors(model))
+
+
+def mib(n: int) -> str:
+    """Bytes in MiB (KiB below one MiB)."""
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+
+@dataclass
+class Snapshot:
+    """The state after `step` updates (the step a restore resumes at), in host memory."""
+
+    step: int
+    model: list[torch.Tensor]
+    #: per optimizer: {parameter index in its groups: {state key: copy}}, groups' settings
+    optimizers: list[tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]]
+    schedulers: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
+    scalers: list[tuple[Any, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        state = sum(v.nbytes for states, _ in self.optimizers for s in states.values() for v in s.values()
+                    if isinstance(v, torch.Tensor))
+        return sum(t.nbytes for t in self.model) + state
+
+
+class Snapshots:
+    """At most `keep` snapshots of `model`, one after every `every` updates; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, every: int, keep: int, name: str) -> None:
+        self._model = weakref.ref(model)
+        self.every, self.keep, self._name = every, keep, name
+        self.kept: list[Snapshot] = []
+        self._optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+        self._several = False
+        self._said_size = Once()
+        self._pending: Optional[Any] = None  # a CUDA event: the copies of the last snapshot
+        self._stream: Optional[Any] = None
+
+    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """An update of `optimizer` is about to begin: note it; the snapshot's copies must be done by then."""
+        if optimizer not in self._optimizers:
+            self._optimizers.add(optimizer)
+            if len(self._optimizers) > 1 and not self._several:
+                self._several = True
+                self.kept.clear()
+                log.warning("%s: several optimizers step this model; snapshots for then: rewind cover one "
+                            "optimizer's steps only: none is taken, and a rewind skips the step instead", self._name)
+        self._wait()
+
+    def missing(self) -> str:
+        """Why there is no snapshot to go back to."""
+        if self._several:
+            return "several optimizers step this model"
+        return f"no snapshot yet: the first is taken after {self.every} steps"
+
+    def pick(self, step: int, back: int) -> Optional[int]:
+        """The step of the snapshot a rewind at `step` goes back to: the newest at least `back` older, else the oldest."""
+        if not self.kept:
+            return None
+        old_enough = [s.step for s in self.kept if step - s.step >= back]
+        return old_enough[-1] if old_enough else self.kept[0].step
+
+    def take_if_due(self, step: int) -> None:
+        """At the end of `step`: a snapshot if `step + 1` updates are a multiple of `every`."""
+        if (step + 1) % self.every or self._several:
+            return
+        model = self._model()
+        optimizers = list(self._optimizers)
+        if model is None or not optimizers:
+            return
+        slot = self.kept.pop(0) if len(self.kept) == self.keep else None
+        snapshot = self._take(model, optimizers, step + 1, slot)
+        self.kept.append(snapshot)
+        if self._said_size():
+            log.info("%s: first snapshot for then: rewind after step %d: %s (x %d kept at most); %d LR schedulers, "
+                     "%d GradScalers with it", self._name, step, mib(snapshot.nbytes), self.keep,
+                     len(snapshot.schedulers), len(snapshot.scalers))
+
+    def restore(self, step: int) -> int:
+        """Put back the snapshot taken after `step` updates; newer ones are dropped. Returns `step`."""
+        snapshot = next(s for s in self.kept if s.step == step)
+        self.kept = [s for s in self.kept if s.step <= step]
+        model = self._model()
+        self._wait()
+        with torch.no_grad():
+            if model is not None:
+                for live, saved in zip(_model_tensors(model), snapshot.model):
+                    _local(live).copy_(saved, non_blocking=True)
+            for optimizer, (states, groups) in zip(self._ordered(), snapshot.optimizers):
+                _restore_optimizer(optimizer, states, groups)
+        for scheduler, state in snapshot.schedulers:
+            scheduler.load_state_dict(copy.deepcopy(state))
+        for scaler, scale, tracker in snapshot.scalers:
+            scaler._scale.copy_(scale)
+            scaler._growth_tracker.copy_(tracker)
+        return step
+
+    # -- taking one ----------------------------------------------------------------------------
+    def _ordered(self) -> list[torch.optim.Optimizer]:
+        return sorted(self._optimizers, key=id)
+
+    def _take(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], step: int,
+              slot: Optional[Snapshot]) -> Snapshot:
+        optimizers = self._ordered()
+        side = self._side_stream(model)
+        with torch.no_grad(), (torch.cuda.stream(side) if side is not None else _nothing()):
+            tensors = [_local(t) for t in _model_tensors(model)]
+            old = slot.model if slot is not None and _fits(slot.model, tensors) else None
+            copies = [_host_copy(t, None if old is None else old[i]) for i, t in enumerate(tensors)]
+            states = [_optimizer_copy(o, None if slot is None or len(slot.optimizers) <= i else slot.optimizers[i][0])
+                      for i, o in enumerate(optimizers)]
+        if side is not None:
+            self._pending = (side.device, side.record_event())
+        held = {id(o) for o in optimizers}
+        schedulers = [(s, copy.deepcopy(s.state_dict())) for s in live_of(torch.optim.lr_scheduler.LRScheduler)
+                      if id(getattr(s, "optimizer", None)) in held]
+        scalers = [(s, s._scale.clone(), s._growth_tracker.clone()) for s in live_of(torch.amp.GradScaler)
+                   if s._scale is not None and s._growth_tracker is not None
+                   and any(i in held for i in s._per_optimizer_states)]
+        return Snapshot(step, copies, states, schedulers, scalers)
+
+    def _side_stream(self, model: torch.nn.Module) -> Optional[Any]:
+        """A CUDA stream for the copies, waiting for the update that made them; None off CUDA."""
+        device = next((t.device for t in model.parameters()), None)
+        if device is None or device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        return self._stream
+
+    def _wait(self) -> None:
+        """The current stream waits on the device for the last snapshot's copies (no host sync)."""
+        if self._pending is not None:
+            device, event = self._pending
+            torch.cuda.current_stream(device).wait_event(event)
+            self._pending = None
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, else the tensor's data."""
+    to_local = getattr(t, "to_local", None)
+    return to_local().detach() if callable(to_local) else t.detach()
+
+
+def _fits(old: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> bool:
+    return len(old) == len(new) and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(old, new))
+
+
+def _host_copy(t: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
+    """`t` copied to host memory (pinned, asynchronously, from CUDA), into `into` when it fits."""
+    if into is None or into.shape != t.shape or into.dtype != t.dtype:
+        into = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    into.copy_(t, non_blocking=t.is_cuda)
+    return into
+
+
+def _optimizer_copy(optimizer: torch.optim.Optimizer, old: Optional[dict[int, dict[str, Any]]]
+                    ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """The optimizer's state by parameter index (tensors copied to the host), and its groups' settings."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    states: dict[int, dict[str, Any]] = {}
+    for i, p in enumerate(params):
+        state = optimizer.state.get(p)
+        if state is None:
+            continue
+        reuse = {} if old is None else old.get(i, {})
+        states[i] = {k: _host_copy(_local(v), reuse.get(k)) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                     for k, v in state.items()}
+    groups = [{k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in g.items() if k != "params"}
+              for g in optimizer.param_groups]
+    return states, groups
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, states: dict[int, dict[str, Any]],
+                       groups: list[dict[str, Any]]) -> None:
+    """The state and groups' settings of `_optimizer_copy` back, tensors copied in place where they fit."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        saved = states.get(i)
+        if saved is None:
+            optimizer.state.pop(p, None)
+            continue
+        live = optimizer.state.setdefault(p, {})
+        for k in [k for k in live if k not in saved]:
+            del live[k]
+        for k, v in saved.items():
+            now = live.get(k)
+            if isinstance(v, torch.Tensor):
+                if isinstance(now, torch.Tensor) and _local(now).shape == v.shape and now.dtype == v.dtype:
+                    _local(now).copy_(v, non_blocking=True)
+                else:
+                    live[k] = v.to(p.device if v.dim() else v.device, copy=True)
+            else:
+                live[k] = copy.deepcopy(v)
+    for group, settings in zip(optimizer.param_groups, groups):
+        for k, v in settings.items():
+            group[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)

@@ -1,0 +1,304 @@
+"""`then: cool_down` and `then: rewind` against runs that do the same by hand.
+
+The reference for a cool-down is the same script multiplying every group's lr by the
+factor around `optimizer.step()` for those steps; for a rewind, a deep copy of the model's
+and optimizer's `state_dict()` taken by the test at the snapshot step, and the same script
+that never saw the dropped batches. Every comparison is bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from torch import nn
+
+from hookpolicy import Halt
+from helpers.models import tiny
+from helpers.policies import load_policy
+
+STEPS = 14
+
+
+def batches(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)) for _ in range(n)]
+
+
+def setup(schedule: str) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    model = tiny(seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    if schedule == "cosine":  # chainable: each lr is computed from the group's lr as it finds it
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    else:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    return model, optimizer, scheduler
+
+
+#: called right after `optimizer.step()` with the step index and the objects
+AfterStep = Callable[[int, nn.Module, torch.optim.Optimizer], None]
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data: list[Any], *,
+          by_hand: Optional[Callable[[int], float]] = None, after_step: Optional[AfterStep] = None,
+          scaler: Optional[torch.amp.GradScaler] = None) -> None:
+    """The script: forward, backward, step, scheduler step. `by_hand(i)` is the lr factor the test applies itself."""
+    for i, (x, y) in enumerate(data):
+        loss = nn.functional.mse_loss(model(x), y)
+        kept = [g["lr"] for g in optimizer.param_groups]
+        if by_hand is not None:
+            for g in optimizer.param_groups:
+                g["lr"] = g["lr"] * by_hand(i)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+        if by_hand is not None:
+            for g, lr in zip(optimizer.param_groups, kept):
+                g["lr"] = lr
+        if after_step is not None:
+            after_step(i, model, optimizer)
+        if scaler is not None:
+            scaler.update()
+        scheduler.step()
+        optimizer.zero_grad()
+
+
+def fires_at(first: int, last: int, then: str, extra: str = "") -> str:
+    """A rule whose alert fires at steps first..last (its trigger window), with `then`."""
+    return f"""
+        - name: heal
+          match: {{modules: ["**"]}}
+          trigger: {{at: step, steps: {{from: {first}, until: {last + 1}}}}}
+          target: grad
+          actions: [{{alert: {{if: "l2_norm >= 0", per: rule, then: {then}{extra}}}}}]
+    """
+
+
+def assert_same(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def assert_same_state(live: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Two optimizer state_dicts, bit for bit."""
+    assert live["param_groups"] == saved["param_groups"]
+    assert live["state"].keys() == saved["state"].keys()
+    for key, state in saved["state"].items():
+        for k, v in state.items():
+            assert torch.equal(live["state"][key][k], v), (key, k)
+
+
+@pytest.mark.parametrize("schedule", ["lambda", "cosine"])
+def test_a_cool_down_equals_the_lr_lowered_by_hand_under_a_scheduler(tmp_path: Path, schedule: str) -> None:
+    pol = load_policy(tmp_path, fires_at(4, 4, "cool_down", ", cool_down: {factor: 0.1, steps: 5}"))
+    data = batches()
+    model, optimizer, scheduler = setup(schedule)
+    with pol.attach(model, registry=CollectorRegistry()):
+        train(model, optimizer, scheduler, data)
+    ref_model, ref_optimizer, ref_scheduler = setup(schedule)
+    train(ref_model, ref_optimizer, ref_scheduler, data, by_hand=lambda i: 0.1 if 4 <= i <= 8 else 1.0)
+    assert_same(model, ref_model)
+    assert_same_state(optimizer.state_dict(), ref_optimizer.state_dict())
+    assert scheduler.state_dict() == ref_scheduler.state_dict()
+    plain_model, plain_optimizer, plain_scheduler = setup(schedule)
+    train(plain_model, plain_optimizer, plain_scheduler, data)
+    assert not torch.equal(plain_model[0].weight, model[0].weight)  # the cool-down changed the run
+
+
+def test_a_cool_down_that_fires_again_extends_the_window(tmp_path: Path) -> None:
+    pol = load_policy(tmp_path, fires_at(3, 5, "cool_down", ", cool_down: {factor: 0.5, steps: 3}"))
+    data = batches()
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=CollectorRegistry()):
+        train(model, optimizer, scheduler, data)
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    train(ref_model, ref_optimizer, ref_scheduler, data, by_hand=lambda i: 0.5 if 3 <= i <= 7 else 1.0)
+    assert_same(model, ref_model)
+
+
+def test_an_audited_cool_down_changes_nothing(tmp_path: Path) -> None:
+    pol = load_policy(tmp_path, fires_at(2, 9, "cool_down", ", cool_down: {factor: 0.1, steps: 5}"))
+    data = batches()
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=CollectorRegistry(), audit=True):
+        train(model, optimizer, scheduler, data)
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    train(ref_model, ref_optimizer, ref_scheduler, data)
+    assert_same(model, ref_model)
+
+
+SNAPSHOTS = "snapshots: {every: 4, keep: 2}\n"
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "gradscaler"])
+def test_a_rewind_restores_the_snapshot_and_then_equals_the_run_without_those_batches(
+    tmp_path: Path, scaled: bool, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # snapshots after steps 3 and 7 (4 and 8 updates); the alert fires at step 9: back to 8 updates,
+    # the batches of steps 8 and 9 dropped
+    pol = load_policy(tmp_path, fires_at(9, 9, "rewind"), spec=SNAPSHOTS)
+    data = batches()
+    registry = CollectorRegistry()
+    copies: dict[str, Any] = {}
+
+    def keep_and_check(i: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if i == 7:  # the test's own copy, at the snapshot's point of the step
+            copies.update(model=copy.deepcopy(model.state_dict()), optimizer=copy.deepcopy(optimizer.state_dict()))
+        if i == 9:  # right after the rewinding step
+            for name, p in model.state_dict().items():
+                assert torch.equal(p, copies["model"][name]), name
+            assert_same_state(optimizer.state_dict(), copies["optimizer"])
+
+    def scaler() -> Optional[torch.amp.GradScaler]:
+        return torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3) if scaled else None
+
+    model, optimizer, scheduler = setup("lambda")
+    scaler_, ref_scaler = scaler(), scaler()
+    with caplog.at_level(logging.INFO, "hookpolicy"), pol.attach(model, registry=registry) as attached:
+        train(model, optimizer, scheduler, data, after_step=keep_and_check, scaler=scaler_)
+        assert attached.step == STEPS
+    assert copies
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    train(ref_model, ref_optimizer, ref_scheduler, data[:8] + data[10:], scaler=ref_scaler)
+    if scaler_ is not None and ref_scaler is not None:  # grown at different steps without the scaler's restore
+        assert scaler_.state_dict() == ref_scaler.state_dict()
+        assert scaler_.get_scale() > 2.0**8
+    assert_same(model, ref_model)
+    assert_same_state(optimizer.state_dict(), ref_optimizer.state_dict())
+    assert scheduler.state_dict() == ref_scheduler.state_dict()  # rewound too: last_epoch STEPS - 2
+    assert registry.get_sample_value("hookpolicy_rewinds_total", {"policy": "p", "rule": "heal", "model": "Sequential",
+                                                                  "rank": "0"}) == 1
+    said = [r.getMessage() for r in caplog.records if "rewound" in r.getMessage()]
+    assert said == ["p/heal: rewound at step 9 to the snapshot taken after step 7: the 2 steps 8..9 are dropped "
+                    "(rewind 1 of 3)"]
+
+
+def test_a_rewind_goes_back_far_enough_and_drops_the_newer_snapshots(tmp_path: Path) -> None:
+    # snapshots after 4, 8, 12 updates, keep 3; at step 12, back: 5 -> 4 (12 - 8 < 5): steps 4..12 dropped;
+    # a second rewind at step 13 finds 4 again (8 and 12 were dropped with the first)
+    pol = load_policy(tmp_path, fires_at(12, 13, "rewind", ", rewind: {back: 5}"),
+                      spec="snapshots: {every: 4, keep: 3}\n")
+    data = batches(16)
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=CollectorRegistry()):
+        train(model, optimizer, scheduler, data)
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    train(ref_model, ref_optimizer, ref_scheduler, data[:4] + data[14:])
+    assert_same(model, ref_model)
+
+
+def test_a_rewind_starts_every_for_count_again(tmp_path: Path) -> None:
+    # for: 2 over steps 8..11: fires at 9 (back to 8 updates), then counts 10, 11 afresh and fires at 11
+    # (back to 8 again); without the restart it would fire at 9, 10 and 11
+    pol = load_policy(tmp_path, fires_at(8, 11, "rewind", ", for: 2"), spec=SNAPSHOTS)
+    data = batches()
+    registry = CollectorRegistry()
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=registry):
+        train(model, optimizer, scheduler, data)
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    train(ref_model, ref_optimizer, ref_scheduler, data[:8] + data[12:])
+    assert_same(model, ref_model)
+    assert registry.get_sample_value("hookpolicy_rewinds_total", {"policy": "p", "rule": "heal", "model": "Sequential",
+                                                                  "rank": "0"}) == 2
+
+
+def test_rewinds_past_max_rewinds_halt(tmp_path: Path) -> None:
+    pol = load_policy(tmp_path, fires_at(5, 6, "rewind", ", rewind: {max_rewinds: 1}"), spec=SNAPSHOTS)
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=CollectorRegistry()), pytest.raises(Halt) as info:
+        train(model, optimizer, scheduler, batches())
+    assert (info.value.policy, info.value.rule, info.value.step) == ("p", "heal", 6)
+    assert "max_rewinds: 1" in info.value.line()
+
+
+def test_a_rewind_before_the_first_snapshot_skips_the_step_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    pol = load_policy(tmp_path, fires_at(2, 2, "rewind"), spec=SNAPSHOTS)
+    data = batches()
+    model, optimizer, scheduler = setup("lambda")
+    with caplog.at_level(logging.WARNING, "hookpolicy"), pol.attach(model, registry=CollectorRegistry()):
+        train(model, optimizer, scheduler, data)
+    assert any("cannot rewind at step 2 (no snapshot yet" in r.getMessage() for r in caplog.records)
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")  # a skipped step: no update, the scheduler steps on
+    for i, (x, y) in enumerate(data):
+        if i != 2:
+            nn.functional.mse_loss(ref_model(x), y).backward()
+            ref_optimizer.step()
+        ref_scheduler.step()
+        ref_optimizer.zero_grad()
+    assert_same(model, ref_model)
+
+
+# -- on 2 ranks: one rank's alert, every rank's rewind -------------------------------------------
+
+LOSS_SPIKE = """
+    - name: heal
+      match: {root: true}
+      trigger: {at: step}
+      target: loss
+      ranks: %s
+      actions: [{alert: {if: "mean > 100", per: rule, then: rewind}}]
+"""
+
+
+def ranks_rewind(rank: int, wrapper: str, policy: Optional[str], dropped: list[int]) -> dict[str, Any]:
+    """DDP or FSDP2 on 2 ranks, each its own batches; rank 0's loss x1000 at step 9 (its own rule fires, not rank 1's).
+
+    With `policy`, the step-9 spike makes every rank rewind to the snapshot after step 7 (each
+    rank its own shards under FSDP2); without it, the batches of `dropped` are never trained on
+    (the reference)."""
+    import hookpolicy
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model: nn.Module = tiny(seed=3)
+    if wrapper == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    data = batches(STEPS + rank * STEPS)[rank * STEPS:]
+    attached = None if policy is None else hookpolicy.load(policy).attach(model, registry=CollectorRegistry())
+    for i, (x, y) in enumerate(data):
+        if i in dropped:
+            continue
+        loss = nn.functional.mse_loss(model(x), y) * (1000.0 if i == 9 and rank == 0 else 1.0)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    if attached is not None:
+        attached.remove()
+    full = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return {"params": [p.detach().flatten().tolist() for p in full], "lr": scheduler.get_last_lr()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("wrapper", "ranks"), [("ddp", "own"), ("fsdp2", "own"), ("ddp", "job")])
+def test_a_rewind_one_rank_decides_is_taken_by_every_rank_and_equals_the_batches_dropped(
+    tmp_path: Path, free_port: int, wrapper: str, ranks: str,
+) -> None:
+    """`ranks: own`: rank 0 alone sees its spike, the agreement's heal code makes it every rank's;
+    `ranks: job`: every rank sees the job's loss (rank 0's spike in it) and decides alike."""
+    from helpers.distributed import spawn
+    from helpers.policies import write_policy
+
+    policy = str(write_policy(tmp_path, LOSS_SPIKE % ranks, spec=SNAPSHOTS))
+    rewound = spawn(ranks_rewind, tmp_path, free_port, wrapper, policy, [])
+    reference = spawn(ranks_rewind, tmp_path, free_port + 1, wrapper, None, [8, 9])
+    assert rewound[0] == rewound[1] == reference[0] == reference[1]
