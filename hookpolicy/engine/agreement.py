@@ -107,9 +107,11 @@ class Vote(Protocol):
 #: decision that every rank must take at the same step is one more name here, before "digest"),
 #: this rank's rules digest, its reload vote (0 for none), how many loss roots it saw, and their
 #: partials (`stats.PARTIALS`, anything where it saw none). The same length on every rank, every step.
-ROW: tuple[str, ...] = ("skip", "halt", "heal", "digest", "vote", "roots", *(f"loss_{p}" for p in PARTIALS))
+#: the partials of a loss: every one but the update's reference (`ref_sumsq`, the parameters before their update)
+LOSS_PARTIALS: tuple[str, ...] = tuple(p for p in PARTIALS if p != "ref_sumsq")
+ROW: tuple[str, ...] = ("skip", "halt", "heal", "digest", "vote", "roots", *(f"loss_{p}" for p in LOSS_PARTIALS))
 _AT = {name: place for place, name in enumerate(ROW)}
-_LOSS_AT = _AT["loss_" + PARTIALS[0]]
+_LOSS_AT = _AT["loss_" + LOSS_PARTIALS[0]]
 
 
 def job_loss_rule(rs: RuleState) -> bool:
@@ -248,9 +250,9 @@ def _all_gather(ints: list[int], loss: Optional[torch.Tensor]) -> torch.Tensor:
     device = _collective_device()
     head = torch.tensor([*ints, 0 if loss is None else loss.numel()], dtype=torch.int64)
     if loss is None:
-        partials = torch.zeros(len(PARTIALS), dtype=torch.float64, device=device)
+        partials = torch.zeros(len(LOSS_PARTIALS), dtype=torch.float64, device=device)
     else:
-        partials = tensor_partials([loss], PARTIALS).reshape(-1).to(device)
+        partials = tensor_partials([loss], LOSS_PARTIALS).reshape(-1).to(device)
     row = torch.cat([head.to(device), partials.view(torch.int64)])
     rows = torch.empty(dist.get_world_size() * len(ROW), dtype=torch.int64, device=device)
     dist.all_gather_single(rows, row)
@@ -269,7 +271,7 @@ def _job_loss(rows: torch.Tensor) -> Optional[tuple[dict[str, float], int]]:
         return None
     partials = rows[seen][:, _LOSS_AT:].contiguous().view(torch.float64).tolist()
     numels = counts[seen].tolist()
-    return combine(partials, numels, PARTIALS), sum(numels)
+    return combine(partials, numels, LOSS_PARTIALS), sum(numels)
 
 
 def _collective_device() -> torch.device:
