@@ -10,6 +10,7 @@ a JSON-lines log carry the step whose update they measured.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -72,6 +73,13 @@ def records(path: Path) -> dict[tuple[int, str, str], dict[str, float]]:
 def loss_of(model: nn.Module, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return model(torch.randn(6, 4, generator=g)).pow(2).mean()
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for step in range(steps):
+        opt.zero_grad()
+        loss_of(model, step).backward()
+        opt.step()
 
 
 def layers(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
@@ -263,10 +271,7 @@ def test_no_copy_on_a_step_where_no_update_rule_is_active(
     model = tiny()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     with load_policy(tmp_path, rules).attach(model, registry=CollectorRegistry()):
-        for step in range(6):
-            opt.zero_grad()
-            loss_of(model, step).backward()
-            opt.step()
+        train(model, opt, 6)
     assert copied == [4, 4]  # weight and bias of both Linear layers, at steps 0 and 3
     assert sorted({step for step, _, _ in records(out / "tensor.jsonl")}) == [0, 3]
 
@@ -436,15 +441,10 @@ def test_an_update_enters_the_history_also_when_the_step_reading_it_back_is_skip
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Step 1's update is read back at step 2, which is skipped: it happened all the same, so it counts."""
-    import re
-
     model = tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with load_policy(tmp_path, HISTORY_ACROSS_A_SKIP).attach(model, registry=CollectorRegistry()):
-        for step in range(5):
-            opt.zero_grad()
-            loss_of(model, step).backward()
-            opt.step()
+        train(model, opt, 5)
     # updates of steps 0, 1, 3, 4 (2 was skipped); each one's past holds all the ones before it
     shown = [found[1] for r in caplog.records if (found := re.search(r"(\d+) before$", r.getMessage()))]
     assert shown == ["0", "1", "2", "3"]
