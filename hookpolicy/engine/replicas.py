@@ -85,8 +85,10 @@ class Replicas:
     """
 
     def __init__(self, model: torch.nn.Module, steps: StepTracker) -> None:
+        # Both weakly: the read-back holds `exported`, and a dropped model's read-back stays
+        # with the process until its leftovers are removed (`cycle.Leftovers`).
         self._model = weakref.ref(model)
-        self._steps = steps
+        self._steps = weakref.ref(steps)
         self._known: dict[tuple[str, str], tuple[int, Optional[str]]] = {}  # rule -> (id of its bindings, why per rank)
         #: the forward pre-hooks that watch each DDP wrapper's gradient sync (removed with the cycle's)
         self.handles: list[Any] = []
@@ -120,9 +122,11 @@ class Replicas:
         if rs.rule.trigger.at != "step" or rs.rule.target not in _PARAMETERS:
             return f"target {rs.rule.target} at {rs.rule.trigger.at} is each rank's own"
         why = self.watch(rs)
-        if why is None and self._steps.mode != "optimizer":
+        steps = self._steps()
+        mode = "unknown" if steps is None else steps.mode
+        if why is None and mode != "optimizer":
             why = "no optimizer steps this model, so its step is evaluated before DDP's all-reduce has finished"
-            if self._steps.mode == "manual":
+            if mode == "manual":
                 self._say(rs, why)
         return why
 
