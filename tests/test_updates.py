@@ -448,3 +448,21 @@ def test_an_update_enters_the_history_also_when_the_step_reading_it_back_is_skip
     # updates of steps 0, 1, 3, 4 (2 was skipped); each one's past holds all the ones before it
     shown = [found[1] for r in caplog.records if (found := re.search(r"(\d+) before$", r.getMessage()))]
     assert shown == ["0", "1", "2", "3"]
+
+
+def test_the_plan_leaves_frozen_parameters_out_and_says_what_the_copy_costs(tmp_path: Path) -> None:
+    """A frozen parameter gets no update; explain's note names the size of the copy of the rest."""
+    from hookpolicy.plan.planner import build_plan
+
+    model = tiny()
+    model[2].bias.requires_grad_(False)
+    policies = load_policy(tmp_path, UPDATE_RULES + STATE_RULES).policies
+    plan = build_plan(policies, model)
+    update = [b for b in plan.bindings if b.rule.name == "update"]
+    assert [(b.module, b.params) for b in update] == [("0", ("weight", "bias")), ("2", ("weight",))]
+    copied = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    note = next(n for n in plan.notes if n.startswith("p/update:"))
+    assert f"a copy of its 3 parameters ({copied / 2**10:.1f} KiB" in note
+    assert any(n.startswith("p/state:") and "after the optimizer applied the step" in n for n in plan.notes)
+    frozen = [w.split(":")[0] for w in plan.warnings if "frozen parameters (requires_grad=False) left out" in w]
+    assert frozen == ["p/update", "p/state"]  # second-moment binds weights only
