@@ -15,6 +15,7 @@ from helpers import REPO
 from helpers.policies import write_policy
 from hookpolicy import __version__
 from hookpolicy.cli import cli
+from hookpolicy.policy.expr import STATS
 from hookpolicy.policy.schema import schema_json
 
 MONITOR = str(REPO / "policies" / "example-monitor.yaml")
@@ -498,3 +499,41 @@ spec:
     found = [line.split(": invalid condition: ", 1)[1].split(";")[0] for line in result.stderr.splitlines()]
     assert found == ["unknown statistic 'l2_nrm'", "unknown statistic 'foo'", "unknown statistic 'bar'"]
     assert [line.split(":")[1:3] for line in result.stderr.splitlines()] == [["11", "24"], ["11", "39"], ["11", "58"]]
+
+
+def test_check_gives_the_first_syntax_error_of_each_part_of_an_expression_and_every_unknown_name(
+    tmp_path: Path,
+) -> None:
+    """A syntax error no longer ends the check of a condition: each part between a top-level
+    `and`/`or` gets its first syntax error, the names skipped after one are still checked, and
+    a C operator is said and read as its word."""
+    path = tmp_path / "syntax.yaml"
+    path.write_text("""\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {name: syntax}
+spec:
+  rules:
+    - name: r
+      match: {types: [Linear]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - alert: {if: "(l2_norm > > 1 and std < 2) or zscor(mean, 10) > 1 && max(l2_nrm, 5) > 0 or mean >"}
+""")
+    result = invoke("check", str(path))
+    assert result.exit_code == 1
+    line = path.read_text().splitlines()[10]
+    END = '"}'  # the expression's end: its closing quote
+
+    def at(needle: str) -> str:  # FILE:LINE:COL of `needle` in the policy's line 11, 1-based
+        return f"{path}:11:{line.index(needle) + 1}: $.spec.rules[0].actions[0].alert.if: invalid condition:"
+
+    assert result.stderr.splitlines() == [
+        f"{at('> 1 and')} expected a number, a name, a function or '(' after '>' but found '>'",
+        f"{at('zscor(')} 'zscor' is not a function; did you mean 'zscore'? the functions are: "
+        "prev, count, ema, ema_std, mean, std, min, max, zscore, median, mad, robust_z",
+        f"{at('&&')} unexpected character '&'; write 'and' to combine comparisons",
+        f"{at('l2_nrm')} unknown statistic 'l2_nrm'; did you mean 'l2_norm'? one of: {', '.join(sorted(STATS))}",
+        f"{at(END)} expected a number, a name, a function or '(' after '>' but found 'the end'",
+    ]

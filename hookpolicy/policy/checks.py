@@ -323,7 +323,8 @@ class _Checker:
             try:
                 parse(when, CLIP_NAMES)
             except ExprError as exc:
-                self.add(path + ("when",), f"invalid when condition: {exc}", offset=exc.offset)
+                for error in (exc, *exc.others):
+                    self.add(path + ("when",), f"invalid when condition: {error}", offset=error.offset)
         if "warmup" in body and not isinstance(threshold, str) and "when" not in body and "unitwise_ratio" not in body:
             self.add(path + ("warmup",), "warmup applies to a max_norm expression or a when (which need a history); "
                      "a fixed max_norm clips from the first step (trigger.steps.from starts a rule later)", key=True)

@@ -79,6 +79,9 @@ FUNCTIONS: Mapping[str, str] = {
     "mean": "window", "std": "window", "min": "window", "max": "window", "zscore": "window",
     "median": "window", "mad": "window", "robust_z": "window",
 }
+#: An expression's errors said at most (the first of them, in text order).
+MAX_EXPR_ERRORS = 10
+
 #: `robust_z` divides by MAD_SCALE * mad: for normal data that estimates the standard deviation.
 MAD_SCALE = 1.4826
 
@@ -374,7 +377,9 @@ class _Parser:
     """Recursive descent over one precedence grammar, then a check of what each operand is."""
 
     def __init__(self, text: str, names: Mapping[str, str], current: bool = True) -> None:
-        self.tokens = _tokenize(text)
+        #: C operators (`&&`, `||`): each an error, read as the word it stands for so the parse goes on
+        self.lexical: list[ExprError] = []
+        self.tokens = _tokenize(text, self.lexical)
         self.names = names
         self.current = current
         self.i = 0
@@ -412,18 +417,62 @@ class _Parser:
         return self.placed(node, at)
 
     def whole(self) -> Node:
-        """The whole expression; every unknown name is an error, with the first other error, in text order."""
-        try:
-            root = self.disjunction()
-            kind, text, at = self.peek()
-            if kind != "end":
-                raise ExprError(f"expected an operator, 'and', 'or' or the end but found {text!r}", at)
-        except ExprError as exc:
-            self.unknown.append(exc)
-        if self.unknown:
-            first, *others = sorted(self.unknown, key=lambda e: e.offset)
+        """The whole expression, or an ExprError for its first error with the others (`others`), in text order.
+
+        Every error is said, each at its position: an unknown name (parsing goes on with a
+        stand-in), a C operator (read as its word), and the first syntax error of each part
+        between `and`/`or` outside parentheses: after one, parsing starts again past the next
+        such `and`/`or`, and the names skipped on the way are still checked (a second syntax
+        error in one part is mostly the first one's echo). A character no token starts with
+        ends the parse at once (`_tokenize`). At most MAX_EXPR_ERRORS are kept.
+        """
+        errors = list(self.lexical)
+        root: Optional[Node] = None
+        while True:
+            try:
+                node = self.disjunction()
+                kind, text, at = self.peek()
+                if kind != "end":
+                    raise ExprError(f"expected an operator, 'and', 'or' or the end but found {text!r}", at)
+                root = node
+                break
+            except ExprError as exc:
+                errors.append(exc)
+                resume = self.resume(exc.offset)
+                if resume is None:
+                    break
+                self.i = resume
+        found = {(e.offset, str(e)): e for e in errors + self.unknown}
+        if found or root is None:
+            first, *others = [found[key] for key in sorted(found)][:MAX_EXPR_ERRORS]
             raise ExprError(str(first), first.offset, tuple(others))
         return root
+
+    def resume(self, offset: int) -> Optional[int]:
+        """After a syntax error at `offset`: the token after the next `and`/`or` outside parentheses
+        (None at the end), having checked the names on the way that the parse did not reach."""
+        at = next((j for j, token in enumerate(self.tokens) if token[2] >= offset), len(self.tokens) - 1)
+        depth = 0
+        for j, (kind, text, _) in enumerate(self.tokens):
+            if kind == "paren":
+                depth += 1 if text == "(" else -1
+            if j >= at and kind == "word" and text in ("and", "or") and depth == 0:
+                self.check_names(max(self.i, at), j)
+                return j + 1
+        self.check_names(max(self.i, at), len(self.tokens))
+        return None
+
+    def check_names(self, start: int, end: int) -> None:
+        """The unknown names and functions among tokens[start:end], which no parse reached."""
+        for j in range(start, end):
+            kind, text, at = self.tokens[j]
+            if kind != "word" or text in ("and", "or"):
+                continue
+            if self.tokens[j + 1][:2] == ("paren", "("):
+                if text not in FUNCTIONS:
+                    self.unknown.append(ExprError(self.not_a_function(text), at))
+            else:
+                self.known(text, at)
 
     def disjunction(self) -> Node:
         return self.junction("or", self.conjunction)
@@ -497,9 +546,7 @@ class _Parser:
 
     def call(self, func: str, at: int) -> Call:
         if func not in FUNCTIONS:
-            hint = _did_you_mean(func, FUNCTIONS)
-            what = "a statistic, not a function" if func in self.names else "not a function"
-            raise ExprError(f"{func!r} is {what};{hint} the functions are: {', '.join(FUNCTIONS)}", at)
+            raise ExprError(self.not_a_function(func), at)
         self.take()  # "("
         kind, text, name_at = self.take()
         usage = _usage(func)
@@ -519,6 +566,11 @@ class _Parser:
             raise ExprError(f"{func} takes {'two arguments' if what else 'one argument'} ({usage}); "
                             f"expected ')' but found {close or 'the end'!r}", close_at)
         return Call(func, text, series, param)
+
+    def not_a_function(self, func: str) -> str:
+        hint = _did_you_mean(func, FUNCTIONS)
+        what = "a statistic, not a function" if func in self.names else "not a function"
+        return f"{func!r} is {what};{hint} the functions are: {', '.join(FUNCTIONS)}"
 
     def argument(self, func: str, what: str, usage: str) -> float:
         """A function's window (an integer in 1..MAX_WINDOW) or alpha (in (0, 1))."""
@@ -609,23 +661,39 @@ def _did_you_mean(text: str, options: Mapping[str, Any]) -> str:
 _C_OPERATORS = (("&&", "and"), ("||", "or"), ("&", "and"), ("|", "or"), ("!", "not"))
 
 
-def _tokenize(text: str) -> list[tuple[str, str, int]]:
-    """The tokens of `text`, in time linear in its length (at most MAX_TOKENS of them)."""
+def _tokenize(text: str, c_operators: list[ExprError]) -> list[tuple[str, str, int]]:
+    """The tokens of `text`, in time linear in its length (at most MAX_TOKENS of them).
+
+    A C operator for `and`/`or` (`&&`, `||`, `&`, `|`) is an error appended to `c_operators`
+    and read as the word it stands for, so the rest still parses; any other character no
+    token starts with raises at once (with those errors), since what follows it is guesswork.
+    """
     tokens: list[tuple[str, str, int]] = []
     pos = _after_space(text, 0)
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if m is None or m.end() == pos:
-            word = next((w for sign, w in _C_OPERATORS if text.startswith(sign, pos)), None)
+            sign, word = next(((s, w) for s, w in _C_OPERATORS if text.startswith(s, pos)), (text[pos], None))
             hint = f"; write {word!r} to {'negate' if word == 'not' else 'combine'} comparisons" if word else ""
-            raise ExprError(f"unexpected character {text[pos]!r}{hint}", pos)
+            error = ExprError(f"unexpected character {text[pos]!r}{hint}", pos)
+            if word not in ("and", "or"):  # the C operators said so far come first: they are earlier
+                first, *others = [*c_operators, error][:MAX_EXPR_ERRORS]
+                raise ExprError(str(first), first.offset, tuple(others))
+            c_operators.append(error)
+            _append(tokens, ("word", word, pos))
+            pos = _after_space(text, pos + len(sign))
+            continue
         kind = m.lastgroup or ""
-        if len(tokens) == MAX_TOKENS:
-            raise ExprError(f"longer than {MAX_TOKENS} tokens (numbers, names, operators, parentheses)", m.start(kind))
-        tokens.append((kind, m.group(kind), m.start(kind)))
+        _append(tokens, (kind, m.group(kind), m.start(kind)))
         pos = _after_space(text, m.end())
     tokens.append(("end", "", len(text)))
     return tokens
+
+
+def _append(tokens: list[tuple[str, str, int]], token: tuple[str, str, int]) -> None:
+    if len(tokens) == MAX_TOKENS:
+        raise ExprError(f"longer than {MAX_TOKENS} tokens (numbers, names, operators, parentheses)", token[2])
+    tokens.append(token)
 
 
 def _after_space(text: str, pos: int) -> int:
