@@ -49,6 +49,12 @@ RULES = """\
   target: weight
   actions:
     - capture: {stats: [l2_norm], per: tensor}
+- name: updates
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: update
+  actions:
+    - capture: {stats: [l2_norm]}
 - name: outputs
   match: {types: [Linear]}
   trigger: {at: forward}
@@ -129,7 +135,11 @@ def ddp_series(rank: int, policy: str) -> dict[str, Any]:
             loss.backward()
             grads = {m: norm(linear(inner, m).weight.grad, linear(inner, m).bias.grad) for m in LINEARS}
             weights = {f"{m}.{t}": norm(getattr(linear(inner, m), t)) for m in LINEARS for t in ("weight", "bias")}
+            before = {m: [p.detach().clone() for p in linear(inner, m).parameters()] for m in LINEARS}
             optimizer.step()
+            if step == 0:  # an update is read back at the next step: after two steps, the first one's shows
+                updates = {m: norm(*(after - b for after, b in zip(linear(inner, m).parameters(), before[m])))
+                           for m in LINEARS}
         kept = attached.last_values()["hookpolicy_grad_l2_norm"]
         return {
             "grads": series(reg, "hookpolicy_grad_l2_norm", "grads"),
@@ -137,9 +147,11 @@ def ddp_series(rank: int, policy: str) -> dict[str, Any]:
             "weights": series(reg, "hookpolicy_weight_l2_norm", "weights"),
             "outputs": series(reg, "hookpolicy_output_abs_max", "outputs"),
             "loss": series(reg, "hookpolicy_loss_mean", "loss"),
+            "updates": series(reg, "hookpolicy_update_l2_norm", "updates"),
             "loss-own": series(reg, "hookpolicy_loss_mean", "loss-own"),
             "last_values": {labels[2]: v for labels, v in kept.items() if labels[1] == "grads"},
-            "reference": {"grads": grads, "weights": weights, "outputs": outputs, "loss": float(loss)},
+            "reference": {"grads": grads, "weights": weights, "outputs": outputs, "loss": float(loss),
+                          "updates": updates},
         }
 
 
@@ -160,6 +172,11 @@ def test_ddp_gradients_weights_and_the_jobs_loss_are_exported_once_per_job_activ
     assert set(zero["weights"]) == set(zero["reference"]["weights"]) and one["weights"] == {}
     for key, (rank, got) in zero["weights"].items():
         assert rank == "0" and got == pytest.approx(zero["reference"]["weights"][key], rel=1e-6)
+    # the update w_after - w_before of the first step (read back at the second), the same on both ranks
+    assert set(zero["updates"]) == set(LINEARS) and one["updates"] == {}
+    for m in LINEARS:
+        assert zero["reference"]["updates"][m] == pytest.approx(one["reference"]["updates"][m], rel=1e-12)
+        assert zero["updates"][m] == ["0", pytest.approx(zero["reference"]["updates"][m], rel=1e-5)]
     # `series: rank` keeps them per rank
     for r, result in enumerate(ranks):
         assert set(result["grads-each"]) == set(LINEARS)

@@ -13,8 +13,8 @@ and each rank's with `ranks: own`. Any other rule's are the job's when all of th
 and per rank otherwise:
 
 - a process group of more than one rank is up;
-- the rule is a `step` rule on `grad` or `weight`, and an optimizer's `step()` takes the
-  step (`steps.StepTracker.mode`). Where no optimizer steps the model, the step is
+- the rule is a `step` rule on `grad`, `weight`, `update` or `optimizer_state`, and an
+  optimizer's `step()` takes the step (`steps.StepTracker.mode`). Where no optimizer steps the model, the step is
   evaluated in an autograd callback that hookpolicy queues at the start of the backward
   pass, before the one DDP's reducer queues to finish its all-reduce, so the gradients
   may still be the rank's own;
@@ -32,7 +32,8 @@ and per rank otherwise:
     (`Reducer::finalize_backward`), so `backward()` returns with every rank holding the
     average, before any optimizer step pre-hook (`torch/nn/parallel/distributed.py`).
     Weights: DDP broadcasts rank 0's at construction and every rank then applies the same
-    update to the same gradient. A step whose last forward through the wrapper ran with
+    update to the same gradient; so the update and the optimizer's state are the same too
+    (`update`, `optimizer_state`: under DDP only; of a DTensor they stay per rank for now). A step whose last forward through the wrapper ran with
     gradient sync off (inside `no_sync()`, so DDP all-reduced nothing) publishes no job
     series: rank 0's values would be its own, and are not shown as the job's.
 
@@ -53,7 +54,7 @@ from typing import Any, Optional
 import torch
 
 from ..plan.planner import param as find_param
-from ..policy.model import LOSS, Capture
+from ..policy.model import LOSS, OPTIMIZER_STATE, UPDATE, Capture
 from .agreement import job_loss_rule
 from ..process import Once
 from . import module_hooks
@@ -66,7 +67,9 @@ __all__ = ["Replicas", "job_rank"]
 log = logging.getLogger("hookpolicy")
 
 #: The targets whose statistics can be the same on every rank (at `step`).
-_PARAMETERS = ("grad", "weight")
+_PARAMETERS = ("grad", "weight", UPDATE, OPTIMIZER_STATE)
+#: Those of them whose statistics of a DTensor are known to be the full tensor's on every rank.
+_FULL_TENSOR = ("grad", "weight")
 
 
 def job_rank() -> Optional[int]:
@@ -171,6 +174,9 @@ class Replicas:
                 p = find_param(b.obj, path)
                 mesh = getattr(p, "device_mesh", None)
                 if mesh is not None:
+                    if rs.rule.target not in _FULL_TENSOR:
+                        return (f"{b.module}.{path} is a DTensor, and hookpolicy does not tell yet whether the "
+                                f"{rs.rule.target} statistics of its shards are the same on every rank")
                     if mesh.size() != world:
                         return f"{b.module}.{path} is sharded over {mesh.size()} of the {world} ranks"
                     continue

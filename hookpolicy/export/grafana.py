@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 
 from .metrics import stat_family
 from .rules import STALL_SECONDS, promql_string, stat_families
-from ..policy.model import STATS, TARGETS, Capture, Policy, Rule
+from ..policy.model import PARAM_TARGETS, STATS, TARGETS, Capture, Policy, Rule
 
 __all__ = ["grafana_dashboard"]
 
@@ -152,7 +152,7 @@ def _stat_panel(family: str, feeds: list[tuple[Policy, Rule, Capture]]) -> dict[
         f"{stat} of the {target} tensors selected by {where}, read once per evaluated step "
         f"(per {', '.join(sorted(pers))}); the module label is \"\" for per: rule."
     )
-    if any(c.series == "job" and ((r.trigger.at == "step" and r.target in ("grad", "weight"))
+    if any(c.series == "job" and ((r.trigger.at == "step" and r.target in PARAM_TARGETS)
                                   or (r.target == "loss" and r.ranks == "job")) for _, r, c in feeds):
         description += (" In a process group, statistics that are the same on every rank (after DDP's all-reduce, "
                         "FSDP2 full tensors, the job's loss) are exported by rank 0 alone: pick rank 0 or All.")
