@@ -219,8 +219,13 @@ def fsdp_series(rank: int, policy: str) -> dict[str, Any]:
             optimizer.zero_grad()
             nn.functional.mse_loss(model(x[step * 32:(step + 1) * 32]), y[step * 32:(step + 1) * 32]).backward()
             grads = {m: norm(full(linear(model, m).weight.grad), full(linear(model, m).bias.grad)) for m in LINEARS}
+            before = {m: [full(p).detach().clone() for p in linear(model, m).parameters()] for m in LINEARS}
             optimizer.step()
-        return {"grads": series(reg, "hookpolicy_grad_l2_norm", "grads"),
+            if step == 0:  # read back at the next step
+                updates = {m: norm(*(full(p).detach() - b for p, b in zip(linear(model, m).parameters(), before[m])))
+                           for m in LINEARS}
+        return {"grads": series(reg, "hookpolicy_grad_l2_norm", "grads"), "updates": updates,
+                "update series": series(reg, "hookpolicy_update_l2_norm", "updates"),
                 "grads-each": series(reg, "hookpolicy_grad_l2_norm", "grads-each"),
                 "outputs": series(reg, "hookpolicy_output_abs_max", "outputs"), "reference": grads}
 
@@ -232,6 +237,9 @@ def test_fsdp2_full_tensor_statistics_are_exported_once_per_job(tmp_path: Path, 
         assert zero["grads"][m] == ["0", pytest.approx(zero["reference"][m], rel=1e-6)]
         assert one["grads-each"][m] == ["1", pytest.approx(one["reference"][m], rel=1e-6)]
     assert set(one["outputs"]) == set(LINEARS)
+    assert set(zero["update series"]) == set(LINEARS) and one["update series"] == {}
+    for m in LINEARS:
+        assert zero["update series"][m] == ["0", pytest.approx(zero["updates"][m], rel=1e-5)]
 
 
 # -- what hookpolicy cannot be sure of stays per rank --------------------------------------

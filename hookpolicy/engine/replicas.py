@@ -33,7 +33,7 @@ and per rank otherwise:
     average, before any optimizer step pre-hook (`torch/nn/parallel/distributed.py`).
     Weights: DDP broadcasts rank 0's at construction and every rank then applies the same
     update to the same gradient; so the update and the optimizer's state are the same too
-    (`update`, `optimizer_state`: under DDP only; of a DTensor they stay per rank for now). A step whose last forward through the wrapper ran with
+    (`update`, `optimizer_state`; under FSDP2 theirs are the full tensors' too, `updates`). A step whose last forward through the wrapper ran with
     gradient sync off (inside `no_sync()`, so DDP all-reduced nothing) publishes no job
     series: rank 0's values would be its own, and are not shown as the job's.
 
@@ -68,8 +68,6 @@ log = logging.getLogger("hookpolicy")
 
 #: The targets whose statistics can be the same on every rank (at `step`).
 _PARAMETERS = ("grad", "weight", UPDATE, OPTIMIZER_STATE)
-#: Those of them whose statistics of a DTensor are known to be the full tensor's on every rank.
-_FULL_TENSOR = ("grad", "weight")
 
 
 def job_rank() -> Optional[int]:
@@ -174,9 +172,6 @@ class Replicas:
                 p = find_param(b.obj, path)
                 mesh = getattr(p, "device_mesh", None)
                 if mesh is not None:
-                    if rs.rule.target not in _FULL_TENSOR:
-                        return (f"{b.module}.{path} is a DTensor, and hookpolicy does not tell yet whether the "
-                                f"{rs.rule.target} statistics of its shards are the same on every rank")
                     if mesh.size() != world:
                         return f"{b.module}.{path} is sharded over {mesh.size()} of the {world} ranks"
                     continue
