@@ -69,6 +69,8 @@ class _Pending:
     """What one optimizer's update is to be measured by: its rules, and each `update` rule's copies."""
 
     rules: list[RuleState]
+    #: the ids of the parameters the optimizer updates (`_stepped`, before the update)
+    stepped: set[int]
     copies: dict[tuple[str, str], _Copies] = field(default_factory=dict)
 
 
@@ -79,6 +81,7 @@ class Updates:
         self._programs = programs
         self._pending: dict[int, _Pending] = {}  # id(optimizer) -> what its update is measured by
         self._globs: dict[tuple[str, ...], list[NamePattern]] = {}
+        self._named: dict[tuple[tuple[str, ...], str], bool] = {}  # (match.state, key): whether a glob names it
         self._said = Once()
 
     def no_optimizer(self, rules: Sequence[RuleState], model: str) -> None:
@@ -99,11 +102,10 @@ class Updates:
         self._pending.pop(id(optimizer), None)
         if not mine:
             return
-        pending = self._pending[id(optimizer)] = _Pending(mine)
-        stepped = _stepped(optimizer)
+        pending = self._pending[id(optimizer)] = _Pending(mine, _stepped(optimizer))
         for rs in mine:
             if rs.rule.target == UPDATE:
-                self._programs.guarded(rs, self._copy, rs, stepped, pending)
+                self._programs.guarded(rs, self._copy, rs, pending.stepped, pending)
 
     def _copy(self, rs: RuleState, stepped: set[int], pending: _Pending) -> None:
         rows, params = _parameters(rs, stepped)
@@ -120,7 +122,6 @@ class Updates:
         pending = self._pending.pop(id(optimizer), None)
         if pending is None or skipped:
             return
-        stepped = _stepped(optimizer)
         for rs in pending.rules:
             if rs.off:
                 continue
@@ -129,7 +130,7 @@ class Updates:
                 if copied is not None:
                     self._programs.guarded(rs, self._update, rs, copied, step)
             else:
-                self._programs.guarded(rs, self._state, rs, optimizer, stepped, step)
+                self._programs.guarded(rs, self._state, rs, optimizer, pending.stepped, step)
 
     def _update(self, rs: RuleState, copied: _Copies, step: int) -> None:
         deltas = copied.copies
@@ -139,21 +140,28 @@ class Updates:
         self._programs.execute(rs, UPDATE, copied.rows, deltas, False, references=copied.references, step=step)
 
     def _state(self, rs: RuleState, optimizer: torch.optim.Optimizer, stepped: set[int], step: int) -> None:
-        globs = self._globs.get(rs.rule.match.state)
-        if globs is None:
-            globs = self._globs[rs.rule.match.state] = [compile_glob(g) for g in rs.rule.match.state]
         rows: list[tuple[str, str]] = []
         tensors: list[torch.Tensor] = []
         for (module, name), p in zip(*_parameters(rs, stepped)):
             for key, value in optimizer.state.get(p, {}).items():
                 if not isinstance(key, str) or not isinstance(value, torch.Tensor) or not value.is_floating_point():
                     continue
-                wanted = any(g.fullmatch(key) for g in globs) if globs else value.shape == p.shape
+                wanted = self._names(rs.rule.match.state, key) if rs.rule.match.state else value.shape == p.shape
                 if wanted and value.numel() > 0:
                     rows.append((module, f"{name}.{key}"))
                     tensors.append(value.detach())
         if tensors:
             self._programs.execute(rs, OPTIMIZER_STATE, rows, tensors, False, step=step)
+
+    def _names(self, globs: tuple[str, ...], key: str) -> bool:
+        """Whether one of `globs` (a rule's `match.state`) names the state key `key` (matched once per key)."""
+        named = self._named.get((globs, key))
+        if named is None:
+            patterns = self._globs.get(globs)
+            if patterns is None:
+                patterns = self._globs[globs] = [compile_glob(g) for g in globs]
+            named = self._named[(globs, key)] = any(g.fullmatch(key) for g in patterns)
+        return named
 
 
 def _snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
