@@ -166,6 +166,8 @@ def test_a_rewind_restores_the_snapshot_and_then_equals_the_run_without_those_ba
     with caplog.at_level(logging.INFO, "hookpolicy"), pol.attach(model, registry=registry) as attached:
         train(model, optimizer, scheduler, data, after_step=keep_and_check, scaler=scaler_)
         assert attached.step == STEPS
+    # the run summary says the one rewind the test's own copies saw (and the counter below counts)
+    assert attached.summary()[1:2] == ["  p/heal: rewound 1 time, 1 warning alert"]
     assert copies
     ref_model, ref_optimizer, ref_scheduler = setup("lambda")
     train(ref_model, ref_optimizer, ref_scheduler, data[:8] + data[10:], scaler=ref_scaler)

@@ -2,6 +2,7 @@
 
     run summary (rank 0): Sequential 200 steps
       nan-guard/nonfinite-grads: skipped 1 step, 1 critical alert
+      loss-guard/spike: rewound 2 times, 2 warning alerts
       agc/agc: clipped 2691 units
       outputs: metrics http://127.0.0.1:9400/metrics; log runs/observe.jsonl
       watch/acts: its capture goes nowhere (no log, tensorboard or tensors, and no --metrics-port)
@@ -10,7 +11,7 @@ Every number is a sum of a counter a scrape shows (`hookpolicy_steps_total`,
 `hookpolicy_skipped_steps_total`, ...) over the rule's series, so the summary and
 Prometheus never disagree; what the counter does not count, the summary does not say.
 `COUNTS` is the one list of what a rule's line says: a new counter that a rule's line
-should show (a `rewinds` count, say) is one more `Count` there.
+should show is one more `Count` there (as `hookpolicy_rewinds_total`'s "rewound N times").
 
 `hookpolicy apply` says it at the end of each governed process of rank 0 (at exit, on
 SIGTERM, after a halt); the Python API returns it from `Attached.summary()`.
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from ..policy.model import Capture, Clip, Policy, Rule
-from .metrics import ALERTS, CLIPPED, HOOK_ERRORS, SKIPPED_STEPS, STEPS, Family, Labels, MetricsStore
+from .metrics import ALERTS, CLIPPED, HOOK_ERRORS, REWINDS, SKIPPED_STEPS, STEPS, Family, Labels, MetricsStore
 
 __all__ = ["COUNTS", "Count", "summary_lines"]
 
@@ -55,6 +56,7 @@ def _clipped(n: int, mode: str, rule: Rule) -> str:
 #: What a rule's summary line says, in order. Only counts above 0 are said.
 COUNTS: tuple[Count, ...] = (
     Count(SKIPPED_STEPS, lambda n, _, rule: f"skipped {_plural(n, 'step')}"),
+    Count(REWINDS, lambda n, _, rule: f"rewound {_plural(n, 'time')}"),
     Count(CLIPPED, _clipped, by="mode"),
     Count(ALERTS, lambda n, severity, rule: _plural(n, f"{severity} alert"), by="severity"),
     Count(HOOK_ERRORS, lambda n, _, rule: _plural(n, "error")),
