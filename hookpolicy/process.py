@@ -26,6 +26,7 @@ hookpolicy, and each is the one home of what it holds):
 | `_ROOTS`                      | `engine/loss.py`            | the loss taps joined, the scale of each GradScaler output |
 | `_ATTACHED`                   | `engine/runtime.py`         | the policies attached to each model (weak keys)           |
 | `_AGREED`                     | `engine/agreement.py`       | ranks agree at every step once they agreed at one         |
+| `_CARRIED`                    | `engine/agreement.py`       | per model, the `ranks: job` layout every rank announced   |
 | `_DTENSOR`                    | `engine/distributed.py`     | the DTensor class, once torch.distributed.tensor is in    |
 | `_local`                      | `engine/stats.py`           | per-thread scratch buffers                                |
 | `_CHECKED_CLASSES`            | `engine/rebinding.py`       | the `Once` of classes checked for their own reducer       |

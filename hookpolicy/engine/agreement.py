@@ -7,8 +7,8 @@ rank that halted). `Agreement.agree` issues one collective over the default proc
 at each step decision: an `all_gather` of one row of `len(ROW)` int64 per rank (`ROW`
 names them), from which every rank computes the same maxima, minima and sums. It runs only
 when a process group is initialised and the attached policies hold an enforced `skip_step`
-or `halt`, a loss rule that sees the job's loss, or a reload vote (and, once it did, for
-the rest of the process: see `_AGREED`). Every rank of the group must then step its
+or `halt`, a loss rule that sees the job's loss, a `ranks: job` activation rule, or a
+reload vote (and, once it did, for the rest of the process: see `_AGREED`). Every rank of the group must then step its
 optimizer together (which DDP and FSDP require anyway). Decisions taken during evaluation
 forwards (a halt at a per-batch readback) are not agreed on: a rank may evaluate alone.
 
@@ -17,7 +17,7 @@ smallest and largest digest (do all ranks hold the same rules) and a sum (the lo
 reduction operator gives all three, and an `all_gather` of a fixed row does, exactly: the
 loss's float64 partials travel as their bits, and every rank merges the same rows in rank
 order, so its sums are bit for bit every other rank's. The price is `8 * len(ROW) * world`
-bytes to each rank instead of a constant (104 KiB at 1,024 ranks).
+bytes to each rank instead of a constant (128 KiB at 1,024 ranks), plus the tail's.
 
 **Rules are named by identity, never by position.** A rule's identity is (policy name, rule
 name) within a policy *generation* (`Attached.generation`: 0 for an attachment, raised
@@ -40,10 +40,16 @@ and each says so in one `hookpolicy:` line when the mismatch begins (and one whe
 naming what it decided itself. Alerts that fired still count and log as such.
 
 **The job's loss.** The row also carries this rank's loss roots of the step (`loss.LossTap`):
-their count and partials (`stats.PARTIALS`), count 0 where it saw none. `Agreed.loss` is
+their count and partials (`LOSS_PARTIALS`), count 0 where it saw none. `Agreed.loss` is
 every rank's together; the step cycle evaluates the loss rules with `ranks: job` (the
 default) on it after this collective, so their statistics, history and decisions are the
 same on every rank by construction and need no agreement of their own.
+
+**Activations of every rank (`ranks: job`, `jobstats`).** The row ends with a tail of slots:
+the partials of those rules' captures per module. Its width is the one every rank announced
+(`layout`, `width`) at the previous agreement, 0 when they differed, so that it is the same
+on every rank; a rank whose layout is not that one sends padding and `ok` 0, and nobody
+publishes that step's slots (`Agreed.tail` is None).
 
 **A hot reload goes in on every rank at once.** Under `hookpolicy apply` a data-parallel
 model's agreement also carries a `Vote`: a digest of the newest policy version this rank
@@ -70,6 +76,7 @@ import torch
 from ..errors import Halt
 from ..policy.model import LOSS, Alert, Policy
 from .decision import StepReport
+from .jobstats import Layout
 from .rulestate import RuleState
 from .stats import PARTIALS, combine, tensor_partials
 
@@ -102,14 +109,20 @@ class Vote(Protocol):
         """At `step`, every rank wants `wanted`; None when not every rank wants the same. Only take note here."""
 
 
+#: Every partial a loss rule may need (`update_ratio`'s reference belongs to `target: update` alone).
+LOSS_PARTIALS: tuple[str, ...] = tuple(p for p in PARTIALS if p != "ref_sumsq")
+
 #: The row each rank contributes to the step's one collective, int64 each (the loss's partials
 #: travel as the bits of their float64): the decision codes (a rule's code, 0 for none; a new
 #: decision that every rank must take at the same step is one more name here, before "digest"),
-#: this rank's rules digest, its reload vote (0 for none), how many loss roots it saw, and their
-#: partials (`stats.PARTIALS`, anything where it saw none). The same length on every rank, every step.
-#: the partials of a loss: every one but the update's reference (`ref_sumsq`, the parameters before their update)
-LOSS_PARTIALS: tuple[str, ...] = tuple(p for p in PARTIALS if p != "ref_sumsq")
-ROW: tuple[str, ...] = ("skip", "halt", "heal", "digest", "vote", "roots", *(f"loss_{p}" for p in LOSS_PARTIALS))
+#: this rank's heal code (`healing`), its rules digest, its reload vote (0 for none), its
+#: `jobstats.Layout` (digest, width) and whether its tail follows the agreed one (1) or is
+#: padding (0), how many loss roots it saw, and their partials (`LOSS_PARTIALS`, anything where
+#: it saw none). Then the tail: the slots of `ranks: job` activation statistics, float64 bits,
+#: as wide as the layout every rank announced at the previous step (0 when they differed).
+#: The same length on every rank, every step.
+ROW: tuple[str, ...] = ("skip", "halt", "heal", "digest", "vote", "layout", "width", "ok", "roots",
+                        *(f"loss_{p}" for p in LOSS_PARTIALS))
 _AT = {name: place for place, name in enumerate(ROW)}
 _LOSS_AT = _AT["loss_" + LOSS_PARTIALS[0]]
 
@@ -125,15 +138,20 @@ class Agreed:
 
     #: every rank holds the same rules (else no rank took a skip or halt decision at this step)
     same: bool
-    #: the job's loss: the partials (`stats.PARTIALS`) of every rank's roots together and how many
+    #: the job's loss: the partials (`LOSS_PARTIALS`) of every rank's roots together and how many
     #: roots there were; None when no rank saw one
     loss: Optional[tuple[dict[str, float], int]]
+    #: the `ranks: job` activation slots of every rank merged (`jobstats.Layout.merge`); None when
+    #: this step's row carried none, or not every rank's followed the agreed layout
+    tail: Optional[list[tuple[list[float], int]]] = None
 
 
 class Agreement:
     """The agreement of one attachment; see the module docstring."""
 
-    def __init__(self, policies: Sequence[Policy], rules: dict[tuple[str, str], RuleState], generation: int) -> None:
+    def __init__(
+        self, policies: Sequence[Policy], rules: dict[tuple[str, str], RuleState], generation: int, model: str = "",
+    ) -> None:
         self._names = identities(policies)
         self.generation = generation
         self._digest = digest(self._names, generation)
@@ -144,18 +162,29 @@ class Agreement:
         )
         #: loss rules that see the job's loss: the loss travels in the collective, which then runs at every step
         self.reduces_loss = any(job_loss_rule(rs) for rs in rules.values())
+        #: the `ranks: job` activation statistics (`jobstats`): they travel in the collective too
+        self._rules = rules
+        self.layout = Layout(rules.values())
+        self._model = model  # the model's label: the key of its `_CARRIED` layout
         self._apart = False  # the ranks held different rules at the last agreement
         #: set by a reload protocol before the first step (`Attached.vote_on_reloads`)
         self.vote: Optional[Vote] = None
 
+    def rules_changed(self) -> None:
+        """The rules were bound anew (`rebinding`): their `ranks: job` slots may be others."""
+        self.layout = Layout(self._rules.values(), said=self.layout.said_apart)
+
     def active(self) -> bool:
         """Whether this attachment agrees at its steps (a process group is up and something needs it)."""
-        return agreeing(self._decides or self.vote is not None or self.reduces_loss)
+        return agreeing(self._decides or self.vote is not None or self.reduces_loss or bool(self.layout.slots))
 
-    def agree(self, report: StepReport, step: int, loss: Optional[torch.Tensor] = None) -> Optional[Agreed]:
+    def agree(
+        self, report: StepReport, step: int, loss: Optional[torch.Tensor] = None, tail: Sequence[float] = (),
+    ) -> Optional[Agreed]:
         """Make a skip or halt decided on any rank every rank's (in `report`), and reduce the loss; None without a group.
 
-        `loss` is this rank's roots of the step (`loss.LossTap.take`), None where it saw none.
+        `loss` is this rank's roots of the step (`loss.LossTap.take`), None where it saw none;
+        `tail` its `ranks: job` slots (`jobstats.Layout.values`), empty where it has none.
         `report.skip_by` gets the rule another rank skipped by; at a step where the ranks hold
         different rules, `report` ends with no skip and no halt on every rank.
         """
@@ -166,16 +195,30 @@ class Agreement:
         codes = [self._encode(report.skip_rule), self._encode(None if halt is None else (halt.policy, halt.rule))]
         wanted = 0 if self.vote is None else self.vote.wanted()
         heal = 0 if not report.heal else (report.heal - 1) * dist.get_world_size() + dist.get_rank() + 1
-        rows = _all_gather([*codes, heal, self._digest, wanted], loss)
-        highest, lowest = rows.max(dim=0).values.tolist(), rows.min(dim=0).values.tolist()
+        layout = self.layout
+        carry = _CARRIED.get(self._model, (0, 0))
+        follows = carry[1] > 0 and layout.digest == carry[0] and len(tail) == carry[1]
+        padded = list(tail) if follows else [0.0] * carry[1]
+        rows = _all_gather([*codes, heal, self._digest, wanted, layout.digest, layout.width, int(follows)], loss,
+                           padded)
+        head = rows[:, :len(ROW)]
+        highest, lowest = head.max(dim=0).values.tolist(), head.min(dim=0).values.tolist()
         if self.vote is not None:
             vote = _AT["vote"]
             self.vote.agreed(highest[vote] if highest[vote] == lowest[vote] else None, step)
+        merged = None
+        if carry[1] > 0 and lowest[_AT["ok"]] == 1:
+            merged = layout.merge(rows[:, len(ROW):].contiguous().view(torch.float64))
+        announced = [(highest[_AT[k]], lowest[_AT[k]]) for k in ("layout", "width")]
+        carry = (highest[_AT["layout"]], highest[_AT["width"]]) if all(a == b for a, b in announced) else (0, 0)
+        _CARRIED[self._model] = carry
+        if carry[0] != layout.digest:
+            layout.apart(step, dist.get_rank())
         job = _job_loss(rows)
         same = highest[_AT["digest"]] == lowest[_AT["digest"]]
         if not same:
             self._differ(report, step, dist.get_rank(), highest[_AT["digest"]], lowest[_AT["digest"]])
-            return Agreed(False, job)
+            return Agreed(False, job, merged)
         if self._apart:
             self._apart = False
             log.info("the ranks hold the same rules again at step %d (generation %d): skip and halt decisions "
@@ -190,7 +233,7 @@ class Agreement:
         if halt is None and other_halt is not None:
             (policy, rule), rank = other_halt
             report.halt = Halt(policy, rule, step, f"rank {rank} halted; every rank stops at the same step")
-        return Agreed(True, job)
+        return Agreed(True, job, merged)
 
     def _encode(self, name: Optional[Identity]) -> int:
         """A decision's code: 1 + the rule's place in the sorted identities * world size + this rank; 0 for none."""
@@ -231,6 +274,14 @@ class Agreement:
 _AGREED = False
 
 
+#: Per governed model (its label), the `ranks: job` layout every rank announced at its last
+#: agreement (digest, width), which the next agreement's tail is as wide as. Process-wide, not
+#: per attachment: a policy swapped in on this rank alone (a reload of a model that is not
+#: data-parallel) starts a new attachment, which must still send the width the other ranks'
+#: attachments expect. Every rank computes it from the same gathered rows.
+_CARRIED: dict[str, tuple[int, int]] = {}
+
+
 def agreeing(decides: bool) -> bool:
     """Whether to agree on this step's decision: a process group is up (it may start late) and
     the policies can skip or halt (`decides`), or this process agreed before."""
@@ -238,11 +289,12 @@ def agreeing(decides: bool) -> bool:
     return (decides or _AGREED) and dist.is_available() and dist.is_initialized()
 
 
-def _all_gather(ints: list[int], loss: Optional[torch.Tensor]) -> torch.Tensor:
-    """Every rank's `ROW` (`ints`, then the roots' count and partials), `[world size, len(ROW)]` int64 on the host.
+def _all_gather(ints: list[int], loss: Optional[torch.Tensor], tail: Sequence[float]) -> torch.Tensor:
+    """Every rank's `ROW` (`ints`, then the roots' count and partials) and `tail`, `[world, len(ROW) + len(tail)]`
+    int64 on the host.
 
-    The one collective of a step's agreement, and its one read-back: an `all_gather` of
-    `len(ROW)` int64 per rank, the same on every rank whether it saw a loss or not.
+    The one collective of a step's agreement, and its one read-back: an `all_gather` of the
+    same number of int64 on every rank, whether it saw a loss or not.
     """
     import torch.distributed as dist
     global _AGREED
@@ -253,10 +305,11 @@ def _all_gather(ints: list[int], loss: Optional[torch.Tensor]) -> torch.Tensor:
         partials = torch.zeros(len(LOSS_PARTIALS), dtype=torch.float64, device=device)
     else:
         partials = tensor_partials([loss], LOSS_PARTIALS).reshape(-1).to(device)
-    row = torch.cat([head.to(device), partials.view(torch.int64)])
-    rows = torch.empty(dist.get_world_size() * len(ROW), dtype=torch.int64, device=device)
+    floats = torch.tensor(list(tail), dtype=torch.float64)
+    row = torch.cat([head.to(device), partials.view(torch.int64), floats.to(device).view(torch.int64)])
+    rows = torch.empty(dist.get_world_size() * row.numel(), dtype=torch.int64, device=device)
     dist.all_gather_single(rows, row)
-    return rows.view(-1, len(ROW)).cpu()
+    return rows.view(-1, row.numel()).cpu()
 
 
 def _job_loss(rows: torch.Tensor) -> Optional[tuple[dict[str, float], int]]:
@@ -269,7 +322,7 @@ def _job_loss(rows: torch.Tensor) -> Optional[tuple[dict[str, float], int]]:
     seen = counts > 0
     if not bool(seen.any()):
         return None
-    partials = rows[seen][:, _LOSS_AT:].contiguous().view(torch.float64).tolist()
+    partials = rows[seen][:, _LOSS_AT:len(ROW)].contiguous().view(torch.float64).tolist()
     numels = counts[seen].tolist()
     return combine(partials, numels, LOSS_PARTIALS), sum(numels)
 

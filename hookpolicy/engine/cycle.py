@@ -41,6 +41,7 @@ from ..plan.planner import Plan
 from ..policy.model import AFTER_UPDATE, LOSS, Policy
 from . import module_hooks, optimizer_hooks
 from .agreement import Agreed, Agreement, job_loss_rule
+from .jobstats import reduced
 from .decision import StepReport
 from .distributed import data_parallel
 from .executor import Executor
@@ -91,7 +92,7 @@ class StepCycle:
         self.programs = Programs(self.rules, self.ledger, self._faults, self.history)
         self.executor = Executor(self.rules, phase, self._faults, self.programs)
         self.installer = HookInstaller(plan, self.rules, self.executor)
-        self.agreement = Agreement(policies, self.rules, generation)
+        self.agreement = Agreement(policies, self.rules, generation, store.model)
         self._steps = StepTracker(model, phase, self.rules, store.model)
         self.replicas = Replicas(model, self._steps)
         self.readback = Readback(store, policies, output_root(), rank, self.history, self.replicas.exported)
@@ -102,8 +103,8 @@ class StepCycle:
         self._loss: Optional[LossTap] = None
         if any(rule.target == LOSS for policy in policies for rule in policy.rules):
             self._loss = LossTap(store.model, _WeakReached(self._steps.scopes))
-        self._rebinding = Rebinding(model, policies, plan, self.rules, store, audit, (self.executor, self.programs),
-                                    self.installer, self._steps)
+        self._rebinding = Rebinding(model, policies, plan, self.rules, store, audit,
+                                    (self.executor, self.programs, self.agreement), self.installer, self._steps)
         self._forwarded = False  # a training forward ran in this step
         self._checked_parallel = False  # whether the model showed data parallelism was looked at (job's loss)
         self._removed = False
@@ -192,12 +193,17 @@ class StepCycle:
         the same on every rank, so their decisions are every rank's as they are.
         A sink that failed is a fault of its rule (`Faults.fail`: counted, maybe a Halt).
         """
-        decision = self._report(final)
+        layout = self.agreement.layout
+        held = layout.slots and self.agreement.active()  # `ranks: job` statistics wait for the agreement
+        decision = self._report(final, hold=reduced if held else None)
+        if decision.held and not decide:  # remove(): the other ranks may be gone, or elsewhere
+            log.info("ranks: job statistics measured outside a training step (an unfinished step at detach) "
+                     "are not reduced across ranks nor published")
         decision.heal = self.healing.choose(decision.heals) if decide else 0
         if decide:
-            agreed = self.agreement.agree(decision, self.step, loss)
-            if job and agreed is not None:
-                self._job_loss(job, agreed, loss, decision)
+            agreed = self.agreement.agree(decision, self.step, loss, layout.values(decision.held) if held else ())
+            if agreed is not None:
+                self._agreed(job, agreed, loss, decision)
             if agreed is None or agreed.same:  # the job's loss rules' heals are every rank's as they are
                 decision.heal = max(decision.heal, self.healing.choose(decision.heals))
             self.healing.decided(decision, self.step, self._steps.mode == "optimizer")
@@ -209,24 +215,27 @@ class StepCycle:
             raise self._halting(decision.halt)
         return decision.skip
 
-    def _report(self, final: bool) -> StepReport:
+    def _report(self, final: bool, hold: Optional[Callable[[RuleState], bool]] = None) -> StepReport:
         """Read back what the ledger holds (one transfer), count it, hand its sink faults to `Faults`."""
         done = self.ledger.close()
-        decision = self.readback.run(done.entries, self.step, final)
+        decision = self.readback.run(done.entries, self.step, final, hold)
         self._count(done, decision.seconds)
         for rs, exc in decision.errors:
             self._faults.fail(rs, exc)
         return decision
 
-    def _job_loss(self, job: Sequence[RuleState], agreed: Agreed, own: Optional[torch.Tensor],
-                  decision: StepReport) -> None:
-        """Evaluate the rules `job` on the job's loss and join what they decided to `decision`."""
-        if agreed.loss is None:
-            if self._loss is not None:
-                self._loss.missing(self.step, ["/".join(rs.key) for rs in job], job=True)
-            return
-        self.programs.record_job_loss(job, *agreed.loss, own)
-        decision.join(self._report(final=False), decisions=agreed.same)
+    def _agreed(self, job: Sequence[RuleState], agreed: Agreed, own: Optional[torch.Tensor],
+                decision: StepReport) -> None:
+        """Publish what the agreement reduced: the job's loss to the rules `job` (joining what they decided
+        to `decision`), and the `ranks: job` activation statistics."""
+        if job and agreed.loss is None and self._loss is not None:
+            self._loss.missing(self.step, ["/".join(rs.key) for rs in job], job=True)
+        if job and agreed.loss is not None:
+            self.programs.record_job_loss(job, *agreed.loss, own)
+        if agreed.tail is not None:
+            self.ledger.entries.extend(self.agreement.layout.entries(agreed.tail))
+        if self.ledger.entries:
+            decision.join(self._report(final=False), decisions=agreed.same)
 
     def _say_not_data_parallel(self, job: Sequence[RuleState]) -> None:
         """Once: a model in a process group in which no data parallelism shows still gets the job's loss; say so."""

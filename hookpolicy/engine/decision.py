@@ -8,6 +8,7 @@ from typing import Optional
 
 from ..errors import Halt
 from .history import Observation
+from .ledger import Entry
 from .rulestate import MAX_ERRORS, RuleState
 
 __all__ = ["SinkHalts", "StepReport"]
@@ -34,6 +35,8 @@ class StepReport:
     seconds: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
     #: what was evaluated against a history, appended to it (`History.commit`) unless the step is skipped
     observed: list[Observation] = field(default_factory=list)
+    #: entries the read-back was told to hold (`ranks: job` statistics), with their fetched rows, unpublished
+    held: list[tuple[Entry, list[list[float]]]] = field(default_factory=list)
 
     def join(self, later: "StepReport", decisions: bool) -> None:
         """Take in a later read-back of the same step (the job's loss): its skip, halt and heals when

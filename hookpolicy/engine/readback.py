@@ -72,20 +72,28 @@ class Readback:
         """Close the sinks (at `remove()`); never raises, so `remove()` never does."""
         self.writers.close()
 
-    def run(self, entries: Sequence[Union[Entry, ClipEntry]], step: int, final: bool) -> StepReport:
+    def run(
+        self, entries: Sequence[Union[Entry, ClipEntry]], step: int, final: bool,
+        hold: Optional[Callable[[RuleState], bool]] = None,
+    ) -> StepReport:
         """Report one step's entries and decide the step.
 
         `final` (at `remove()`) publishes what is left but takes no skip or halt decision.
+        The entries of rules `hold` names are fetched with the others but not published:
+        they go to `StepReport.held` (`ranks: job` statistics, reduced across ranks first).
         A sink error of a rule with `onError: halt` ends the read-back at that point.
         """
         report = StepReport()
         try:
-            self._run(entries, step, final, report)
+            self._run(entries, step, final, report, hold)
         except SinkHalts:
             pass
         return report
 
-    def _run(self, buffered: Sequence[Union[Entry, ClipEntry]], step: int, final: bool, report: StepReport) -> None:
+    def _run(
+        self, buffered: Sequence[Union[Entry, ClipEntry]], step: int, final: bool, report: StepReport,
+        hold: Optional[Callable[[RuleState], bool]],
+    ) -> None:
         start = time.perf_counter()
         passes: dict[tuple[tuple[str, str], int], _Pass] = {}
         entries = [e for e in buffered if isinstance(e, Entry)]
@@ -103,6 +111,9 @@ class Readback:
             if entry.deferred is not None:
                 resolve_counts(rows, entry.deferred, entry.op.kinds)
                 entry.deferred = None
+            if hold is not None and hold(entry.rule):
+                report.held.append((entry, rows))
+                continue
             pkey = (entry.rule.key, entry.op.segment)
             pass_ = passes.get(pkey)
             if pass_ is None:

@@ -16,7 +16,10 @@ from ..errors import Problem
 from .document import Document, JsonPath
 from .expr import ExprError, parse, parse_value
 from .messages import CLIP_NAMES, expression_names, message_problem
-from .model import AFTER_UPDATE, HOOK_POINTS, LOSS, OPTIMIZER_STATE, PARAM_TARGETS, TARGETS, UPDATE, UPDATE_RATIO, Trigger
+from .model import (
+    ACTIVATIONS, AFTER_UPDATE, HOOK_POINTS, LOSS, OPTIMIZER_STATE, PARAM_TARGETS, TARGETS, UPDATE, UPDATE_RATIO, Capture,
+    Trigger,
+)
 from .patterns import compile_glob, shown
 
 __all__ = ["RESERVED_LABELS", "check_semantics"]
@@ -124,10 +127,12 @@ class _Checker:
             )
         if target == LOSS:
             self.loss_rule(rule, path, trigger)
-        elif "ranks" in rule and target is not None:
-            self.add(path + ("ranks",), f"ranks applies to target: loss (the job's loss or this rank's); the "
-                     f"statistics of target {target!r} are this rank's own (gradients after DDP's all-reduce are "
-                     "the job's already): drop ranks", key=True)
+        elif "ranks" in rule and target is not None and target not in ACTIVATIONS:
+            self.add(path + ("ranks",), f"ranks applies to target: loss and to activations ({', '.join(ACTIVATIONS)}); "
+                     f"the {target} statistics of a data-parallel model are the job's already (after DDP's "
+                     "all-reduce, of FSDP2's full tensors): drop ranks", key=True)
+        elif rule.get("ranks") == "job" and target is not None:
+            self.job_activations(rule, path, trigger)
         if target in AFTER_UPDATE:
             self.after_update_rule(rule, path, target)
         for index, item in enumerate(_list(rule.get("actions"))):
@@ -188,6 +193,29 @@ class _Checker:
                          "it is measured after the optimizer applied the step, and read back at the next step; use "
                          "then: halt (training stops before the next update) or log, or alert on target: grad "
                          "with then: skip_step to keep a step from being applied")
+
+    def job_activations(self, rule: dict[str, Any], path: JsonPath, trigger: dict[str, Any]) -> None:
+        """`ranks: job` on an activation target: captures of statistics per module or rule, at training steps."""
+        if trigger.get("phase", Trigger.phase) != "train":
+            self.add(path + ("trigger", "phase"), "ranks: job reduces statistics across ranks in each training "
+                     "step's agreement; only phase: train (the default) applies")
+        for index, item in enumerate(_list(rule.get("actions"))):
+            if not isinstance(item, dict) or len(item) != 1:
+                continue
+            ((kind, body),) = item.items()
+            where = path + ("actions", index, kind)
+            if kind != "capture":
+                self.add(where, f"ranks: job reduces captured statistics across ranks; {kind} acts on this "
+                         "rank's tensors: put it in a rule of its own (ranks: own, the default)", key=True)
+                continue
+            body = _dict(body)
+            if body.get("per", Capture.per) == "tensor":
+                self.add(where + ("per",) if "per" in body else where, "ranks: job reduces statistics per module "
+                         "or per rule (a module's tensors are named by what each call returned): per: module "
+                         "or per: rule", key="per" in body)
+            if "tensors" in body or _dict(body.get("tensorboard")).get("histograms") is True:
+                self.add(where, "ranks: job reduces statistics; tensor files and histograms would hold this "
+                         "rank's tensors: put them in a capture of their own (ranks: own)", key=True)
 
     def match(self, match: dict[str, Any], path: JsonPath, target: Optional[str]) -> None:
         if not ("modules" in match or "types" in match or match.get("root") is True or "adapters" in match):

@@ -16,7 +16,7 @@ from .expr import STATS, UPDATE_RATIO, Call, Condition, Value
 
 __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "AFTER_UPDATE", "UPDATE", "OPTIMIZER_STATE",
-    "UPDATE_RATIO", "LOSS", "STATS", "Mode", "OnError", "HookPoint",
+    "UPDATE_RATIO", "LOSS", "ACTIVATIONS", "STATS", "Mode", "OnError", "HookPoint",
     "TriggerPhase", "Per", "Ranks", "Adapters", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
     "LogSink", "Board", "Clip", "Scale", "CoolDown", "Rewind", "Alert", "Action", "Rule", "Snapshots", "Policy",
 ]
@@ -50,6 +50,8 @@ TARGETS: tuple[str, ...] = (
 PARAM_TARGETS: frozenset[str] = frozenset({"grad", "weight", "update", "optimizer_state"})
 #: the target that is the step's training loss (one value per micro-batch), not a module's tensor
 LOSS = "loss"
+#: a module's activations and their gradients (per rank in a data-parallel job; `ranks: job` reduces them)
+ACTIVATIONS: tuple[str, ...] = ("input", "output", "grad_output", "grad_input")
 #: the change the optimizer applied to each parameter at a step (`w_after - w_before`)
 UPDATE = "update"
 #: the optimizer's state tensors of each parameter (Adam's `exp_avg`, `exp_avg_sq`), by key
@@ -273,8 +275,8 @@ class Rule:
     mode: Mode = "enforce"
     priority: int = 50
     select: tuple[Union[int, str], ...] = ()
-    #: in a process group, `job`: statistics of every rank's values together (the loss; reduced in the
-    #: step's agreement), `own`: this rank's; the default is `job` for target: loss, `own` for the others
+    #: in a process group, `job`: statistics of every rank's values together (reduced in the step's
+    #: agreement: the loss, captures of activations), `own`: this rank's; default `job` for target: loss only
     ranks: Ranks = "own"
     #: (line, column) of the rule's `match` key in its file, for warnings about what it selected;
     #: where a rule is written is not what it means, so it takes no part in equality
