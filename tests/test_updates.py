@@ -466,3 +466,15 @@ def test_the_plan_leaves_frozen_parameters_out_and_says_what_the_copy_costs(tmp_
     assert any(n.startswith("p/state:") and "after the optimizer applied the step" in n for n in plan.notes)
     frozen = [w.split(":")[0] for w in plan.warnings if "frozen parameters (requires_grad=False) left out" in w]
     assert frozen == ["p/update", "p/state"]  # second-moment binds weights only
+
+
+def test_a_rewound_step_has_no_update(tmp_path: Path, out: Path) -> None:
+    """A rewind at step 3 hides the step's gradients and restores a snapshot at its end: neither is an update."""
+    rewind = SKIP_AT_ONE.replace("skip-one", "rewind-three").replace("from: 1, until: 2", "from: 3, until: 4").replace(
+        "then: skip_step", "then: rewind")
+    model = tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with load_policy(tmp_path, UPDATE_RULES + rewind, spec="snapshots: {every: 2, keep: 2}\n").attach(
+            model, registry=CollectorRegistry()):
+        train(model, opt, 5)
+    assert sorted({step for step, _, _ in records(out / "tensor.jsonl")}) == [0, 1, 2, 4]
