@@ -8,7 +8,6 @@ ranks' outputs together with PyTorch and compares them with what each rank publi
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 from pathlib import Path
@@ -20,10 +19,10 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
-from hookpolicy.errors import PolicyError
 from helpers import REPO
 from helpers.distributed import spawn
-from helpers.policies import policy_text, write_policy
+from helpers.outputs import Said
+from helpers.policies import refusal, write_policy
 
 sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO / "tests"))
@@ -68,14 +67,8 @@ def activations(rank: int, policies: list[str], reattach: bool = False) -> dict[
     """
     import torch.distributed as dist
 
-    lines: list[str] = []
-
-    class Lines(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Lines()
-    logging.getLogger("hookpolicy").addHandler(handler)
+    said = Said()
+    lines = said.lines
     issued: list[str] = []
     original = dist.all_gather_single
 
@@ -124,7 +117,7 @@ def activations(rank: int, policies: list[str], reattach: bool = False) -> dict[
         attached.remove()
         for handle in handles:
             handle.remove()
-        logging.getLogger("hookpolicy").removeHandler(handler)
+        said.stop()
     return {"outputs": outputs, "published": published, "collectives": collectives, "lines": lines,
             "exported": exported}
 
@@ -202,9 +195,5 @@ def test_a_ranks_job_rule_that_cannot_be_reduced_is_refused_at_its_line(
     tmp_path: Path, keys: str, actions: str, message: str,
 ) -> None:
     rule = f"- name: r\n  match: {{types: [Linear]}}\n  {keys}\n  ranks: job\n  actions:\n    {actions}\n"
-    (tmp_path / "p.yaml").write_text(policy_text(rule))
-    with pytest.raises(PolicyError) as caught:
-        hookpolicy.load(tmp_path / "p.yaml")
-    shown = str(caught.value)
+    shown = refusal(tmp_path, rule)
     assert message in shown, shown
-    assert shown.startswith(f"{tmp_path / 'p.yaml'}:")

@@ -12,7 +12,6 @@ parameters), and the collectives each rank issued (counted by wrapping
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from torch import nn
 import hookpolicy
 from helpers import REPO
 from helpers.distributed import spawn
+from helpers.outputs import Said
 from helpers.policies import write_policy
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -67,14 +67,8 @@ def job_loss(rank: int, policy: str, how: str, micro: list[int]) -> dict[str, An
     """`micro[rank]` backward calls a step; what this rank backpropagated, published, issued and did."""
     import torch.distributed as dist
 
-    lines: list[str] = []
-
-    class Lines(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Lines()
-    logging.getLogger("hookpolicy").addHandler(handler)
+    said = Said()
+    lines = said.lines
     issued: list[str] = []
     for name in ("all_gather_single", "all_reduce", "all_gather", "broadcast", "all_gather_into_tensor"):
         original = getattr(dist, name)
@@ -118,7 +112,7 @@ def job_loss(rank: int, policy: str, how: str, micro: list[int]) -> dict[str, An
                    if s.name == "hookpolicy_skipped_steps_total" and s.labels.get("rule") == "spike"]
     finally:
         attached.remove()
-        logging.getLogger("hookpolicy").removeHandler(handler)
+        said.stop()
     return {"roots": roots, "published": published, "collectives": collectives, "params": params,
             "skipped": skipped, "lines": lines}
 

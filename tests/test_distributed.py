@@ -28,6 +28,7 @@ from torch import nn
 import hookpolicy
 from helpers import REPO
 from helpers.distributed import spawn
+from helpers.outputs import Said
 from helpers.policies import write_policy
 from helpers.processes import Run, labels_of, losses, torchrun, value, wait_metrics
 
@@ -393,18 +394,10 @@ EXTRA_RULE = """\
 
 def rule_sets(rank: int, policies: list[str], generations: list[int]) -> dict[str, Any]:
     """Each rank attaches its own policy file and generation; a NaN in rank 0's gradient at step 1."""
-    import logging
-
     from hookpolicy.engine.runtime import Attached
 
-    lines: list[str] = []
-
-    class Lines(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Lines()
-    logging.getLogger("hookpolicy").addHandler(handler)
+    said = Said()
+    lines = said.lines
     torch.manual_seed(0)
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -428,7 +421,7 @@ def rule_sets(rank: int, policies: list[str], generations: list[int]) -> dict[st
         steps = attached.step
         skipped = {rule: gauge(reg, "hookpolicy_skipped_steps_total", rule=rule) for rule in ("guard", "a")}
         attached.remove()
-        logging.getLogger("hookpolicy").removeHandler(handler)
+        said.stop()
     return {"halt": raised, "steps": steps, "skipped": skipped, "finite": finite, "lines": lines}
 
 

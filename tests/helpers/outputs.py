@@ -6,12 +6,31 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+
+
+class Said(logging.Handler):
+    """The messages of hookpolicy's log records (INFO and up), in order, from `Said()` until `stop()`.
+
+    For ranks spawned in process (`helpers.distributed.spawn`), whose stderr the test does not read.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        logging.getLogger("hookpolicy").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def stop(self) -> None:
+        logging.getLogger("hookpolicy").removeHandler(self)
 
 
 def metric(registry: CollectorRegistry, name: str, labels: dict[str, str]) -> Optional[float]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import hookpolicy
 
 #: The example policy of the user contract (shared/policy-spec.md), field for field.
@@ -66,6 +68,16 @@ def write_policy(folder: Path, rules: str, *, name: str = "p", spec: str = "") -
 def load_policy(folder: Path, rules: str, *, name: str = "p", spec: str = "") -> hookpolicy.PolicySet:
     """`write_policy(...)`, loaded as users load it (`hookpolicy.load`)."""
     return hookpolicy.load(write_policy(folder, rules, name=name, spec=spec))
+
+
+def refusal(folder: Path, rules: str) -> str:
+    """What `hookpolicy.load` says refusing `policy_text(rules)` (a `PolicyError`), checked to start with the file."""
+    path = write_policy(folder, rules)
+    with pytest.raises(hookpolicy.PolicyError) as caught:
+        hookpolicy.load(path)
+    shown = str(caught.value)
+    assert shown.startswith(f"{path}:"), shown
+    return shown
 
 
 #: Two rules: the Linear layers' gradient statistics logged to logs/norms.jsonl every step,
