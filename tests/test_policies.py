@@ -34,7 +34,7 @@ SCHEMA_LINE = "# yaml-language-server: $schema=../schemas/hookpolicy-v1.schema.j
 EXPECTED = {
     "nan-guard.yaml", "clip-per-layer.yaml", "clip-global.yaml", "gradient-monitor.yaml",
     "activation-sparsity.yaml", "feature-extraction.yaml", "explosion-guard.yaml", "freeze-embeddings.yaml",
-    "lora-gradient-health.yaml", "loss-spike-guard.yaml", "zclip.yaml", "agc.yaml", "observe.yaml",
+    "lora-gradient-health.yaml", "loss-spike-guard.yaml", "zclip.yaml", "agc.yaml", "observe.yaml", "recover.yaml",
 }
 #: policies that bind only a PEFT adapter: run on the model with LoRA on c_attn (tests/test_peft.py
 #: checks their effects on a real GPT-2 fine-tune)
@@ -626,6 +626,65 @@ def test_loss_spike_guard_halts_at_the_20th_step_of_a_loss_that_stays_nan(
               if line.startswith("{") and '"event": "alert"' in line]
     skipped = [a["message"] for a in alerts if a["severity"] == "warning"]
     assert skipped == [f"loss nan at step {clean + i} is not finite; step skipped" for i in range(20)]
+
+
+@pytest.mark.slow
+def test_recover_climbs_its_ladder_as_its_header_says(workdir: Path) -> None:
+    """recover.yaml against its header, the spikes told by loss-spike-guard's reference
+    condition (`_loss_spike`) from the losses of the applied steps: a single spike skipped (bit
+    for bit); from the 3rd in a row the lr the optimizer uses (read by its own step pre-hook) is
+    0.1x for 100 steps; at the 6th the state is the test's own copy taken after step 149 (the
+    newest snapshot at least 10 steps older, snapshots after every 50 steps), the streaks start
+    again; the 4th rewind halts."""
+    model = make_model()
+    lr = 1e-2
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    used: list[float] = []
+    opt.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
+    idx, targets = batch(0)
+    scrambled = batch(1)[1]
+    bad = {60, 80, 81, 82, *range(200, 206), *range(206, 212), *range(212, 218), *range(218, 224)}
+    applied: list[float] = []
+    streak, cool_until, rewinds, skipped = 0, 0, 0, 0
+    expected_lr: list[float] = []
+    copy_149: dict[str, Any] = {}
+    reg = CollectorRegistry()
+    with load("recover.yaml").attach(model, registry=reg, rank=0), pytest.raises(hookpolicy.Halt) as halted:
+        for step in range(230):
+            _, loss = model(idx, scrambled if step in bad else targets)
+            assert loss is not None
+            loss.backward()
+            params, state = snapshot(model), opt_state(opt)
+            spike = _loss_spike(loss.item(), applied)
+            streak = streak + 1 if spike else 0
+            rewind = streak >= 6
+            if rewind and rewinds == 3:
+                expected_halt = step
+            if streak >= 3 and not rewind:
+                cool_until = max(cool_until, step + 100)
+            expected_lr.append(lr * 0.1 if step < cool_until else lr)
+            opt.step()
+            assert used[-1] == expected_lr[-1], step
+            if step == 149:
+                copy_149 = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+            if rewind:
+                rewinds += 1
+                streak = 0
+                assert all(torch.equal(p, copy_149["model"][n]) for n, p in model.state_dict().items()), step
+                assert same_state(opt_state(opt), [s for s in copy_149["opt"]["state"].values()]), step
+            elif spike:
+                skipped += 1
+                assert all(torch.equal(params[n], p) for n, p in model.named_parameters()), step
+                assert same_state(state, opt_state(opt)), step
+            else:
+                applied.append(loss.item())
+            opt.zero_grad(set_to_none=True)
+    assert (halted.value.rule, halted.value.step) == ("recover", expected_halt)
+    assert rewinds == 3  # the fourth halted inside its optimizer.step()
+    labels = {"policy": "recover", "rule": "recover"}
+    assert counter(reg, "hookpolicy_rewinds_total", **labels, model="GPT") == 3
+    assert counter(reg, "hookpolicy_skipped_steps_total", **labels, model="GPT") == skipped
+    assert 0.1 * lr in expected_lr and expected_lr.count(0.1 * lr) >= 100
 
 
 def test_zclip_equals_the_authors_zclip_on_a_gpt(workdir: Path) -> None:

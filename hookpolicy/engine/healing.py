@@ -115,10 +115,12 @@ class Healing:
             return
         cool = healer.alert.cool_down
         if cool is not None:
-            self._factor = cool.factor if step >= self._until else min(self._factor, cool.factor)
+            starts = step >= self._until
+            self._factor = cool.factor if starts else min(self._factor, cool.factor)
             self._until = max(self._until, step + cool.steps)
-            log.warning("%s/%s: learning rate x%g from step %d to step %d", healer.policy, healer.rule, self._factor,
-                        step, self._until - 1)
+            if starts:  # an extension is not said again: it fires at every step of a streak
+                log.warning("%s/%s: learning rate x%g from step %d to step %d (longer if it fires again)",
+                            healer.policy, healer.rule, self._factor, step, self._until - 1)
             return
         rewind = healer.alert.rewind
         assert rewind is not None  # heal_order holds cool-downs and rewinds only
