@@ -6,6 +6,8 @@
     hookpolicy apply policies/loss-spike-guard.yaml -- python bench/instability.py train --corrupt epoch --steps 100
                                                      # the README's demo (seconds): exactly steps 80-87 skipped
     python bench/instability.py overhead             # what the history functions cost per step
+    python bench/instability.py heal                 # issue 26: a divergence skipping cannot undo (lr x30
+                                                     # for 20 steps): clean, unguarded, skip-only, recover.yaml
 
 The bundled tiny GPT (`examples.charlm.TinyGPT`) learns a seeded random bigram language
 (a Markov chain over 24 symbols with peaked transition rows: a loss floor the model reaches in a few hundred steps,
@@ -32,6 +34,13 @@ Each training step is reported by the script itself, not by hookpolicy: the loss
 gradient norm before `optimizer.step()`, the gradient norm the update saw (from an
 optimizer step pre-hook the script registers, which runs after hookpolicy's), and whether
 the parameters changed. The final number is the loss on held-out text after the last step.
+
+`heal` (issue 26): the script multiplies its learning rate by 30 for steps 160-179 (`--corrupt
+lr`). The first such update damages the weights before any loss shows it, so every later
+batch's loss is a spike: skipping (bench/policies/skip-only.yaml) stops updating a damaged
+model, while policies/recover.yaml (skip, cool down, rewind to a snapshot, halt last) goes
+back to the snapshot taken before the damage. Four runs, same seed and batches: clean,
+unguarded, skip-only, the ladder; then the cost of one snapshot of this model (in-process).
 """
 
 from __future__ import annotations
@@ -61,12 +70,17 @@ EPOCH = 100
 CORRUPT = range(80, 88)
 #: the steps whose targets are scrambled with --corrupt early: while the loss still falls
 EARLY = (20, 21, 35, 50, 51, 52, 70, 90)
+#: the steps whose learning rate the script multiplies by LR_FACTOR with --corrupt lr
+HOT = range(160, 180)
+LR_FACTOR = 30.0
 
 
 def corrupted(scenario: str, step: int) -> bool:
     """Whether `step`'s batch is corrupted in `scenario` (none, epoch or early)."""
     if scenario == "epoch":
         return step % EPOCH in CORRUPT
+    if scenario == "lr":
+        return step in HOT
     return scenario == "early" and step in EARLY
 
 
@@ -106,8 +120,10 @@ def train(args: argparse.Namespace) -> None:
         x, y = batch(data, torch.randint(0, split - CONTEXT - 1, (args.batch,), generator=batches), CONTEXT)
         scrambled = torch.randint(0, SYMBOLS, y.shape, generator=scrambles)
         corrupt = corrupted(args.corrupt, step)
-        if corrupt:
+        if corrupt and args.corrupt != "lr":
             y = scrambled
+        for group in optimizer.param_groups:  # the script's own schedule: constant, x30 on HOT with --corrupt lr
+            group["lr"] = args.lr * (LR_FACTOR if corrupt and args.corrupt == "lr" else 1.0)
         logits, _ = model(x)  # the script's own criterion computes the loss (a loss module)
         loss = criterion(logits.reshape(-1, SYMBOLS), y.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
@@ -175,7 +191,7 @@ def _clipped(step: dict[str, Any]) -> bool:
     return bool(step["updated"] and step["update_norm"] is not None and step["update_norm"] < step["grad_norm"] * (1 - 1e-4))
 
 
-def run(name: str, policy: Optional[str], corrupt: str, steps: int, seed: int) -> Run:
+def run(name: str, policy: Optional[str], corrupt: str, steps: int, seed: int, stderr: Optional[list[str]] = None) -> Run:
     script = [sys.executable, str(Path(__file__).resolve()), "train", "--steps", str(steps), "--seed", str(seed),
               "--corrupt", corrupt]
     command = script if policy is None else [sys.executable, "-m", "hookpolicy", "apply", str(ROOT / policy), "--", *script]
@@ -185,6 +201,8 @@ def run(name: str, policy: Optional[str], corrupt: str, steps: int, seed: int) -
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    if stderr is not None:
+        stderr.extend(done.stderr.splitlines())
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     final = next(r for r in records if r.get("final"))
     return Run(name, policy, corrupt, [r for r in records if "step" in r], final["val_loss"], seconds)
@@ -320,6 +338,85 @@ def history_host_cost(steps: int = 20_000) -> dict[str, float]:
     return out
 
 
+HEAL_RUNS = (
+    ("clean", None, "none"),
+    ("lr x30: unguarded", None, "lr"),
+    ("lr x30: skip-only (bench/policies/skip-only.yaml)", "bench/policies/skip-only.yaml", "lr"),
+    ("lr x30: recover.yaml (skip, cool down, rewind, halt)", "policies/recover.yaml", "lr"),
+)
+
+
+def heal(steps: int, seed: int) -> str:
+    """Issue 26's proof: the table of HEAL_RUNS, and what a snapshot of this model costs."""
+    import re
+
+    lines = ["| run | final held-out loss | vs clean | steps skipped | rewinds | steps dropped by rewinds | wall s |",
+             "|---|---|---|---|---|---|---|"]
+    loads = [os.getloadavg()[0]]
+    clean = None
+    for name, policy, corrupt in HEAL_RUNS:
+        said: list[str] = []
+        r = run(name, policy, corrupt, steps, seed, said)
+        loads.append(os.getloadavg()[0])
+        clean = r.val_loss if clean is None else clean
+        rewound = [re.search(r"the (\d+) steps", line) for line in said if "rewound at step" in line]
+        dropped = sum(int(m.group(1)) for m in rewound if m)
+        lines.append(f"| {name} | {r.val_loss:.4f} | {100 * (r.val_loss / clean - 1):+.2f}% | "
+                     f"{_summary_count(said, 'skipped')} | {len(rewound)} | {dropped} | {r.seconds:.0f} |")
+        print(f"{name}: held-out loss {r.val_loss:.4f} ({r.seconds:.0f} s)", file=sys.stderr, flush=True)
+    size, seconds, scan, objects = snapshot_cost(seed)
+    lines += ["", f"One snapshot of this model (TinyGPT, AdamW state included): {size / 1024:.0f} KiB of host memory, "
+              f"{seconds * 1e3:.2f} ms on the CPU (median of 200, 1 thread), of which {scan * 1e3:.2f} ms are the "
+              f"heap scan for LR schedulers and GradScalers ({objects} objects on the heap); recover.yaml takes one "
+              f"every 50 steps and keeps 2: {2 * size / 1024:.0f} KiB, {seconds * 1e3 / 50:.3f} ms a step on average.",
+              "", f"Load average (1 min) during the runs: {min(loads):.1f}-{max(loads):.1f}."]
+    return "\n".join(lines)
+
+
+def _summary_count(said: list[str], what: str) -> int:
+    """`skipped N steps` from the run summary's line of the policy's rule (0 when it has none)."""
+    import re
+
+    for line in said:
+        found = re.search(rf"{what} (\d+) step", line)
+        if found:
+            return int(found.group(1))
+    return 0
+
+
+def snapshot_cost(seed: int) -> tuple[int, float, float, int]:
+    """Bytes of one snapshot of the bench's model with its AdamW state, the median seconds to take one,
+    the median seconds of its heap scan alone, and the objects on the heap."""
+    import gc
+    import statistics
+
+    from hookpolicy.engine.heap import live_of
+
+    from hookpolicy.engine.snapshots import Snapshots
+
+    torch.set_num_threads(1)
+    data = corpus(seed)
+    torch.manual_seed(seed)
+    model = TinyGPT(SYMBOLS, context=CONTEXT)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = batch(data, torch.arange(0, 16 * 97, 97), CONTEXT)
+    model(x, y)[1].backward()
+    optimizer.step()
+    snapshots = Snapshots(model, every=1, keep=2, name="bench")
+    snapshots.before_update(optimizer)
+    times = []
+    for step in range(200):
+        start = time.perf_counter()
+        snapshots.take_if_due(step)
+        times.append(time.perf_counter() - start)
+    scans = []
+    for _ in range(50):
+        start = time.perf_counter()
+        live_of(torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)
+        scans.append(time.perf_counter() - start)
+    return snapshots.kept[-1].nbytes, statistics.median(times), statistics.median(scans), len(gc.get_objects())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command")
@@ -327,11 +424,14 @@ def main() -> None:
     for q in (p, t):
         q.add_argument("--steps", type=int, default=300)
         q.add_argument("--seed", type=int, default=0)
-    t.add_argument("--corrupt", choices=("none", "epoch", "early"), default="none",
+    t.add_argument("--corrupt", choices=("none", "epoch", "early", "lr"), default="none",
                    help="scramble the targets of batches 80-87 of every 100 (epoch) or of steps 20, 21, 35, 50-52, 70, 90 "
-                        "(early: while the loss still falls)")
+                        "(early: while the loss still falls), or multiply the lr by 30 on steps 160-179 (lr)")
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--batch", type=int, default=16)
+    h = sub.add_parser("heal", help="issue 26: clean, unguarded, skip-only and recover.yaml on lr x30 for 20 steps")
+    h.add_argument("--steps", type=int, default=300)
+    h.add_argument("--seed", type=int, default=0)
     o = sub.add_parser("overhead", help="what the history functions cost per step (interleaved timing)")
     o.add_argument("--rounds", type=int, default=300)
     o.add_argument("--seed", type=int, default=0)
@@ -342,6 +442,9 @@ def main() -> None:
         return
     if args.command == "overhead":
         print(overhead(args.rounds, args.seed))
+        return
+    if args.command == "heal":
+        print(heal(args.steps, args.seed))
         return
     runs = []
     loads = [os.getloadavg()[0]]

@@ -16,13 +16,12 @@ Types are tested with `issubclass(type(o), ...)`, never `isinstance`: `isinstanc
 from __future__ import annotations
 
 import gc
-from typing import TypeVar
+from typing import Any
 
 import torch
 
 __all__ = ["live_modules", "live_of", "live_optimizers"]
 
-T = TypeVar("T")
 
 
 def live_optimizers(collect: bool = False) -> list[torch.optim.Optimizer]:
@@ -44,7 +43,8 @@ def live_modules() -> list[torch.nn.Module]:
     return [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
 
 
-def live_of(kind: type[T]) -> list[T]:
-    """Every object of `kind` (a subclass included) alive in the process: LR schedulers and GradScalers
-    for a snapshot (`snapshots`), which has no other way to find what steps an optimizer's lr or scale."""
-    return [o for o in gc.get_objects() if issubclass(type(o), kind)]
+def live_of(*kinds: type) -> list[Any]:
+    """Every object of one of `kinds` (subclasses included) alive in the process, in one scan: LR
+    schedulers and GradScalers for a snapshot (`snapshots`), which has no other way to find what
+    steps an optimizer's lr or scale."""
+    return [o for o in gc.get_objects() if issubclass(type(o), kinds)]

@@ -191,10 +191,12 @@ class Snapshots:
         if side is not None:
             self._pending = (side.device, side.record_event())
         held = {id(o) for o in optimizers}
-        schedulers = [(s, copy.deepcopy(s.state_dict())) for s in live_of(torch.optim.lr_scheduler.LRScheduler)
-                      if id(getattr(s, "optimizer", None)) in held]
-        scalers = [(s, s._scale.clone(), s._growth_tracker.clone()) for s in live_of(torch.amp.GradScaler)
-                   if s._scale is not None and s._growth_tracker is not None
+        found = live_of(torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)  # one heap scan
+        schedulers = [(s, copy.deepcopy(s.state_dict())) for s in found
+                      if issubclass(type(s), torch.optim.lr_scheduler.LRScheduler)
+                      and id(getattr(s, "optimizer", None)) in held]
+        scalers = [(s, s._scale.clone(), s._growth_tracker.clone()) for s in found
+                   if issubclass(type(s), torch.amp.GradScaler) and s._scale is not None and s._growth_tracker is not None
                    and any(i in held for i in s._per_optimizer_states)]
         return Snapshot(step, copies, states, schedulers, scalers)
 
