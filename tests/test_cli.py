@@ -537,3 +537,30 @@ spec:
         f"{at('l2_nrm')} unknown statistic 'l2_nrm'; did you mean 'l2_norm'? one of: {', '.join(sorted(STATS))}",
         f"{at(END)} expected a number, a name, a function or '(' after '>' but found 'the end'",
     ]
+
+
+def test_a_negation_is_answered_with_the_opposite_comparison(tmp_path: Path) -> None:
+    """The language has no `not`; `!` is answered with what to write instead, and the
+    hint's suggestion (the opposite comparison) is itself accepted by check."""
+    path = tmp_path / "negation.yaml"
+    text = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {name: negation}
+spec:
+  rules:
+    - name: r
+      match: {types: [Linear]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - alert: {if: "!(l2_norm > 1)"}
+"""
+    path.write_text(text)
+    result = invoke("check", str(path))
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        f"{path}:11:24: $.spec.rules[0].actions[0].alert.if: invalid condition: unexpected character '!'; "
+        "the language has no 'not': write the opposite comparison (<= for >, != for ==)"]
+    path.write_text(text.replace("!(l2_norm > 1)", "l2_norm <= 1"))
+    assert invoke("check", str(path)).exit_code == 0

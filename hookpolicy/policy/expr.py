@@ -658,6 +658,7 @@ def _did_you_mean(text: str, options: Mapping[str, Any]) -> str:
 
 
 #: the operators of C and Python's bit operators that people write for `and`, `or`, `not`
+#: (the language has no `not`: a negation is the opposite comparison)
 _C_OPERATORS = (("&&", "and"), ("||", "or"), ("&", "and"), ("|", "or"), ("!", "not"))
 
 
@@ -674,7 +675,8 @@ def _tokenize(text: str, c_operators: list[ExprError]) -> list[tuple[str, str, i
         m = _TOKEN.match(text, pos)
         if m is None or m.end() == pos:
             sign, word = next(((s, w) for s, w in _C_OPERATORS if text.startswith(s, pos)), (text[pos], None))
-            hint = f"; write {word!r} to {'negate' if word == 'not' else 'combine'} comparisons" if word else ""
+            hint = (f"; write {word!r} to combine comparisons" if word in ("and", "or") else
+                    "; the language has no 'not': write the opposite comparison (<= for >, != for ==)" if word else "")
             error = ExprError(f"unexpected character {text[pos]!r}{hint}", pos)
             if word not in ("and", "or"):  # the C operators said so far come first: they are earlier
                 first, *others = [*c_operators, error][:MAX_EXPR_ERRORS]
