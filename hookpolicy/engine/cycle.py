@@ -94,7 +94,7 @@ class StepCycle:
         self.installer = HookInstaller(plan, self.rules, self.executor)
         self.agreement = Agreement(policies, self.rules, generation, store.model)
         self._steps = StepTracker(model, phase, self.rules, store.model)
-        self.replicas = Replicas(model, self._steps)
+        self.replicas = Replicas(model)
         self.readback = Readback(store, policies, output_root(), rank, self.history, self.replicas.exported)
         self._hidden = HiddenGrads()
         self.updates = Updates(self.programs)
@@ -329,7 +329,18 @@ class StepCycle:
     def _output_grad(self, grad: torch.Tensor) -> None:
         """On the root's outputs: the first one to fire marks a backward pass."""
         if self._steps.backward_starts():
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_the_pass)
+
+    def _after_the_pass(self) -> None:
+        """Queue the end of the backward pass again, behind the callbacks queued during the pass.
+
+        The engine runs its final callbacks in the order they were queued, including those
+        queued by a callback (`GraphTask::exec_post_processing` walks the list by index).
+        DDP's reducer queues `finalize_backward`, which writes the averaged gradients, when
+        its last bucket is ready, after this cycle's first callback: queued from here, the
+        step of a script that steps no optimizer reads the gradients DDP averaged.
+        """
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self) -> None:
         if self._steps.backward_done():  # no optimizer steps this model: the backward pass is the step

@@ -14,11 +14,10 @@ and each rank's with `ranks: own`; so are an activation rule's with `ranks: job`
 and per rank otherwise:
 
 - a process group of more than one rank is up;
-- the rule is a `step` rule on `grad`, `weight`, `update` or `optimizer_state`, and an
-  optimizer's `step()` takes the step (`steps.StepTracker.mode`). Where no optimizer steps the model, the step is
-  evaluated in an autograd callback that hookpolicy queues at the start of the backward
-  pass, before the one DDP's reducer queues to finish its all-reduce, so the gradients
-  may still be the rank's own;
+- the rule is a `step` rule on `grad`, `weight`, `update` or `optimizer_state`. Where no
+  optimizer steps the model, the step is evaluated in an autograd callback that the step
+  cycle queues behind the one DDP's reducer queues to finish its all-reduce
+  (`cycle.StepCycle._after_the_pass`), so it reads the averaged gradients too;
 - every parameter the rule reads is either
   * a `DTensor` (FSDP2 `fully_shard`, HSDP) on a device mesh of the whole default group:
     its statistics are those of the full tensor (`distributed.reduce_shards` reduces the
@@ -62,7 +61,6 @@ from ..process import Once
 from . import module_hooks
 from .heap import live_modules
 from .rulestate import RuleState
-from .steps import StepTracker
 
 __all__ = ["Replicas", "job_rank"]
 
@@ -83,15 +81,13 @@ def job_rank() -> Optional[int]:
 class Replicas:
     """Which capture series of one attachment this rank exports; see the module docstring.
 
-    `steps.mode` is the attachment's step mode (`"optimizer"`, `"manual"`, `"unknown"`).
     A rule's answer is kept until its bindings change (a rebind gives it a new list).
     """
 
-    def __init__(self, model: torch.nn.Module, steps: StepTracker) -> None:
-        # Both weakly: the read-back holds `exported`, and a dropped model's read-back stays
-        # with the process until its leftovers are removed (`cycle.Leftovers`).
+    def __init__(self, model: torch.nn.Module) -> None:
+        # Weakly: the read-back holds `exported`, and a dropped model's read-back stays with
+        # the process until its leftovers are removed (`cycle.Leftovers`).
         self._model = weakref.ref(model)
-        self._steps = weakref.ref(steps)
         self._known: dict[tuple[str, str], tuple[int, Optional[str]]] = {}  # rule -> (id of its bindings, why per rank)
         #: the forward pre-hooks that watch each DDP wrapper's gradient sync (removed with the cycle's)
         self.handles: list[Any] = []
@@ -126,14 +122,7 @@ class Replicas:
             return None
         if rs.rule.trigger.at != "step" or rs.rule.target not in _PARAMETERS:
             return f"target {rs.rule.target} at {rs.rule.trigger.at} is each rank's own"
-        why = self.watch(rs)
-        steps = self._steps()
-        mode = "unknown" if steps is None else steps.mode
-        if why is None and mode != "optimizer":
-            why = "no optimizer steps this model, so its step is evaluated before DDP's all-reduce has finished"
-            if mode == "manual":
-                self._say(rs, why)
-        return why
+        return self.watch(rs)
 
     def watch(self, rs: RuleState) -> Optional[str]:
         """Why the parameters of `rs` may differ by rank, kept until its bindings change; said once by rank 0.
