@@ -144,11 +144,10 @@ class Snapshots:
         if (step + 1) % self.every or self._several:
             return
         model = self._model()
-        optimizers = list(self._optimizers)
-        if model is None or not optimizers:
+        if model is None or not self._optimizers:
             return
         slot = self.kept.pop(0) if len(self.kept) == self.keep else None
-        snapshot = self._take(model, optimizers, step + 1, slot)
+        snapshot = self._take(model, step + 1, slot)
         self.kept.append(snapshot)
         if self._said_size():
             log.info("%s: first snapshot for then: rewind after step %d: %s (x %d kept at most); %d LR schedulers, "
@@ -178,7 +177,7 @@ class Snapshots:
     def _ordered(self) -> list[torch.optim.Optimizer]:
         return sorted(self._optimizers, key=id)
 
-    def _take(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], step: int,
+    def _take(self, model: torch.nn.Module, step: int,
               slot: Optional[Snapshot]) -> Snapshot:
         optimizers = self._ordered()
         side = self._side_stream(model)
