@@ -796,3 +796,213 @@ def test_observe_logs_what_its_header_says(workdir: Path) -> None:
         assert (v["rms"], v["zero_fraction"]) == pytest.approx(activations[s][n], rel=1e-5)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)  # it only watches
+
+
+def _alert_records(path: Path) -> list[dict[str, Any]]:
+    """The alert records of a HOOKPOLICY_ALERT_LOG file (none when nothing fired)."""
+    return json_lines(path) if path.exists() else []
+
+
+def test_observe_calls_a_nan_or_inf_loss_critical_and_changes_nothing(
+        workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """observe.yaml: "A NaN or Inf in the loss is a critical alert. It changes nothing: no clip, no
+    skipped step." The script backpropagates `loss + nan` at step 3 and `loss + inf` at step 5 (a
+    constant added: the gradients stay the loss's own, finite). The alert records are exactly those
+    two steps', critical, and hookpolicy_alerts_total counts them; every step is applied: the
+    parameters stay bit for bit those of a twin trained on the same losses without the policy."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    model = make_model()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    poison = {3: float("nan"), 5: float("inf")}
+    reg = CollectorRegistry()
+    with load("observe.yaml").attach(model, registry=reg, rank=0):
+        for step in range(8):
+            for m, o in ((model, opt), (twin, twin_opt)):
+                loss = m(*batch(step))[1]
+                assert loss is not None
+                (loss + poison.get(step, 0.0)).backward()
+                o.step()
+                o.zero_grad(set_to_none=True)
+            assert _same(snapshot(model), snapshot(twin)), step
+    alerts = _alert_records(tmp_path / "alerts.jsonl")
+    assert [(a["rule"], a["step"], a["severity"], a["outcome"]) for a in alerts] == [
+        ("loss", 3, "critical", "logged"), ("loss", 5, "critical", "logged")]
+    assert [a["message"] for a in alerts] == ["the loss is not finite at step 3", "the loss is not finite at step 5"]
+    assert counter(reg, "hookpolicy_alerts_total", policy="observe", rule="loss", severity="critical") == 2
+    assert counter(reg, "hookpolicy_skipped_steps_total", policy="observe", rule="loss") == 0
+
+
+def test_explosion_guard_counts_a_non_finite_norm_as_beyond_the_limit(workdir: Path) -> None:
+    """explosion-guard.yaml: "a critical alert when it is above 1000 or contains NaN/Inf. After 3
+    consecutive such steps the run halts". Gradients of a normal size, one element poisoned by the
+    test: NaN, then Inf, then NaN; the third halts. A poisoned step between clean ones never does.
+    (The poisoned weight is left out of the optimizer, so lr 0 keeps every weight finite.)"""
+    policies = load("explosion-guard.yaml")
+    labels = {"policy": "explosion-guard", "rule": "global-grad-norm"}
+
+    def run(model: nn.Module, poison: dict[int, float], steps: int) -> int:
+        weight = model.transformer.h[0].attn.c_proj.weight
+        opt = torch.optim.SGD([p for p in model.parameters() if p is not weight], lr=0.0)
+        taken = 0
+        for step in range(steps):
+            loss = model(*batch(step))[1]
+            assert loss is not None
+            loss.backward()
+            assert weight.grad is not None and torch.linalg.vector_norm(weight.grad) < 1000  # no explosion by itself
+            if step in poison:
+                weight.grad[0, 0] = poison[step]
+            opt.step()
+            model.zero_grad(set_to_none=True)
+            taken += 1
+        return taken
+
+    model, reg = make_model(), CollectorRegistry()
+    with pytest.raises(hookpolicy.Halt) as halted:
+        with policies.attach(model, registry=reg, rank=0):
+            run(model, {2: float("nan"), 3: float("inf"), 4: float("nan")}, 8)
+    assert (halted.value.rule, halted.value.step) == ("global-grad-norm", 4)
+    assert "(non-finite: 1)" in halted.value.message
+    assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") == 1
+
+    model, reg = make_model(), CollectorRegistry()
+    with policies.attach(model, registry=reg, rank=0):
+        assert run(model, {s: float("nan") for s in range(9) if s % 3 != 2}, 9) == 9
+        assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") == 0
+        assert stat(reg, "hookpolicy_grad_nonfinite", **labels) == 0  # step 8 was clean
+
+
+def test_recover_takes_a_nan_loss_for_a_spike_up_its_ladder(
+        workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """recover.yaml: a loss that is "not finite" is a spike, from the first step on (before any
+    history), and climbs the ladder like any other: the script backpropagates `loss + nan` (the
+    gradients stay finite, so only the loss tells) at step 0, at step 5, and at the six steps 62-67;
+    a rewind at 67 goes back to the test's own copy taken after step 49 (the newest snapshot at least
+    10 steps older) and the counts in a row start again, so the NaN losses of 68 and 69 are single
+    skips. Each step's alert records (rung, severity, outcome), the lr the optimizer's own pre-hook
+    sees and the parameters and AdamW state are checked against the ladder the test climbs itself."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    model = make_model()
+    lr = 1e-2
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    used: list[float] = []
+    opt.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
+    idx, targets = batch(0)
+    nan = {0, 5, *range(62, 68), 68, 69}
+    applied: list[float] = []
+    streak, cool_until = 0, 0
+    expected: list[tuple[int, str, str, str]] = []  # (step, then, severity, outcome) of each alert record
+    copy_49: dict[str, Any] = {}
+    reg = CollectorRegistry()
+    with load("recover.yaml").attach(model, registry=reg, rank=0):
+        for step in range(74):
+            loss = model(idx, targets)[1]
+            assert loss is not None
+            (loss + float("nan") if step in nan else loss).backward()
+            params, state = snapshot(model), opt_state(opt)
+            spike = step in nan or _loss_spike(loss.item(), applied)
+            assert spike == (step in nan), step  # the clean steps of a batch learned by heart hold no spike
+            streak = streak + 1 if spike else 0
+            rewind = streak >= 6
+            if spike:
+                expected.append((step, "skip_step", "warning", "step skipped"))
+            if streak >= 3:
+                # at a rewind's step the cool-down's alert fires too, and the rewind takes the step
+                expected.append((step, "cool_down", "warning", "cooling down" if not rewind else "(not checked)"))
+                if not rewind:
+                    cool_until = max(cool_until, step + 100)
+            if rewind:
+                expected.append((step, "rewind", "critical", "rewinding"))
+            opt.step()
+            assert used[-1] == (lr * 0.1 if step < cool_until else lr), step
+            seen = {k: stat(reg, f"hookpolicy_loss_{k}", "recover", "recover") for k in ("mean", "max", "nonfinite")}
+            assert seen["nonfinite"] == (step in nan), step
+            assert math.isnan(seen["mean"]) if step in nan else seen["mean"] == seen["max"] == pytest.approx(loss.item())
+            if step == 49:
+                copy_49 = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+            if rewind:
+                streak = 0
+                assert all(torch.equal(p, copy_49["model"][n]) for n, p in model.state_dict().items()), step
+                assert same_state(opt_state(opt), list(copy_49["opt"]["state"].values())), step
+            elif spike:
+                assert _same(params, snapshot(model)) and same_state(state, opt_state(opt)), step
+            else:
+                applied.append(loss.item())
+            opt.zero_grad(set_to_none=True)
+    alerts = _alert_records(tmp_path / "alerts.jsonl")
+    assert [(a["step"], a["then"], a["severity"], a["outcome"] if e[3] != "(not checked)" else e[3])
+            for a, e in zip(alerts, expected)] == expected and len(alerts) == len(expected)
+    assert all(a["stats"]["nonfinite"] == 1 for a in alerts)
+    labels = {"policy": "recover", "rule": "recover"}
+    for severity in ("warning", "critical"):
+        assert counter(reg, "hookpolicy_alerts_total", **labels, severity=severity) == sum(
+            e[2] == severity for e in expected)
+    assert counter(reg, "hookpolicy_skipped_steps_total", **labels, model="GPT") == len(nan)
+    assert counter(reg, "hookpolicy_rewinds_total", **labels, model="GPT") == 1
+
+
+def test_example_monitor_does_rule_by_rule_what_its_header_says(
+        workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """example-monitor.yaml on its example's model (examples/train_mlp.py, SGD with momentum):
+    nan-guard skips the step whose gradients hold an Inf (the test's twin simply does not step
+    there: parameters and momentum stay bit for bit the twin's) with one critical alert, counted;
+    grad-norms, at every step, is each Linear's weight-and-bias gradient norm and largest magnitude
+    (torch.linalg); layer-outputs, at steps 0 and 10 only, the rms, largest magnitude and non-finite
+    count of each Linear's output, as the test's own forward hooks saw it (before the in-place ReLU)."""
+    import examples.train_mlp
+
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    model = examples.train_mlp.build_model()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [m.register_forward_hook(lambda mod, a, out, n=n: outputs.__setitem__(n, out.detach().clone()))
+               for n, m in linears.items()]
+    x, y = examples.train_mlp.make_data(0, 64)
+    poisoned = 4
+    reg = CollectorRegistry()
+
+    def gauge(rule: str, family: str, module: str) -> float:
+        return stat(reg, family, "example-monitor", rule, module)
+
+    try:
+        with load("example-monitor.yaml").attach(model, registry=reg, rank=0):
+            for step in range(12):
+                rows = slice(4 * step, 4 * step + 16)
+                for m in (model, twin):
+                    F.mse_loss(m(x[rows]), y[rows]).backward()
+                grads = {n: torch.cat([p.grad.flatten() for p in mod.parameters()]) for n, mod in linears.items()}
+                if step == poisoned:
+                    linears["2"].weight.grad[0, 0] = float("inf")
+                else:
+                    twin_opt.step()
+                seen = {n: (o.pow(2).mean().sqrt().item(), o.abs().max().item()) for n, o in outputs.items()}
+                opt.step()
+                assert _same(snapshot(model), snapshot(twin)), step
+                assert same_state(opt_state(opt), opt_state(twin_opt)), step
+                if step != poisoned:
+                    for n, g in grads.items():
+                        assert gauge("grad-norms", "hookpolicy_grad_l2_norm", n) == pytest.approx(
+                            torch.linalg.vector_norm(g).item(), rel=1e-6)
+                        assert gauge("grad-norms", "hookpolicy_grad_abs_max", n) == g.abs().max().item()
+                if step % 10 == 0:
+                    at_step = seen
+                for n, (rms, abs_max) in at_step.items():  # steps 1-9 and 11 keep step 0's and 10's values
+                    assert gauge("layer-outputs", "hookpolicy_output_rms", n) == pytest.approx(rms, rel=1e-6), step
+                    assert gauge("layer-outputs", "hookpolicy_output_abs_max", n) == abs_max, step
+                    assert gauge("layer-outputs", "hookpolicy_output_nonfinite", n) == 0
+                assert seen != at_step or step % 10 == 0  # the outputs did change in between
+                opt.zero_grad()
+                twin_opt.zero_grad()
+    finally:
+        for h in handles:
+            h.remove()
+    labels = {"policy": "example-monitor", "rule": "nan-guard"}
+    alerts = _alert_records(tmp_path / "alerts.jsonl")
+    assert [(a["rule"], a["step"], a["severity"], a["outcome"]) for a in alerts] == [
+        ("nan-guard", poisoned, "critical", "step skipped")]
+    assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") == 1
+    assert counter(reg, "hookpolicy_skipped_steps_total", **labels) == 1
