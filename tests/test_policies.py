@@ -1006,3 +1006,117 @@ def test_example_monitor_does_rule_by_rule_what_its_header_says(
         ("nan-guard", poisoned, "critical", "step skipped")]
     assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") == 1
     assert counter(reg, "hookpolicy_skipped_steps_total", **labels) == 1
+
+
+def test_gradient_monitor_combines_micro_batches_every_10th_step_and_only_watches(
+        workdir: Path, grad_outputs: Any) -> None:
+    """gradient-monitor.yaml: "every 10th step, on every backward pass, reads the gradient with
+    respect to the output of each Linear (micro-batches of a step are combined)" and "It only
+    watches: nothing is clipped or skipped". Two micro-batches a step: the statistics of steps 0 and
+    10 are those of both micro-batches' grad_output together (the test's own tensor hooks), steps
+    1-9 leave them as they were; a loss scaled by 1e4 at step 10 fires the warning alert, and the
+    parameters stay bit for bit those of a twin trained without the policy."""
+    model = make_model()
+    twin = copy.deepcopy(model)
+    seen = grad_outputs(model, nn.Linear)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    reg = CollectorRegistry()
+    labels = {"policy": "gradient-monitor", "rule": "layer-grads"}
+    expected: dict[str, float] = {}
+    with load("gradient-monitor.yaml").attach(model, registry=reg, rank=0):
+        for step in range(11):
+            seen.clear()
+            for micro in range(2):
+                for m in (model, twin):
+                    loss = m(*batch(2 * step + micro))[1]
+                    assert loss is not None
+                    (loss * (1e4 if step == 10 else 1.0) / 2).backward()
+            for m, o in ((model, opt), (twin, twin_opt)):
+                o.step()
+                o.zero_grad(set_to_none=True)
+            assert _same(snapshot(model), snapshot(twin)), step
+            if step % 10 == 0:
+                assert all(len(gs) == 2 for gs in seen.values())
+                expected = {name: torch.linalg.vector_norm(torch.cat([g.flatten() for g in gs]).double()).item()
+                            for name, gs in seen.items()}
+                for name, gs in seen.items():
+                    g = torch.cat([g.flatten() for g in gs]).double()
+                    assert stat(reg, "hookpolicy_grad_output_std", **labels, module=name) == pytest.approx(g.std().item(), rel=1e-4)
+                    assert stat(reg, "hookpolicy_grad_output_max", **labels, module=name) == pytest.approx(g.max().item(), rel=1e-6)
+            for name, norm in expected.items():
+                assert stat(reg, "hookpolicy_grad_output_l2_norm", **labels, module=name) == pytest.approx(norm, rel=1e-5), step
+            fired = counter(reg, "hookpolicy_alerts_total", **labels, severity="warning")
+            assert fired == (sum(norm > 10 for norm in expected.values()) if step == 10 else 0), step
+    assert min(expected.values()) > 10  # the scaled step's norms: every layer's warning fired, nothing was clipped
+
+
+def test_feature_extraction_summary_and_its_byte_budget(workdir: Path, tmp_path: Path) -> None:
+    """feature-extraction.yaml: "Saving stops at max_files files or max_bytes bytes, whichever comes
+    first. The shape-free summary (l2_norm, mean, std) of the same outputs is exported". With a
+    byte budget of two and a half files (a file's size: the test's own torch.save) two files are
+    written, the rest is not; the summary keeps flowing and equals torch's on the outputs the test's
+    own hooks saw."""
+    import io
+
+    model = make_model()
+    names = ["transformer.h.0", "transformer.h.1", "transformer.ln_f"]
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [model.get_submodule(n).register_forward_hook(lambda mod, a, out, n=n: outputs.__setitem__(n, out.detach().clone()))
+               for n in names]
+    size = io.BytesIO()
+    torch.save(torch.zeros(4, 16, 32), size)
+    budget = int(2.5 * len(size.getvalue()))
+    text = (POLICIES / "feature-extraction.yaml").read_text().replace("every: 100", "every: 1")
+    text = text.replace("max_bytes: 2147483648", f"max_bytes: {budget}")
+    reg = CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    try:
+        with load_text(tmp_path, text).attach(model, registry=reg, rank=0):
+            for step in range(3):
+                train_step(model, opt, step)
+                for n, out in outputs.items():
+                    got = {k: stat(reg, f"hookpolicy_output_{k}", "feature-extraction", "save-features", n)
+                           for k in ("l2_norm", "mean", "std")}
+                    o = out.double()
+                    assert got == pytest.approx({"l2_norm": torch.linalg.vector_norm(o).item(), "mean": o.mean().item(),
+                                                 "std": o.std().item()}, rel=1e-5, abs=1e-6), (step, n)  # ln_f's mean: about 0
+    finally:
+        for h in handles:
+            h.remove()
+    files = sorted((workdir / "features").glob("*.pt"))
+    assert [f.name for f in files] == ["step00000000-transformer.h.0-output.pt", "step00000000-transformer.h.1-output.pt"]
+    assert sum(f.stat().st_size for f in files) <= budget
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_freeze_embeddings_under_adamw_is_a_zero_gradient(workdir: Path, weight_decay: float) -> None:
+    """freeze-embeddings.yaml's trap: "a zero gradient is still a gradient ... Adam/AdamW with
+    weight_decay 0 leave the weights untouched; AdamW's decoupled weight decay (p -= lr * wd * p)
+    ... still moves them." Against a twin whose script zeroes the embeddings' gradients by hand:
+    the same weights bit for bit, every step; still at their start with weight_decay 0, and at
+    start * (1 - lr * wd) ** steps with 0.1."""
+    model = make_model()
+    twin = copy.deepcopy(model)
+    start = model.transformer.wpe.weight.detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=weight_decay)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=weight_decay)
+    with load("freeze-embeddings.yaml").attach(model, registry=CollectorRegistry(), rank=0):
+        for step in range(3):
+            for m, o in ((model, opt), (twin, twin_opt)):
+                loss = m(*batch(step))[1]
+                assert loss is not None
+                loss.backward()
+                if m is twin:
+                    for p in (twin.transformer.wte.weight, twin.transformer.wpe.weight):
+                        assert p.grad is not None
+                        p.grad.zero_()
+                o.step()
+                o.zero_grad(set_to_none=True)
+            assert _same(snapshot(model), snapshot(twin)), step
+    wpe = model.transformer.wpe.weight.detach()
+    if weight_decay == 0:
+        assert torch.equal(wpe, start)
+    else:
+        assert not torch.equal(wpe, start)
+        torch.testing.assert_close(wpe, start * (1 - 1e-2 * weight_decay) ** 3)
