@@ -118,10 +118,10 @@ def test_values_are_converted_to_their_model_types() -> None:
           actions:
             - scale: {factor: 2}
             - capture: {stats: [rms], per: tensor, log: {path: logs/rms.jsonl}}
-        """, spec="limits: {maxSeries: 5, maxHistoryValues: 300.0}\nonError: halt\n")
+        """, spec="limits: {maxSeries: 5, maxJobSeries: 40.0, maxHistoryValues: 300.0}\nonError: halt\n")
     (rule,) = policy.rules
-    assert (policy.max_series, policy.max_history_values, policy.on_error) == (5, 300, "halt")
-    assert isinstance(policy.max_history_values, int)
+    assert (policy.max_series, policy.max_job_series, policy.max_history_values, policy.on_error) == (5, 40, 300, "halt")
+    assert isinstance(policy.max_history_values, int) and isinstance(policy.max_job_series, int)
     assert rule.select == (0, "logits") and rule.priority == 7
     assert rule.trigger == Trigger(at="forward", every=2, steps_until=10, phase="any")
     assert isinstance(rule.trigger.every, int)

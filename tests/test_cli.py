@@ -126,6 +126,17 @@ def test_check_without_any_policy_is_a_usage_error() -> None:
 # -- explain -----------------------------------------------------------------------------
 
 
+def test_explain_says_what_max_job_series_counts(tmp_path: Path) -> None:
+    policy = tmp_path / "budgeted.yaml"
+    policy.write_text(Path(MONITOR).read_text().replace("spec:\n", "spec:\n  limits: {maxJobSeries: 300}\n", 1))
+    result = invoke("explain", str(policy), "--model", "examples.train_mlp:build_model")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == (
+        "note: example-monitor: spec.limits.maxJobSeries=300: the job exports at most that many of its statistic "
+        "series, all ranks together; a series exported once per job counts 1, one every rank exports counts the "
+        "number of ranks; first published, first kept")
+
+
 def test_explain_text_table() -> None:
     result = invoke("explain", MONITOR, "--model", "examples.train_mlp:build_model")
     assert result.exit_code == 0, result.output

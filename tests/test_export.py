@@ -238,3 +238,16 @@ def test_grafana_rows_name_the_target_of_every_statistic() -> None:
     assert "hookpolicy_grad_abs_max" in stat_rows["Statistics: grad"]
     assert "hookpolicy_output_abs_max" in stat_rows["Statistics: output"]
     assert set(stat_rows) <= {f"Statistics: {t}" for t in ("input", "output", "grad_output", "grad_input", "grad", "weight")}
+
+
+def test_the_series_dropped_alert_names_the_limits_the_policy_sets(tmp_path: Path) -> None:
+    from helpers.policies import load_policy
+    capture = "- name: g\n  match: {types: [Linear]}\n  trigger: {at: step}\n  target: grad\n" \
+              "  actions: [{capture: {stats: [l2_norm]}}]\n"
+    for spec, named in (("", "(maxSeries 10000)"), ("limits: {maxSeries: 50, maxJobSeries: 400}\n",
+                                                    "(maxSeries 50, maxJobSeries 400)")):
+        (policy,) = load_policy(tmp_path, capture, spec=spec).policies
+        (dropped,) = [r for _, r in _alert_rules(yaml.safe_load(prometheus_rules([policy])))
+                      if "hookpolicy_series_dropped_total" in r["expr"]]
+        assert named in dropped["annotations"]["description"]
+        assert dropped["annotations"]["summary"].endswith("maxSeries or maxJobSeries" if "Job" in named else "maxSeries")

@@ -15,7 +15,10 @@ from prometheus_client import CollectorRegistry, Counter
 
 import hookpolicy
 from helpers.outputs import metric
-from hookpolicy.export.metrics import FAMILIES, HOOK_ERRORS, STEPS, Family, MetricsStore, stat_family, store_for
+from hookpolicy.export.metrics import (
+    FAMILIES, HOOK_ERRORS, SERIES_DROPPED, STEPS, Family, MetricsStore, stat_family, store_for,
+)
+from hookpolicy.policy.model import Policy
 
 POLICY = """\
 apiVersion: hookpolicy/v1
@@ -44,6 +47,59 @@ def test_the_store_refuses_families_it_does_not_export() -> None:
     store.inc(STEPS, ("Net",))
     engine, stats = store.snapshot()
     assert engine == {"hookpolicy_steps": {("Net",): 1.0}} and stats == {"hookpolicy_grad_l2_norm": {("p", "r", "", ""): 1.0}}
+
+
+def _stored(store: MetricsStore) -> set[tuple[str, tuple[str, ...]]]:
+    return {(family, labels) for family, series in store.snapshot()[1].items() for labels in series}
+
+
+def _dropped(store: MetricsStore) -> float:
+    return store.snapshot()[0].get(SERIES_DROPPED.name, {}).get(("p",), 0.0)
+
+
+def test_the_job_budget_counts_a_series_each_rank_exports_once_per_rank() -> None:
+    """maxJobSeries on 2 ranks: a job's series costs 1, a rank's own costs 2, counted alike on both ranks.
+
+    In publish order: own0 (2), job0 (1), own1 (2), job1 (1) make 6 of 7; own2 (2) does not
+    fit, job2 (1) does, job3 does not. Rank 0 exports the 3 job series and 2 of its own,
+    rank 1 its 2 own: 7 series in the job. Each drop is counted once, by the rank that
+    would have exported the series: own2 on both, job3 on rank 0.
+    """
+    policies = {"p": Policy(name="p", source="", revision="", rules=(), max_job_series=7)}
+    own = [(stat_family("output", "rms"), ("p", "acts", f"m{i}", "")) for i in range(3)]
+    job = [(stat_family("grad", "l2_norm"), ("p", "grads", f"m{i}", "")) for i in range(4)]
+    values = dict.fromkeys([own[0], job[0], own[1], job[1], own[2], job[2], job[3]], 1.0)
+    zero, one = MetricsStore(rank=0), MetricsStore(rank=1)
+    for _ in range(3):  # later steps change nothing: the same series fit, each drop was counted once
+        zero.set_stats(values, policies, 2, job)
+        one.set_stats(values, policies, 2, job, withheld=job)
+        assert _stored(zero) == {own[0], own[1], job[0], job[1], job[2]} and _stored(one) == {own[0], own[1]}
+        assert (_dropped(zero), _dropped(one)) == (2, 1)
+    # once the policy is forgotten (a detach, a reload), its room is free again
+    zero.forget_policy("p")
+    zero.set_stats(dict.fromkeys(job, 1.0), policies, 2, job)
+    assert _stored(zero) == set(job)
+
+
+def test_a_series_whose_ranks_change_is_counted_anew_and_kept() -> None:
+    """A series first each rank's (the process group not yet up: 1 rank) keeps its place when it becomes the job's."""
+    policies = {"p": Policy(name="p", source="", revision="", rules=(), max_job_series=3)}
+    first, second = ((stat_family("grad", "l2_norm"), ("p", "g", m, "")) for m in ("a", "b"))
+    store = MetricsStore(rank=0)
+    store.set_stats({first: 1.0}, policies, 1)  # alone: costs 1
+    store.set_stats({first: 2.0, second: 1.0}, policies, 4)  # 4 ranks, each exports its own: 4 + 4 > 3
+    assert _stored(store) == {first} and _dropped(store) == 1
+    store.set_stats({first: 3.0, second: 1.0}, policies, 4, job={first, second})  # the job's: 1 + 1
+    assert _stored(store) == {first, second} and store.snapshot()[1][first[0]][first[1]] == 3.0
+
+
+def test_max_series_counts_each_series_it_drops_once() -> None:
+    policies = {"p": Policy(name="p", source="", revision="", rules=(), max_series=1)}
+    values = {(stat_family("grad", "l2_norm"), ("p", "g", m, "")): 1.0 for m in "abc"}
+    store = MetricsStore(rank=0)
+    for _ in range(4):
+        store.set_stats(values, policies)
+    assert len(_stored(store)) == 1 and _dropped(store) == 2
 
 
 def test_describe_names_the_engine_families() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 import hookpolicy
@@ -121,7 +122,9 @@ def test_scrape_has_every_family_with_samples(tmp_path: Path) -> None:
                    "hookpolicy_hook_seconds_total", "hookpolicy_policy_info", "hookpolicy_config_last_reload_successful",
                    "hookpolicy_series_dropped_total"):
         assert family in names, family
-    assert metric(reg, "hookpolicy_series_dropped_total", {"policy": "tiny", "rank": "0"}) >= 1
+    # each series beyond maxSeries is dropped and counted once, not once per step
+    linears = sum(isinstance(m, torch.nn.Linear) for m in make_model().modules())
+    assert metric(reg, "hookpolicy_series_dropped_total", {"policy": "tiny", "rank": "0"}) == linears - 2
     assert metric(reg, "hookpolicy_skipped_steps_total", {"policy": "everything", "rule": "skip-one", "rank": "0"}) == 1
     assert b"# HELP hookpolicy_grad_l2_norm " in text
 

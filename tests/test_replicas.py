@@ -352,3 +352,95 @@ def test_what_may_differ_by_rank_stays_per_rank_and_rank_0_says_why(tmp_path: Pa
     assert zero["no_sync step"]["0"] == ["0", pytest.approx(zero["synced"], rel=1e-6)]
     assert zero["unsynced"] != pytest.approx(one["unsynced"])  # the local gradients did differ
     assert sum("gradient sync off (no_sync)" in line for line in zero["lines"]) == 1
+
+
+# -- maxJobSeries ------------------------------------------------------------------------
+
+BUDGETED = """\
+- name: outputs
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  target: output
+  actions:
+    - capture: {stats: [abs_max]}
+- name: grads
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm]}
+- name: grads-each
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm], series: rank}
+- name: loss
+  match: {root: true}
+  trigger: {at: step}
+  target: loss
+  actions:
+    - capture: {stats: [mean]}
+"""
+
+#: Without a budget the job exports 3 activation and 3 `series: rank` gradient series on
+#: each of the 2 ranks, and once (rank 0) 3 gradient series and the job's loss: 16. In
+#: publish order (activations at the forward; then the step rules; the loss after the
+#: agreement) a budget of 12 keeps the activations (6), the job's gradients (9), one
+#: gradient of each rank (11) and the loss (12).
+JOB_SERIES = 12
+UNCAPPED = 16
+
+
+def budgeted_series(rank: int, policy: str) -> dict[str, Any]:
+    """Three DDP steps under a policy with maxJobSeries: every series this rank exports, and its drops."""
+    torch.manual_seed(0)
+    inner = build_model()
+    model = nn.parallel.DistributedDataParallel(inner)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = make_data(0)
+    x, y = x[rank::2], y[rank::2]
+    reg = CollectorRegistry()
+    lines = listen()
+    exported: list[list[Any]] = []  # after each step: [[family, rule, module, value], ...]
+    grads: list[float] = []
+    with hookpolicy.load(policy).attach(model, registry=reg, rank=rank):
+        for step in range(3):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x[step * 32:(step + 1) * 32]), y[step * 32:(step + 1) * 32]).backward()
+            grads = [norm(linear(inner, m).weight.grad, linear(inner, m).bias.grad) for m in LINEARS]
+            optimizer.step()
+            exported.append(sorted(
+                [s.name, s.labels["rule"], s.labels["module"], s.value] for family in reg.collect()
+                for s in family.samples if s.name.startswith(("hookpolicy_output_", "hookpolicy_grad_", "hookpolicy_loss_"))
+                and s.labels["rank"] == str(rank)))
+        dropped = sum(s.value for family in reg.collect() for s in family.samples
+                      if s.name == "hookpolicy_series_dropped_total")
+    return {"exported": exported, "dropped": dropped, "grads": grads,
+            "lines": [line for line in lines.lines if "maxJobSeries" in line]}
+
+
+def test_the_jobs_series_stay_within_max_job_series_on_every_rank(tmp_path: Path, free_port: int) -> None:
+    """`spec.limits.maxJobSeries` bounds what the whole job exports: both ranks keep the same series.
+
+    A series every rank exports costs 2 (the ranks), one rank 0 exports for the job costs 1;
+    every rank counts alike, so the job's total is within the budget and each rank's own
+    series are the same ones.
+    """
+    path = write_policy(tmp_path, BUDGETED, spec=f"limits: {{maxJobSeries: {JOB_SERIES}}}\n")
+    zero, one = spawn(budgeted_series, tmp_path, free_port, str(path))
+    for step in range(3):
+        kept = [zero["exported"][step], one["exported"][step]]
+        names = [{tuple(s[:3]) for s in rank} for rank in kept]
+        assert len(names[0]) + len(names[1]) == JOB_SERIES  # the job's whole budget, not more
+        own = {s for s in names[0] if s[1] in ("outputs", "grads-each")}
+        assert names[1] == own  # rank 1 keeps exactly the series of its own rank 0 keeps
+        assert len(own) == 4 and {s[1] for s in names[0] - own} == {"grads", "loss"}
+    # the gradients rank 0 exports for the job are still PyTorch's norms of the averaged gradients
+    for name, rule, module, value in zero["exported"][-1]:
+        if rule == "grads":
+            assert value == pytest.approx(zero["grads"][LINEARS.index(module)], rel=1e-6)
+    # each copy not exported is counted once, by the rank that would have exported it
+    assert zero["dropped"] + one["dropped"] == UNCAPPED - JOB_SERIES
+    assert len(zero["lines"]) == 1 and one["lines"] == []  # rank 0 says it for the job
+    assert f"maxJobSeries={JOB_SERIES} in a job of 2 rank(s)" in zero["lines"][0]

@@ -181,8 +181,8 @@ def test_every_family_says_its_unit() -> None:
         "hookpolicy_hook_seconds_total": "Seconds spent inside hookpolicy's hooks and read-back.",
         "hookpolicy_policy_info": "The applied policies: revision is the file's content hash.",
         "hookpolicy_config_last_reload_successful": "1 if the last policy (re)load succeeded, else 0.",
-        "hookpolicy_series_dropped_total": "Statistic series not exported because spec.limits.maxSeries was reached: "
-        "one per series.",
+        "hookpolicy_series_dropped_total": "Statistic series not exported because spec.limits.maxSeries or "
+        "maxJobSeries was reached: one per series.",
         "hookpolicy_rewinds_total": "Rewinds to an in-memory snapshot by a rule's then: rewind alert: one per rewind "
         "(the steps since the snapshot are dropped).",
     }

@@ -103,6 +103,7 @@ def test_an_empty_rule_gets_the_models_defaults(tmp_path: Path) -> None:
     capture, norm_clip, agc, alert = rule.actions
     assert (policy.mode, policy.on_error, policy.max_series) == (model.Policy.mode, model.Policy.on_error, model.Policy.max_series)
     assert policy.max_history_values == model.Policy.max_history_values
+    assert policy.max_job_series is model.Policy.max_job_series is None
     assert rule.priority == model.Rule.priority
     assert rule.trigger == model.Trigger(at="step")
     assert isinstance(capture, model.Capture) and capture.per == model.Capture.per

@@ -32,6 +32,7 @@ from .decision import SinkHalts, StepReport
 from .distributed import reduce_shards
 from .history import History, group_key
 from .ledger import ClipEntry, Entry
+from .replicas import Export, job_world
 from .rulestate import RuleState
 from .stats import combine, finish, resolve_counts
 from .updates import state_group_key
@@ -47,15 +48,15 @@ class Readback:
 
     def __init__(
         self, store: ModelMetrics, policies: Sequence[Policy], root: Path, rank: int, history: History,
-        exported: Callable[[RuleState, Capture], Optional[bool]] = lambda rs, capture: True,
+        exported: Callable[[RuleState, Capture], Export] = lambda rs, capture: Export.RANK,
     ) -> None:
         self.store = store
-        #: whether this rank exports a capture's series at this step (`replicas.Replicas.exported`)
+        #: whose a capture's series are at this step, and whether this rank exports them (`replicas.Replicas.exported`)
         self.exported = exported
         self._withheld: set[tuple[str, Labels]] = set()  # series this rank leaves to rank 0 and dropped
         self.rank = rank
         self.history = history
-        self._max_series = {p.name: p.max_series for p in policies}
+        self._policies = {p.name: p for p in policies}  # their series limits
         self._alerts = Alerts(history)
         self._last: dict[str, dict[Labels, float]] = defaultdict(dict)
         self.writers = Writers(root, rank)
@@ -121,12 +122,12 @@ class Readback:
             pass_.add(entry, rows)
         fetch_share = (time.perf_counter() - start) / max(1, len(passes))  # the transfer serves every pass
         published: dict[tuple[str, tuple[str, ...]], float] = {}
-        withheld: dict[tuple[str, Labels], Optional[bool]] = {}  # published here, exported by rank 0 (False) or not now
+        jobs: dict[tuple[str, Labels], Export] = {}  # published here, the job's (`Export`); the others each rank's
         now = time.time()
         for p in passes.values():
             pass_start = time.perf_counter()
             try:
-                self._report_pass(p, now, final, published, withheld, report)
+                self._report_pass(p, now, final, published, jobs, report)
             except SinkHalts:
                 raise
             except Exception as exc:  # noqa: BLE001 - a fault of this rule (a bug, a message), never of the training
@@ -135,27 +136,29 @@ class Readback:
         for entry in entries:
             if entry.copies:
                 self.writers.write_copies(entry, step if entry.step is None else entry.step, report)
-        self._export(published, withheld)
+        self._export(published, jobs)
         for (family, labels), value in published.items():
             self._last[family][labels] = value
         self.writers.flush_boards(report)
 
-    def _export(self, published: dict[tuple[str, Labels], float], withheld: dict[tuple[str, Labels], Optional[bool]]) -> None:
-        """Publish the step's statistics this rank exports; drop those it leaves to rank 0 (`replicas`)."""
-        if not withheld:
-            self.store.set_stats(published, self._max_series)
-        else:
-            self.store.set_stats({k: v for k, v in published.items() if k not in withheld}, self._max_series)
-            gone = [k for k, v in withheld.items() if v is False and k not in self._withheld]
-            if gone:
-                self.store.forget_series(gone)
-                self._withheld.update(gone)
+    def _export(self, published: dict[tuple[str, Labels], float], jobs: dict[tuple[str, Labels], Export]) -> None:
+        """Publish the step's statistics this rank exports; drop those it leaves to rank 0 (`replicas`).
+
+        Every statistic goes to the store, which counts the job's series against
+        `maxJobSeries` on every rank alike, exported here or not.
+        """
+        withheld = {k for k, whose in jobs.items() if whose in (Export.BY_RANK_0, Export.NOT_NOW)}
+        self.store.set_stats(published, self._policies, job_world(), jobs.keys(), withheld)
+        gone = [k for k, whose in jobs.items() if whose is Export.BY_RANK_0 and k not in self._withheld]
+        if gone:
+            self.store.forget_series(gone)
+            self._withheld.update(gone)
         if self._withheld:
             self._withheld.difference_update(k for k in published if k not in withheld)
 
     def _report_pass(
         self, p: "_Pass", now: float, final: bool, published: dict[tuple[str, tuple[str, ...]], float],
-        withheld: dict[tuple[str, Labels], Optional[bool]], report: StepReport,
+        jobs: dict[tuple[str, Labels], Export], report: StepReport,
     ) -> None:
         """Publish, log and decide one rule's statistics pass into `report`."""
         rs = p.rule
@@ -163,7 +166,7 @@ class Readback:
         logged: dict[tuple[int, Optional[LogSink]], list[dict[str, Any]]] = defaultdict(list)  # one write per sink
         boarded: dict[int, list[tuple[str, float]]] = defaultdict(list)
         for index, action in p.op.actions:
-            exported = self.exported(rs, action) if isinstance(action, Capture) else True
+            whose = self.exported(rs, action) if isinstance(action, Capture) else Export.RANK
             for (module, tensor), stats in p.statistics(action.per):
                 base = {"time": now, "step": p.step, "rank": self.rank, "model": self.store.model,
                         "policy": rs.policy.name,
@@ -172,8 +175,8 @@ class Readback:
                     for stat in action.stats:
                         key = (stat_family(p.target, stat), (*rs.key, module, tensor))
                         published[key] = stats[stat]
-                        if exported is not True:
-                            withheld[key] = exported
+                        if whose is not Export.RANK:
+                            jobs[key] = whose
                     if action.log is not None:
                         shown = {s: json_number(stats[s]) for s in action.stats}
                         logged[(index, action.log)].append({**base, "stats": shown})

@@ -46,6 +46,7 @@ rank, and rank 0 says so once when the process group is up.
 
 from __future__ import annotations
 
+import enum
 import logging
 import sys
 import weakref
@@ -62,7 +63,7 @@ from . import module_hooks
 from .heap import live_modules
 from .rulestate import RuleState
 
-__all__ = ["Replicas", "job_rank"]
+__all__ = ["Export", "Replicas", "job_rank", "job_world"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -76,6 +77,21 @@ def job_rank() -> Optional[int]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
     return dist.get_rank()
+
+
+def job_world() -> int:
+    """The ranks of the job: the default process group's size, 1 without one."""
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class Export(enum.Enum):
+    """Whose a capture's series are at a step, and whether this rank exports them (`Replicas.exported`)."""
+
+    RANK = "this rank's own, exported here"
+    JOB = "the job's, exported here (rank 0)"
+    BY_RANK_0 = "the job's, exported by rank 0 (dropped here)"
+    NOT_NOW = "the job's, exported by no rank at this step"
 
 
 class Replicas:
@@ -95,24 +111,23 @@ class Replicas:
         self._said = Once()
         self._around: "Optional[weakref.WeakSet[torch.nn.parallel.DistributedDataParallel]]" = None
 
-    def exported(self, rs: RuleState, action: Capture) -> Optional[bool]:
-        """Whether this rank exports the series of `action` (a capture of `rs`) at this step.
+    def exported(self, rs: RuleState, action: Capture) -> Export:
+        """Whose the series of `action` (a capture of `rs`) are at this step, and whether this rank exports them.
 
-        True: it does. False: they are the job's and rank 0 exports them (this rank drops
-        any it exported before). None: not at this step (rank 0 at a step DDP did not
-        all-reduce: the series keep their last value of a step it did).
+        `BY_RANK_0`: this rank drops any it exported before. `NOT_NOW`: rank 0 at a step
+        DDP did not all-reduce (the series keep their last value of a step it did).
         """
         rank = job_rank()
         if rank is None or action.series == "rank" or self.per_rank(rs) is not None:
-            return True
+            return Export.RANK
         if rank != 0:
-            return False
+            return Export.BY_RANK_0
         if all(self._wrappers.values()):
-            return True
+            return Export.JOB
         if self._said("unsynced"):
             log.warning("%s/%s: a step ran with DDP's gradient sync off (no_sync): its gradients are each rank's "
                         "own, so rank 0 publishes no series of the job's at such a step (said once)", *rs.key)
-        return None
+        return Export.NOT_NOW
 
     def per_rank(self, rs: RuleState) -> Optional[str]:
         """Why `rs`'s statistics may differ by rank; None when they are the same on every rank (see the module docstring)."""

@@ -113,8 +113,8 @@ _COUNTER_PANELS: tuple[tuple[str, str, str, str, str], ...] = (
     ("Hook errors",
      "Errors raised inside hookpolicy's hooks; a rule is switched off after 3 (onError: continue).",
      "hookpolicy_hook_errors_total", "model, policy, rule, rank", "{{model}} {{policy}}/{{rule}} rank {{rank}}"),
-    ("Series dropped (maxSeries)",
-     "Statistic series not exported because spec.limits.maxSeries was reached.",
+    ("Series dropped (maxSeries, maxJobSeries)",
+     "Statistic series not exported because spec.limits.maxSeries or maxJobSeries was reached: each counted once.",
      "hookpolicy_series_dropped_total", "policy, rank", "{{policy}} rank {{rank}}"),
 )
 

@@ -104,7 +104,7 @@ RELOAD_SUCCESSFUL = Family(
 )
 SERIES_DROPPED = Family(
     "hookpolicy_series_dropped", "counter",
-    "Statistic series not exported because spec.limits.maxSeries was reached: one per series.", ("policy",),
+    "Statistic series not exported because spec.limits.maxSeries or maxJobSeries was reached: one per series.", ("policy",),
 )
 
 #: Every engine family, in exposition order.
@@ -160,7 +160,13 @@ class MetricsStore:
         # family -> labels -> value; family -> owner policy, for maxSeries accounting
         self._stats: dict[str, dict[Labels, float]] = defaultdict(dict)
         self._series: dict[str, int] = defaultdict(int)
-        self._said_full = Once()  # policies told that they reached maxSeries, until forgotten
+        #: maxJobSeries accounting: policy -> the job's series as every rank counts them (1 for
+        #: a series the job exports once, the world size for one each rank exports), and the
+        #: cost of each series counted, stored here or not
+        self._job: dict[str, int] = defaultdict(int)
+        self._job_costs: dict[tuple[str, Labels], int] = {}
+        self._refused: set[tuple[str, Labels]] = set()  # series dropped (and counted) once, until forgotten
+        self._said_full = Once()  # policies told that they reached a limit, until forgotten
         self._models: "weakref.WeakKeyDictionary[object, str]" = weakref.WeakKeyDictionary()
         self._classes: dict[str, int] = {}
         self._off: dict[Labels, str] = {}  # (policy, rule, model) -> why, for the run summary; not exported
@@ -213,48 +219,109 @@ class MetricsStore:
                 del series[labels]
 
     # -- statistic families ------------------------------------------------------------
-    def set_stats(self, values: dict[tuple[str, Labels], float], max_series: dict[str, int]) -> None:
-        """Publish one step's statistics: {(family, (policy, rule, module, tensor)): value}.
+    def set_stats(
+        self, values: Mapping[tuple[str, Labels], float], policies: Mapping[str, Policy], world: int = 1,
+        job: Collection[tuple[str, Labels]] = (), withheld: Collection[tuple[str, Labels]] = (),
+    ) -> None:
+        """Publish one step's statistics: {(family, (policy, rule, module, tensor, ...)): value}.
 
-        A new series beyond its policy's `maxSeries` is dropped, counted in
-        `hookpolicy_series_dropped_total` and warned about once per policy. A family
-        `stat_family` cannot make raises `ValueError`.
+        `values` holds every statistic this process computed at the step; those in `job`
+        are the job's (exported once per job, by rank 0), the others each rank's own, and
+        those in `withheld` are not exported by this process (rank 0 exports them).
+        A new series beyond its policy's `maxJobSeries` (a job's series counting 1, a
+        rank's `world`, counted alike on every rank: `job_series`) or, in this process,
+        beyond its `maxSeries` is dropped, counted once in `hookpolicy_series_dropped_total`
+        by the process that would have exported it, and said once per policy.
+        A family `stat_family` cannot make raises `ValueError`.
         """
         unknown = {family for family, _ in values} - _STAT_FAMILIES
         if unknown:
             raise ValueError(f"unknown statistic families {sorted(unknown)}")
-        dropped: dict[str, int] = defaultdict(int)
+        dropped: dict[tuple[str, str], int] = defaultdict(int)  # (policy, limit) -> series dropped now
         with self._lock:
-            for (family, labels), value in values.items():
+            for key, value in values.items():
+                family, labels = key
+                policy = policies.get(labels[0])
+                limit = None if policy is None else policy.max_job_series
+                if limit is not None and not self._job_series(key, limit, 1 if key in job else world):
+                    if key not in withheld and key not in self._refused:
+                        self._refused.add(key)
+                        dropped[(labels[0], "maxJobSeries")] += 1
+                    continue
+                if key in withheld:
+                    continue
                 series = self._stats[family]
                 if labels not in series:
-                    policy = labels[0]
-                    if self._series[policy] >= max_series.get(policy, Policy.max_series):
-                        dropped[policy] += 1
+                    if self._series[labels[0]] >= (Policy.max_series if policy is None else policy.max_series):
+                        if key not in self._refused:
+                            self._refused.add(key)
+                            dropped[(labels[0], "maxSeries")] += 1
                         continue
-                    self._series[policy] += 1
+                    self._series[labels[0]] += 1
+                    self._refused.discard(key)
                 series[labels] = value
-        for policy, count in dropped.items():
-            self.inc(SERIES_DROPPED, (policy,), count)
-            if self._said_full(policy):
-                log.warning(
-                    "policy %s reached spec.limits.maxSeries=%d: further series are dropped "
-                    "and counted in hookpolicy_series_dropped_total", policy, max_series.get(policy, Policy.max_series),
-                )
+        for (name, limit_name), count in dropped.items():
+            self.inc(SERIES_DROPPED, (name,), count)
+            self._say_full(name, limit_name, policies.get(name), world)
+
+    def _job_series(self, key: tuple[str, Labels], limit: int, cost: int) -> bool:
+        """Whether the series `key` fits its policy's `maxJobSeries` of `limit` (counted if new), under the lock.
+
+        Every rank counts every series of the job in the same order (the same rules on the
+        same model publish the same keys at the same steps), whether it exports them or not,
+        so every rank admits the same ones. A series admitted stays; when what it costs
+        changes (the process group came up) its cost is counted anew, without a drop.
+        """
+        policy = key[1][0]
+        counted = self._job_costs.get(key)
+        if counted is None:
+            if self._job[policy] + cost > limit:
+                return False
+            self._job[policy] += cost
+            self._job_costs[key] = cost
+            self._refused.discard(key)
+        elif counted != cost:
+            self._job[policy] += cost - counted
+            self._job_costs[key] = cost
+        return True
+
+    def _say_full(self, name: str, limit_name: str, policy: Optional[Policy], world: int) -> None:
+        """One warning per policy that reached a limit: maxSeries by every process, maxJobSeries by rank 0 for the job."""
+        if limit_name == "maxSeries":
+            if self._said_full(name):
+                log.warning("policy %s reached spec.limits.maxSeries=%d: further series are dropped and counted in "
+                            "hookpolicy_series_dropped_total", name,
+                            Policy.max_series if policy is None else policy.max_series)
+        elif self.rank == "0" and self._said_full(name):
+            log.warning("policy %s reached spec.limits.maxJobSeries=%s in a job of %d rank(s) (a series every rank "
+                        "exports counts %d, one the job exports once counts 1): further series are dropped on "
+                        "every rank and counted in hookpolicy_series_dropped_total", name,
+                        None if policy is None else policy.max_job_series, world, world)
+
+    def _forget(self, gone: Callable[[str, Labels], bool]) -> None:
+        """Remove the statistic series `gone(family, labels)` names from the store and from both counts, under the lock."""
+        for family, series in self._stats.items():
+            for labels in [lab for lab in series if gone(family, lab)]:
+                del series[labels]
+                self._series[labels[0]] -= 1
+        for key in [k for k in self._job_costs if gone(*k)]:
+            self._job[key[1][0]] -= self._job_costs.pop(key)
+        self._refused.difference_update([k for k in self._refused if gone(*k)])
 
     def forget_policy(self, policy: str, model: Optional[str] = None) -> None:
         """Remove a detached policy's statistic gauges (of one model, or all), since a stale gauge would mislead."""
         with self._lock:
-            for series in self._stats.values():
-                for labels in [lab for lab in series if lab[0] == policy and model in (None, lab[-1])]:
-                    del series[labels]
-                    self._series[policy] -= 1
-            if self._series.get(policy, 0) <= 0:
+            self._forget(lambda family, lab: lab[0] == policy and model in (None, lab[-1]))
+            if self._series.get(policy, 0) <= 0 and self._job.get(policy, 0) <= 0:
                 self._series.pop(policy, None)
+                self._job.pop(policy, None)
                 self._said_full.forget(policy)
 
     def forget_series(self, keys: Iterable[tuple[str, Labels]]) -> None:
-        """Remove statistic series {(family, labels)} this process no longer exports (rank 0 exports the job's)."""
+        """Remove statistic series {(family, labels)} this process no longer exports (rank 0 exports the job's).
+
+        They stay in the `maxJobSeries` count: they are still the job's series.
+        """
         with self._lock:
             for family, labels in keys:
                 series = self._stats.get(family)
@@ -280,10 +347,7 @@ class MetricsStore:
     def forget_modules(self, policy: str, modules: Collection[str]) -> None:
         """Remove a policy's statistic gauges of modules it no longer binds (replaced or removed)."""
         with self._lock:
-            for series in self._stats.values():
-                for labels in [lab for lab in series if lab[0] == policy and lab[2] in modules]:
-                    del series[labels]
-                    self._series[policy] -= 1
+            self._forget(lambda family, lab: lab[0] == policy and lab[2] in modules)
 
     # -- scrape ------------------------------------------------------------------------
     def swapping(self) -> "threading.RLock":
@@ -336,14 +400,21 @@ class ModelMetrics:
             return
         self.store.drop(family, lambda labels: labels[-1] != self.model or keep(labels[:-1]))
 
-    def set_stats(self, values: dict[tuple[str, Labels], float], max_series: dict[str, int]) -> None:
-        self.store.set_stats({(family, (*labels, self.model)): v for (family, labels), v in values.items()}, max_series)
+    def set_stats(
+        self, values: Mapping[tuple[str, Labels], float], policies: Mapping[str, Policy], world: int = 1,
+        job: Collection[tuple[str, Labels]] = (), withheld: Collection[tuple[str, Labels]] = (),
+    ) -> None:
+        self.store.set_stats({self._key(k): v for k, v in values.items()}, policies, world,
+                             {self._key(k) for k in job}, {self._key(k) for k in withheld})
+
+    def _key(self, key: tuple[str, Labels]) -> tuple[str, Labels]:
+        return key[0], (*key[1], self.model)
 
     def forget_policy(self, policy: str) -> None:
         self.store.forget_policy(policy, self.model)
 
     def forget_series(self, keys: Iterable[tuple[str, Labels]]) -> None:
-        self.store.forget_series((family, (*labels, self.model)) for family, labels in keys)
+        self.store.forget_series(self._key(k) for k in keys)
 
     def forget_modules(self, policy: str, modules: Collection[str]) -> None:
         self.store.forget_modules(policy, modules)

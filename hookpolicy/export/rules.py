@@ -165,6 +165,17 @@ def _alert_name(*parts: str) -> str:
     return "Hookpolicy" + "".join(w[:1].upper() + w[1:] for w in words)
 
 
+def _limit_names(policy: Policy) -> str:
+    """The series limits `policy` sets, as the annotations name them."""
+    return "maxSeries" if policy.max_job_series is None else "maxSeries or maxJobSeries"
+
+
+def _limits(policy: Policy) -> str:
+    """`maxSeries N` and, when set, `maxJobSeries M`."""
+    job = "" if policy.max_job_series is None else f", maxJobSeries {policy.max_job_series}"
+    return f"maxSeries {policy.max_series}{job}"
+
+
 def _runbook(policy: Policy) -> dict[str, str]:
     for key in ("runbook_url", "runbook"):
         if key in policy.annotations:
@@ -263,12 +274,12 @@ def _policy_group(policy: Policy) -> dict[str, Any]:
         "for": "0s",
         "labels": {"severity": "warning", "policy": policy.name},
         "annotations": {
-            "summary": f"hookpolicy policy {_go_literal(policy.name)} reached spec.limits.maxSeries",
+            "summary": f"hookpolicy policy {_go_literal(policy.name)} reached spec.limits.{_limit_names(policy)}",
             "description": (
-                f"Policy {_go_literal(policy.name)} (maxSeries {policy.max_series}) dropped statistic series "
+                f"Policy {_go_literal(policy.name)} ({_limits(policy)}) dropped statistic series "
                 "within the last 15m on job {{ $labels.job }}, instance {{ $labels.instance }}, rank "
                 "{{ $labels.rank }}: narrow its match, use per: module or per: rule instead of per: tensor, "
-                "or raise spec.limits.maxSeries if Prometheus can take it."
+                f"or raise spec.limits.{_limit_names(policy)} if Prometheus can take it."
             ),
             **_runbook(policy),
         },

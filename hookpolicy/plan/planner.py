@@ -258,6 +258,10 @@ def _series_notes(policies: Sequence[Policy], bindings: Sequence[Binding]) -> li
         if losses:
             notes.append(f"{policy.name}: in a process group, the series of {', '.join(losses)} (the job's loss) are "
                          "exported once per job, by rank 0 (capture series: rank keeps them per rank)")
+        if policy.max_job_series is not None:
+            notes.append(f"{policy.name}: spec.limits.maxJobSeries={policy.max_job_series}: the job exports at most "
+                         "that many of its statistic series, all ranks together; a series exported once per job "
+                         "counts 1, one every rank exports counts the number of ranks; first published, first kept")
     return notes
 
 

@@ -68,6 +68,7 @@ def _policy(document: Document) -> Policy:
         mode=mode,
         on_error=spec.get("onError", Policy.on_error),
         max_series=int(spec.get("limits", {}).get("maxSeries", Policy.max_series)),
+        max_job_series=None if "maxJobSeries" not in spec.get("limits", {}) else int(spec["limits"]["maxJobSeries"]),
         max_history_values=int(spec.get("limits", {}).get("maxHistoryValues", Policy.max_history_values)),
         snapshots=_snapshots(spec["snapshots"]) if "snapshots" in spec else None,
         labels=dict(metadata.get("labels", {})),

@@ -312,6 +312,9 @@ class Policy:
     mode: Mode = "enforce"
     on_error: OnError = "continue"
     max_series: int = 10000
+    #: the most statistic series the policy's job may export, all ranks together (a series
+    #: every rank exports counts the world size); None: no job-wide cap
+    max_job_series: Optional[int] = None
     #: the most history values (ring slots, two per ema) all the policy's history series may keep
     max_history_values: int = 1000000
     #: what `then: rewind` goes back to; None: no snapshots (and no rewind alert)
