@@ -11,6 +11,7 @@ PyTorch and every other library. What hookpolicy changes there, and who gives it
 | module/parameter registration hooks               | `engine/module_hooks.py` (`_WATCH`) | last `Watching.remove()`                     |
 | `torch.nn.Module.__reduce_ex__`                    | `engine/module_hooks.py`           | last `OwnHandle.remove()`                    |
 | `torch.autograd.backward`, `GradScaler.scale`      | `engine/loss.py` (`_ROOTS`)        | last `LossTap.remove()`                      |
+| `__init__` of `LRScheduler`, `GradScaler` and their subclasses; their `__init_subclass__` | `engine/schedulers.py` (`_MADE`) | last `Watch.remove()` (a snapshot's) |
 | threads `hookpolicy-*`                            | `start_thread` (exporter, reload, lifetime) | their owner's shutdown/stop                  |
 | what was said once                                | `Once`                             | never: "once" is per process or per owner    |
 | SIGTERM/SIGHUP handlers, the signal wakeup fd     | `apply/child.py`, `apply/lifetime.py` (`apply` children only) | never: the process ends with them |
@@ -24,6 +25,7 @@ hookpolicy, and each is the one home of what it holds):
 | `_CALLS`, `_WATCH`            | `engine/module_hooks.py`    | module call subscribers; the modules watched for changes  |
 | `_ours`, `_saved`             | `engine/module_hooks.py`    | ids of hookpolicy's module hooks; the previous reducer     |
 | `_ROOTS`                      | `engine/loss.py`            | the loss taps joined, the scale of each GradScaler output |
+| `_MADE`                       | `engine/schedulers.py`      | the LR schedulers and GradScalers made while watched (weakly) |
 | `_ATTACHED`                   | `engine/runtime.py`         | the policies attached to each model (weak keys)           |
 | `_AGREED`                     | `engine/agreement.py`       | ranks agree at every step once they agreed at one         |
 | `_CARRIED`                    | `engine/agreement.py`       | per model, the `ranks: job` layout every rank announced   |
@@ -168,6 +170,12 @@ def snapshot() -> dict[str, object]:
             "_global_module_registration_hooks", "_global_parameter_registration_hooks",
             "_global_buffer_registration_hooks",
         ))
+    for name, kind in (("torch.optim.lr_scheduler", "LRScheduler"), ("torch.amp.grad_scaler", "GradScaler")):
+        found = sys.modules.get(name)
+        if found is not None:
+            cls = getattr(found, kind)
+            state[f"{kind}.__init__, __init_subclass__"] = (cls.__dict__.get("__init__"),
+                                                            cls.__dict__.get("__init_subclass__"))
     optimizer = sys.modules.get("torch.optim.optimizer")
     if optimizer is not None:
         state["optimizer step hooks"] = (

@@ -9,7 +9,9 @@ that never saw the dropped batches. Every comparison is bit for bit.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -39,6 +41,12 @@ def setup(schedule: str) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.
     else:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     return model, optimizer, scheduler
+
+
+def unscheduled() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer of `setup`, with no scheduler."""
+    model = tiny(seed=3)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
 
 
 #: called right after `optimizer.step()` with the step index and the objects
@@ -240,6 +248,114 @@ def test_a_rewind_before_the_first_snapshot_skips_the_step_and_says_so(
         ref_scheduler.step()
         ref_optimizer.zero_grad()
     assert_same(model, ref_model)
+
+
+# -- what a snapshot finds: schedulers and GradScalers made late, dropped ones, no heap scan -------
+
+WARMUP = 6
+
+
+def train_switching(model: nn.Module, optimizer: torch.optim.Optimizer, data: list[Any],
+                    after_step: Optional[AfterStep] = None) -> tuple[Any, Any]:
+    """The script: a LinearLR warm-up; at the end of step WARMUP - 1 it makes a CosineAnnealingLR (dropping
+    the warm-up's) and a GradScaler (AMP after the warm-up). Returns the cosine schedule and the scaler."""
+    schedule: Any = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.25, total_iters=WARMUP)
+    scaler: Optional[torch.amp.GradScaler] = None
+    for i, (x, y) in enumerate(data):
+        loss = nn.functional.mse_loss(model(x), y)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+        if after_step is not None:
+            after_step(i, model, optimizer)
+        if scaler is not None:
+            scaler.update()
+        schedule.step()
+        optimizer.zero_grad()
+        if i == WARMUP - 1:
+            schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=6)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+    return schedule, scaler
+
+
+def test_a_scheduler_and_a_gradscaler_made_after_the_first_snapshot_are_rewound_too(tmp_path: Path) -> None:
+    # snapshots after steps 3 (before the cosine schedule and the scaler exist) and 7; the alert fires at
+    # step 9: back to 8 updates. Without their restore, the cosine schedule would be 2 steps further and
+    # the scaler would have doubled its scale at step 8 and counted on from there
+    pol = load_policy(tmp_path, fires_at(9, 9, "rewind"), spec=SNAPSHOTS)
+    data = batches()
+    model, optimizer = unscheduled()
+    with pol.attach(model, registry=CollectorRegistry()):
+        schedule, scaler = train_switching(model, optimizer, data)
+    ref_model, ref_optimizer = unscheduled()
+    ref_schedule, ref_scaler = train_switching(ref_model, ref_optimizer, data[:8] + data[10:])
+    assert_same(model, ref_model)
+    assert_same_state(optimizer.state_dict(), ref_optimizer.state_dict())
+    assert schedule.state_dict() == ref_schedule.state_dict()
+    assert schedule.last_epoch == len(data) - 2 - WARMUP  # 2 more without its restore
+    assert scaler.state_dict() == ref_scaler.state_dict()
+    assert scaler.state_dict()["_growth_tracker"] == 0  # 6 updates, growth_interval 3; 8 (2) without its restore
+
+
+def test_a_scheduler_the_script_dropped_is_not_kept_alive_by_a_snapshot(tmp_path: Path) -> None:
+    # snapshots after steps 1 and 3 hold the scheduler; the script drops it after step 3; the rewind at
+    # step 5 goes back to 4 updates without it
+    pol = load_policy(tmp_path, fires_at(5, 5, "rewind"), spec="snapshots: {every: 2, keep: 2}\n")
+    data = batches(6)
+    model, optimizer, scheduler = setup("lambda")
+    held = [scheduler]  # the script's one reference
+    dropped = weakref.ref(scheduler)
+    del scheduler
+    with pol.attach(model, registry=CollectorRegistry()):
+        for i, (x, y) in enumerate(data):
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            if held:
+                held[0].step()
+            optimizer.zero_grad()
+            if i == 3:
+                held.clear()
+                gc.collect()
+                assert dropped() is None  # the two snapshots taken with it did not keep it
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    for i, (x, y) in enumerate(data[:4]):  # the snapshot after step 3 came before its scheduler step
+        nn.functional.mse_loss(ref_model(x), y).backward()
+        ref_optimizer.step()
+        if i < 3:
+            ref_scheduler.step()
+        ref_optimizer.zero_grad()
+    assert_same(model, ref_model)
+    assert_same_state(optimizer.state_dict(), ref_optimizer.state_dict())
+
+
+def test_snapshots_after_the_first_update_scan_no_heap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # snapshots after steps 3, 7 and 11; the rewind at step 13 goes back to the one after step 11. The heap
+    # is scanned (gc.get_objects) at most at the first update, for the schedulers made before it
+    pol = load_policy(tmp_path, fires_at(13, 13, "rewind"), spec=SNAPSHOTS)
+    data = batches()
+    scans: list[int] = []
+    get_objects = gc.get_objects
+
+    def counted(*args: Any, **kwargs: Any) -> list[Any]:
+        scans.append(1)
+        return get_objects(*args, **kwargs)
+
+    def count_from_step_1(i: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if i == 0:
+            monkeypatch.setattr(gc, "get_objects", counted)
+
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=CollectorRegistry()):
+        train(model, optimizer, scheduler, data, after_step=count_from_step_1)
+        assert scans == []
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    train(ref_model, ref_optimizer, ref_scheduler, data[:12])
+    assert_same(model, ref_model)
+    assert_same_state(optimizer.state_dict(), ref_optimizer.state_dict())
+    assert scheduler.state_dict() == ref_scheduler.state_dict()
 
 
 # -- on 2 ranks: one rank's alert, every rank's rewind -------------------------------------------

@@ -125,10 +125,11 @@ class StepCycle:
         """Every hook off, then the last read-back (no decision), then the sinks closed; never raises."""
         self._removed = True
         self._rebinding.remove()
-        for handle in self._handles + self.replicas.handles:
+        for handle in self._handles + self.replicas.handles + self.healing.handles:
             handle.remove()
         self._handles.clear()
         self.replicas.handles.clear()
+        self.healing.handles.clear()
         self._steps.remove()
         self.installer.remove()
         if self._loss is not None:
@@ -142,7 +143,8 @@ class StepCycle:
 
     def leftovers(self) -> "Leftovers":
         """What `remove()` takes out of the process once the model is gone; none of it refers to the model."""
-        return Leftovers([self._handles, self.installer.handles, self.replicas.handles], self._rebinding.watching,
+        return Leftovers([self._handles, self.installer.handles, self.replicas.handles, self.healing.handles],
+                         self._rebinding.watching,
                          self._loss, self.readback)
 
     # -- the step --------------------------------------------------------------------------
@@ -355,7 +357,8 @@ class Leftovers:
 
     These are held by the process (the optimizer step subscription, the tree watch, the
     loss tap's share of the backward wrapper, the sinks' open files, the share each module
-    hook has in `module_hooks`' process-wide patch) and hold the cycle only weakly, so they
+    hook has in `module_hooks`' process-wide patch, the snapshots' watch on LR schedulers
+    and GradScalers being made) and hold the cycle only weakly, so they
     hold nothing of the model; the hooks themselves went with the model.
     Nothing is read back: what the model's last forwards captured after its last
     optimizer step is not written.

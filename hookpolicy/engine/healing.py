@@ -83,6 +83,8 @@ class Healing:
         self.order = heal_order(policies)
         self._store = store
         self.snapshots: Optional[Snapshots] = snapshots_of(model, policies, store.model)
+        #: what the cycle removes with the model (the snapshots' watch on LR schedulers and GradScalers)
+        self.handles: list[Any] = [] if self.snapshots is None else self.snapshots.handles
         self._factor = 1.0
         self._until = 0  # the cool-down lasts while step < _until
         self._lowered: dict[int, list[Any]] = {}  # id(optimizer) -> the lr of each group before the factor

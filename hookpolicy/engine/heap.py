@@ -6,8 +6,9 @@ holds a model's parameters (optimizer steps or manual SGD), and `apply`'s discov
 which optimizers exist when it meets a candidate model, and which modules own parameters
 an optimizer steps that nobody governs; `distributed.data_parallel` asks, once per governed
 model in a process group and only when nothing inside it shows, whether a DDP or FSDP
-wrapper holds it; a snapshot for `then: rewind` (every K steps, not every step) asks which LR
-schedulers and GradScalers go with the model's optimizers.
+wrapper holds it; `schedulers`, once when its first watcher comes (the first update of a model
+with snapshots for `then: rewind`), asks which LR schedulers and GradScalers were made before
+its constructors were watched.
 
 Types are tested with `issubclass(type(o), ...)`, never `isinstance`: `isinstance` reads
 `__class__`, which a lazy proxy on the heap may compute (an import, a download).
@@ -44,7 +45,6 @@ def live_modules() -> list[torch.nn.Module]:
 
 
 def live_of(*kinds: type) -> list[Any]:
-    """Every object of one of `kinds` (subclasses included) alive in the process, in one scan: LR
-    schedulers and GradScalers for a snapshot (`snapshots`), which has no other way to find what
-    steps an optimizer's lr or scale."""
+    """Every object of one of `kinds` (subclasses included) alive in the process, in one scan: the LR
+    schedulers and GradScalers made before `schedulers` watched their constructors."""
     return [o for o in gc.get_objects() if issubclass(type(o), kinds)]

@@ -7,8 +7,11 @@ update), after every `every` updates, and holds:
 - each optimizer's state (every tensor copied, every other value deep-copied) and its
   parameter groups' settings (`lr`, betas, ...: everything but `params`);
 - every LR scheduler of those optimizers (`state_dict()`, deep-copied) and every
-  GradScaler that stepped them (its scale and growth tracker), found by a heap scan at
-  each snapshot (`heap.live_of`): one scan every `every` steps.
+  GradScaler that stepped them (its scale and growth tracker), alive at the snapshot:
+  `schedulers.alive()`, which knows each one from its construction (the one heap scan is
+  at the first update, for those made before), so a scheduler made later (a cosine
+  schedule replacing the warm-up's) is in the snapshots taken after it. A snapshot holds
+  them weakly: one the script dropped is not kept alive, and a restore skips it.
 
 Taken and restored at the same point of a step (the post-hook), so the script's code
 after `optimizer.step()` (`scheduler.step()`, `scaler.update()`, `zero_grad()`) runs on
@@ -41,7 +44,7 @@ import torch
 
 from ..policy.model import Alert, Policy
 from ..process import Once
-from .heap import live_of
+from . import schedulers
 
 __all__ = ["Snapshot", "Snapshots", "config", "describe", "model_bytes", "snapshots_of"]
 
@@ -92,8 +95,10 @@ class Snapshot:
     model: list[torch.Tensor]
     #: per optimizer: {parameter index in its groups: {state key: copy}}, groups' settings
     optimizers: list[tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]]
-    schedulers: list[tuple[Any, dict[str, Any]]] = field(default_factory=list)
-    scalers: list[tuple[Any, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: (the scheduler, weakly; its state_dict())
+    schedulers: list[tuple["weakref.ref[Any]", dict[str, Any]]] = field(default_factory=list)
+    #: (the GradScaler, weakly; its scale; its growth tracker)
+    scalers: list[tuple["weakref.ref[Any]", torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -114,9 +119,16 @@ class Snapshots:
         self._said_size = Once()
         self._pending: Optional[Any] = None  # a CUDA event: the copies of the last snapshot
         self._stream: Optional[Any] = None
+        #: the watch on LR schedulers and GradScalers being made, from the first update on; the
+        #: cycle removes it (with the model, or after it was dropped: it holds nothing of the model)
+        self.handles: list[schedulers.Watch] = []
+        self._watched = False
 
     def before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """An update of `optimizer` is about to begin: note it; the snapshot's copies must be done by then."""
+        if not self._watched:
+            self._watched = True
+            self.handles.append(schedulers.watch())
         if optimizer not in self._optimizers:
             self._optimizers.add(optimizer)
             if len(self._optimizers) > 1 and not self._several:
@@ -166,11 +178,15 @@ class Snapshots:
                     _local(live).copy_(saved, non_blocking=True)
             for optimizer, (states, groups) in zip(self._ordered(), snapshot.optimizers):
                 _restore_optimizer(optimizer, states, groups)
-        for scheduler, state in snapshot.schedulers:
-            scheduler.load_state_dict(copy.deepcopy(state))
-        for scaler, scale, tracker in snapshot.scalers:
-            scaler._scale.copy_(scale)
-            scaler._growth_tracker.copy_(tracker)
+        for ref, state in snapshot.schedulers:
+            scheduler = ref()
+            if scheduler is not None:
+                scheduler.load_state_dict(copy.deepcopy(state))
+        for ref, scale, tracker in snapshot.scalers:
+            scaler = ref()
+            if scaler is not None:
+                scaler._scale.copy_(scale)
+                scaler._growth_tracker.copy_(tracker)
         return step
 
     # -- taking one ----------------------------------------------------------------------------
@@ -190,14 +206,14 @@ class Snapshots:
         if side is not None:
             self._pending = (side.device, side.record_event())
         held = {id(o) for o in optimizers}
-        found = live_of(torch.optim.lr_scheduler.LRScheduler, torch.amp.GradScaler)  # one heap scan
-        schedulers = [(s, copy.deepcopy(s.state_dict())) for s in found
-                      if issubclass(type(s), torch.optim.lr_scheduler.LRScheduler)
-                      and id(getattr(s, "optimizer", None)) in held]
-        scalers = [(s, s._scale.clone(), s._growth_tracker.clone()) for s in found
-                   if issubclass(type(s), torch.amp.GradScaler) and s._scale is not None and s._growth_tracker is not None
-                   and any(i in held for i in s._per_optimizer_states)]
-        return Snapshot(step, copies, states, schedulers, scalers)
+        scheduler, scaler = schedulers.kinds()
+        found = schedulers.alive()  # no heap scan: known from their construction
+        lrs = [(weakref.ref(s), copy.deepcopy(s.state_dict())) for s in found
+               if issubclass(type(s), scheduler) and id(getattr(s, "optimizer", None)) in held]
+        scales = [(weakref.ref(s), s._scale.clone(), s._growth_tracker.clone()) for s in found
+                  if issubclass(type(s), scaler) and s._scale is not None and s._growth_tracker is not None
+                  and any(i in held for i in s._per_optimizer_states)]
+        return Snapshot(step, copies, states, lrs, scales)
 
     def _side_stream(self, model: torch.nn.Module) -> Optional[Any]:
         """A CUDA stream for the copies, waiting for the update that made them; None off CUDA."""
