@@ -358,6 +358,23 @@ def test_snapshots_after_the_first_update_scan_no_heap(tmp_path: Path, monkeypat
     assert scheduler.state_dict() == ref_scheduler.state_dict()
 
 
+def test_a_dropped_model_gives_the_scheduler_constructors_back(tmp_path: Path) -> None:
+    # `apply` governs models it does not own: what is left of a dropped one is removed from the process
+    pol = load_policy(tmp_path, fires_at(99, 99, "rewind"), spec=SNAPSHOTS)
+    torch_own = torch.optim.lr_scheduler.LambdaLR.__dict__["__init__"]
+    queued: list[Callable[[], None]] = []
+    model, optimizer, scheduler = setup("lambda")
+    attached = pol.attach(model, registry=CollectorRegistry())
+    attached.when_dropped(queued.append)
+    train(model, optimizer, scheduler, batches(1))  # the first update: the snapshots watch the constructors
+    assert torch.optim.lr_scheduler.LambdaLR.__dict__["__init__"] is not torch_own
+    del attached, model, optimizer, scheduler
+    gc.collect()
+    assert len(queued) == 1
+    queued[0]()
+    assert torch.optim.lr_scheduler.LambdaLR.__dict__["__init__"] is torch_own
+
+
 # -- on 2 ranks: one rank's alert, every rank's rewind -------------------------------------------
 
 LOSS_SPIKE = """
