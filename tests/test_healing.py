@@ -22,6 +22,7 @@ from torch import nn
 
 from hookpolicy import Halt
 from helpers.models import tiny
+from helpers.outputs import json_lines
 from helpers.policies import load_policy
 
 STEPS = 14
@@ -232,14 +233,17 @@ def test_rewinds_past_max_rewinds_halt(tmp_path: Path) -> None:
 
 
 def test_a_rewind_before_the_first_snapshot_skips_the_step_and_says_so(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
     pol = load_policy(tmp_path, fires_at(2, 2, "rewind"), spec=SNAPSHOTS)
     data = batches()
     model, optimizer, scheduler = setup("lambda")
     with caplog.at_level(logging.WARNING, "hookpolicy"), pol.attach(model, registry=CollectorRegistry()):
         train(model, optimizer, scheduler, data)
     assert any("cannot rewind at step 2 (no snapshot yet" in r.getMessage() for r in caplog.records)
+    assert [r["outcome"] for r in json_lines(tmp_path / "alerts.jsonl")] == [
+        "not rewound (no snapshot yet: the first is taken after 4 steps: step skipped instead)"]
     ref_model, ref_optimizer, ref_scheduler = setup("lambda")  # a skipped step: no update, the scheduler steps on
     for i, (x, y) in enumerate(data):
         if i != 2:
@@ -437,3 +441,73 @@ def test_a_rewind_one_rank_decides_is_taken_by_every_rank_and_equals_the_batches
     rewound = spawn(ranks_rewind, tmp_path, free_port, wrapper, policy, [])
     reference = spawn(ranks_rewind, tmp_path, free_port + 1, wrapper, None, [8, 9])
     assert rewound[0] == rewound[1] == reference[0] == reference[1]
+
+
+# -- several healing alerts at one step: the records say which one the step took ----------------
+
+BOTH = """
+    - name: heal
+      match: {modules: ["**"]}
+      trigger: {at: step, steps: {from: 9, until: 10}}
+      target: grad
+      actions:
+        - {alert: {if: "l2_norm >= 0", per: rule, then: cool_down, cool_down: {factor: 0.5, steps: 3},
+                   message: "lr x0.5 from step {step}: {outcome}"}}
+        - {alert: {if: "l2_norm >= 0", per: rule, then: rewind, severity: critical}}
+    - name: cool
+      match: {modules: ["**"]}
+      trigger: {at: step, steps: {from: 11, until: 12}}
+      target: grad
+      actions: [{alert: {if: "l2_norm >= 0", per: rule, then: cool_down, cool_down: {factor: 0.5, steps: 2}}}]
+"""
+
+
+def test_a_cool_down_and_a_rewind_at_one_step_are_recorded_as_the_rewind_taking_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At step 9 a cool-down and a rewind fire together: the rewind takes the step (back to the
+    snapshot after step 7), the cool-down is not applied, and its record says so; at step 11 a
+    cool-down alone is applied and recorded as cooling down. The reference is the script without
+    the policy that never saw batches 8 and 9 and lowers the lr by hand at steps 11 and 12 (its
+    indices 9 and 10): the lr each optimizer's own step pre-hook sees, and the weights, bit for bit."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    pol = load_policy(tmp_path, BOTH, spec=SNAPSHOTS)
+    data = batches()
+    model, optimizer, scheduler = setup("lambda")
+    used: list[float] = []
+    optimizer.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
+    with pol.attach(model, registry=CollectorRegistry()):
+        train(model, optimizer, scheduler, data)
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    ref_used: list[float] = []
+    ref_optimizer.register_step_pre_hook(lambda o, *_: ref_used.append(o.param_groups[0]["lr"]))
+    train(ref_model, ref_optimizer, ref_scheduler, data[:8] + data[10:], by_hand=lambda i: 0.5 if i in (9, 10) else 1.0)
+    assert_same(model, ref_model)
+    assert used[:9] == ref_used[:9] and used[10:] == ref_used[8:]  # step 10 runs as the reference's 8th
+    assert used[9] == ref_used[9] / 0.5  # the rewinding step's lr: not lowered (the reference's is, by hand)
+    records = json_lines(tmp_path / "alerts.jsonl")
+    assert [(r["step"], r["rule"], r["then"], r["outcome"]) for r in records] == [
+        (9, "heal", "cool_down", "not cooled down (a rewind by p/heal took the step)"),
+        (9, "heal", "rewind", "rewinding"),
+        (11, "cool", "cool_down", "cooling down"),
+    ]
+    assert records[0]["message"] == "lr x0.5 from step 9: not cooled down (a rewind by p/heal took the step)"
+
+
+def test_a_rewind_past_max_rewinds_is_recorded_as_halting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rewind alert at step 6 halts (max_rewinds: 1 spent at step 5): its record says it did not
+    rewind, and the cool-down's beside it that the run halts (at step 5 that the rewind took the step)."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    rules = fires_at(5, 6, "rewind", ", rewind: {max_rewinds: 1}").replace(
+        "actions: [", 'actions: [{alert: {if: "l2_norm >= 0", per: rule, then: cool_down, '
+        'cool_down: {factor: 0.5, steps: 3}}}, ')
+    pol = load_policy(tmp_path, rules, spec=SNAPSHOTS)
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=CollectorRegistry()), pytest.raises(Halt) as halted:
+        train(model, optimizer, scheduler, batches())
+    assert halted.value.step == 6
+    records = json_lines(tmp_path / "alerts.jsonl")
+    assert [(r["step"], r["then"], r["outcome"]) for r in records] == [
+        (5, "cool_down", "not cooled down (a rewind by p/heal took the step)"), (5, "rewind", "rewinding"),
+        (6, "cool_down", "not cooled down (the run halts at this step)"),
+        (6, "rewind", "not rewound (max_rewinds: 1 reached; halting)")]

@@ -3,13 +3,16 @@
 `Alerts.evaluate` says whether an alert fires (its condition held `for:` evaluations in a
 row, after its warm-up), `Alerts.observe` hands what an alert with history functions saw
 to the step's report; `render` writes its message, never claiming an effect (a skip, a
-halt) that did not happen.
+halt) that did not happen. What a cool-down or rewind alert did is known only once the step
+chose among the healing alerts that fired (`healing`: a rewind wins over a cool-down): its
+record waits as a `Pending` until then.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ..policy.expr import NO_PAST, Past, Template
@@ -18,7 +21,7 @@ from .decision import StepReport
 from .history import History, Tracked
 from .rulestate import RuleState
 
-__all__ = ["Alerts", "MAX_RENDERED_CHARS", "alert_line", "json_number", "outcome", "render"]
+__all__ = ["Alerts", "MAX_RENDERED_CHARS", "Pending", "alert_line", "json_number", "not_taken", "outcome", "render"]
 
 
 class Alerts:
@@ -83,6 +86,34 @@ def outcome(then: str, applied: bool, mode: str) -> str:
     if applied:
         return done
     return f"{undone} ({'audit mode' if mode == 'audit' else 'the policy was being removed'})"
+
+
+def not_taken(then: str, why: str) -> str:
+    """The outcome of an alert whose `then` was not taken at a step that took another decision, and why."""
+    return f"{_OUTCOMES[then][1]} ({why})"
+
+
+@dataclass
+class Pending:
+    """The record of a cool-down or rewind alert that fired, until the step says what became of it."""
+
+    rule: RuleState
+    index: int
+    action: Alert
+    base: dict[str, Any]
+    stats: dict[str, float]
+    past: Past
+    record: dict[str, Any]
+
+    @property
+    def key(self) -> tuple[tuple[str, str], int]:
+        return (self.rule.key, self.index)
+
+    def settled(self, happened: str) -> dict[str, Any]:
+        """The record, its outcome and message saying `happened`."""
+        applied = happened == _OUTCOMES[self.action.then][0]
+        message = render(self.action, {**self.base, "outcome": happened}, self.stats, applied, self.past)
+        return {**self.record, "outcome": happened, "message": message}
 
 
 def module_name(model: str, module: str) -> str:

@@ -4,7 +4,8 @@ Before the update (`before_update`, the optimizer step pre-hook; or, for a scrip
 steps no optimizer, the end of its backward pass):
 
     scope -> active rules -> loss -> execute -> read back -> decide -> agree (and reduce the loss)
-          -> the job's loss rules -> heal -> commit history -> hide gradients -> lower the lr (a cool-down)
+          -> the job's loss rules -> heal (then write the healing alerts' records) -> commit history
+          -> hide gradients -> lower the lr (a cool-down)
 
 After it (`after_update`): restore the hidden gradients -> measure the update (`updates`,
 read back at the next read-back) -> the lr as it was -> at the step's end, restore a
@@ -202,13 +203,17 @@ class StepCycle:
             log.info("ranks: job statistics measured outside a training step (an unfinished step at detach) "
                      "are not reduced across ranks nor published")
         decision.heal = self.healing.choose(decision.heals) if decide else 0
+        healed: dict[tuple[tuple[str, str], int], str] = {}  # what became of each cool-down and rewind that fired
         if decide:
             agreed = self.agreement.agree(decision, self.step, loss, layout.values(decision.held) if held else ())
             if agreed is not None:
                 self._agreed(job, agreed, loss, decision)
             if agreed is None or agreed.same:  # the job's loss rules' heals are every rank's as they are
                 decision.heal = max(decision.heal, self.healing.choose(decision.heals))
-            self.healing.decided(decision, self.step, self._steps.mode == "optimizer")
+            healed = self.healing.decided(decision, self.step, self._steps.mode == "optimizer")
+        why = "the ranks hold different rules: no decision at this step" if decide else "not at a training step"
+        for rs, exc in self.readback.settle(decision, healed, why):
+            self._faults.fail(rs, exc)
         for key in decision.skip_by:
             self.store.inc(SKIPPED_STEPS, key)
         if not final:  # a skipped step did not happen: its values never become the baseline (an earlier update's did)

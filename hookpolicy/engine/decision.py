@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..errors import Halt
 from .history import Observation
 from .ledger import Entry
 from .rulestate import MAX_ERRORS, RuleState
+
+if TYPE_CHECKING:
+    from .alerts import Pending
 
 __all__ = ["SinkHalts", "StepReport"]
 
@@ -27,6 +30,8 @@ class StepReport:
     heals: list[tuple[tuple[str, str], int]] = field(default_factory=list)
     #: the one the step takes, agreed on by every rank: its place + 1 in `healing.heal_order`; 0 for none
     heal: int = 0
+    #: the records of those alerts, written once the step says what became of each (`Readback.settle`)
+    pending: list["Pending"] = field(default_factory=list)
     #: the first alert with `then: halt` in enforce mode
     halt: Optional[Halt] = None
     #: sinks that could not write, in order: each is a fault of its rule, handled by `onError`
@@ -48,6 +53,7 @@ class StepReport:
             if self.halt is None:
                 self.halt = later.halt
             self.heals.extend(heal for heal in later.heals if heal not in self.heals)
+        self.pending.extend(later.pending)
         self.observed.extend(later.observed)
 
     def off(self, rs: RuleState) -> bool:

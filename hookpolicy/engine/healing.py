@@ -7,7 +7,9 @@ decision is agreed on by every rank (`agreement`), and it acts on the update of 
 on every rank holding the same rules (`heal_order`): the cool-downs by falling factor
 (then longer ones, then identity), then the rewinds (by identity). A step takes the last
 of the alerts that fired in this order (the rewind wins; else the strongest cool-down), so
-that one integer, reduced with MAX over the ranks, is the decision of the whole group.
+that one integer, reduced with MAX over the ranks, is the decision of the whole group. Their
+records are written after that choice (`decided` returns each one's outcome): the one taken
+says what it did, the others which decision took the step (or that the run halts).
 
 **Cool-down.** From step `s` to `s + steps - 1`, every parameter group's `lr` of each
 optimizer that steps the model is multiplied by `factor` in the step pre-hook, after the
@@ -41,6 +43,7 @@ from ..errors import Halt
 from ..process import Once
 from ..export.metrics import REWINDS, ModelMetrics
 from ..policy.model import Alert, Policy
+from .alerts import not_taken, outcome
 from .decision import StepReport
 from .snapshots import Snapshots, snapshots_of
 
@@ -76,6 +79,10 @@ def heal_order(policies: Sequence[Policy]) -> list[Healer]:
     return sorted(healers, key=place)
 
 
+#: a decision, as an outcome names what took the step
+_A = {"cool_down": "a cool-down", "rewind": "a rewind"}
+
+
 class Healing:
     """The cool-down in force, the rewinds taken, and the snapshots of one attached model."""
 
@@ -101,20 +108,40 @@ class Healing:
         places = [i for i, h in enumerate(self.order) if (h.key, h.index) in fired]
         return max(places) + 1 if places else 0
 
-    def decided(self, report: StepReport, step: int, optimizer: bool) -> None:
+    def decided(
+        self, report: StepReport, step: int, optimizer: bool,
+    ) -> dict[tuple[tuple[str, str], int], str]:
         """Act on the agreed `report.heal` at `step`: start a cool-down, or make the step a rewind (or a halt).
 
+        Returns what became of each alert in `report.heals`, in words (its record's outcome): the
+        one the step took says what it did, the others that another took the step.
         Without an `optimizer` stepping the model (one step per backward pass), there is no
         learning rate to lower and no update to replace: said once, nothing done.
         """
-        if not report.heal or report.halt is not None:
-            return
-        healer = self.order[report.heal - 1]
+        chosen = self.order[report.heal - 1] if report.heal else None
+        # a halt alert decides the step before any heal; a rewind past its max_rewinds halts it
+        did = "" if chosen is None or report.halt is not None else self._take(chosen, report, step, optimizer)
+        outcomes: dict[tuple[tuple[str, str], int], str] = {}
+        for key, index in report.heals:
+            then = next(h.alert.then for h in self.order if (h.key, h.index) == (key, index))
+            if chosen is None:
+                outcomes[(key, index)] = not_taken(then, "the ranks hold different rules: no decision at this step")
+            elif (chosen.key, chosen.index) == (key, index) and did:
+                outcomes[(key, index)] = did
+            elif report.halt is not None:
+                outcomes[(key, index)] = not_taken(then, "the run halts at this step")
+            else:
+                outcomes[(key, index)] = not_taken(
+                    then, f"{_A[chosen.alert.then]} by {chosen.policy}/{chosen.rule} took the step")
+        return outcomes
+
+    def _take(self, healer: Healer, report: StepReport, step: int, optimizer: bool) -> str:
+        """Take `healer`'s decision at `step`; what it did, in words."""
         if not optimizer:
             if self._said(healer.alert.then):
                 log.warning("%s/%s: then: %s acts on optimizer steps, and no optimizer steps this model (a step is "
                             "a backward pass): not taken", healer.policy, healer.rule, healer.alert.then)
-            return
+            return not_taken(healer.alert.then, "no optimizer steps this model")
         cool = healer.alert.cool_down
         if cool is not None:
             starts = step >= self._until
@@ -123,7 +150,7 @@ class Healing:
             if starts:  # an extension is not said again: it fires at every step of a streak
                 log.warning("%s/%s: learning rate x%g from step %d to step %d (longer if it fires again)",
                             healer.policy, healer.rule, self._factor, step, self._until - 1)
-            return
+            return outcome("cool_down", True, "enforce")
         rewind = healer.alert.rewind
         assert rewind is not None  # heal_order holds cool-downs and rewinds only
         name = (healer.policy, healer.rule, healer.index)
@@ -131,16 +158,17 @@ class Healing:
             report.halt = Halt(healer.policy, healer.rule, step,
                                f"{healer.policy}/{healer.rule}: would rewind at step {step} a "
                                f"{self._rewinds[name] + 1}th time (max_rewinds: {rewind.max_rewinds}); halting")
-            return
+            return not_taken("rewind", f"max_rewinds: {rewind.max_rewinds} reached; halting")
         report.skip = True  # the update is not applied; the snapshot comes back at the step's end
         target = None if self.snapshots is None else self.snapshots.pick(step, rewind.back)
         if target is None:
             why = "no snapshot is taken of this model" if self.snapshots is None else self.snapshots.missing()
             log.warning("%s/%s: cannot rewind at step %d (%s): step skipped instead", healer.policy, healer.rule,
                         step, why)
-            return
+            return not_taken("rewind", f"{why}: step skipped instead")
         self._rewinds[name] += 1
         self._rewinding = (healer, target)
+        return outcome("rewind", True, "enforce")
 
     def before(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         """Before `optimizer` updates at `step`: the snapshot's copies are done; a cool-down lowers its lr."""

@@ -27,7 +27,7 @@ from ..export.metrics import ALERT_FIRING, ALERTS, CLIPPED, ModelMetrics, Labels
 from ..export.tensorboard import scalar_tag
 from ..policy.expr import NO_PAST
 from ..policy.model import OPTIMIZER_STATE, Capture, Clip, LogSink, Policy
-from .alerts import Alerts, json_number, outcome, render
+from .alerts import Alerts, Pending, json_number, not_taken, outcome, render
 from .decision import SinkHalts, StepReport
 from .distributed import reduce_shards
 from .history import History, group_key
@@ -194,11 +194,15 @@ class Readback:
                 happened = outcome(action.then, applied, rs.mode)
                 message = render(action, {**base, "outcome": happened}, stats, applied, past or NO_PAST)
                 self.store.inc(ALERTS, (*rs.key, action.severity))
-                logged[(-1, None)].append({
+                record = {
                     **base, "stats": {k: json_number(v) for k, v in stats.items()}, "event": "alert",
                     "severity": action.severity, "then": action.then, "mode": rs.mode, "outcome": happened,
                     "condition": action.source, "message": message,
-                })
+                }
+                if applied and action.then in ("cool_down", "rewind"):  # the step chooses among them later
+                    report.pending.append(Pending(rs, index, action, base, stats, past or NO_PAST, record))
+                else:
+                    logged[(-1, None)].append(record)
                 if rs.enforce and not final:
                     if action.then == "skip_step" and rs.key not in report.skip_by:
                         report.skip = True
@@ -214,6 +218,22 @@ class Readback:
             self.writers.write_board(rs, index, lambda board: self.writers.boards.scalars(board, p.step, scalars), report)
         for severity, on in firing.items():
             self.store.set(ALERT_FIRING, (*rs.key, severity), 1.0 if on else 0.0)
+
+    def settle(
+        self, report: StepReport, outcomes: Mapping[tuple[tuple[str, str], int], str], why: str,
+    ) -> list[tuple[RuleState, Exception]]:
+        """Write the records of the cool-down and rewind alerts that fired (`report.pending`), now that
+        the step chose among them: each says what became of it (`outcomes`, by rule and action index;
+        not taken, for `why`, where it has none). Returns the faults of these writes."""
+        written = StepReport()
+        try:
+            for pending in report.pending:
+                happened = outcomes.get(pending.key) or not_taken(pending.action.then, why)
+                self.writers.write_log(pending.rule, -1, None, [pending.settled(happened)], written)
+        except SinkHalts:
+            pass
+        report.pending.clear()
+        return written.errors
 
     def _report_clip(self, entry: ClipEntry, rows: list[list[float]], report: StepReport) -> None:
         """Count what a clip clipped (or would have); feed an adaptive clip's norm history."""
