@@ -598,7 +598,8 @@ def test_loss_spike_guard_halts_at_the_20th_step_of_a_loss_that_stays_nan(
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     idx, targets = batch(0)
-    with load("loss-spike-guard.yaml").attach(model, registry=CollectorRegistry(), rank=0):
+    reg = CollectorRegistry()
+    with load("loss-spike-guard.yaml").attach(model, registry=reg, rank=0):
         for _ in range(clean):
             loss = model(idx, targets)[1]
             assert loss is not None
@@ -616,6 +617,9 @@ def test_loss_spike_guard_halts_at_the_20th_step_of_a_loss_that_stays_nan(
                 opt.step()
                 assert _same(params, snapshot(model)) and same_state(state, opt_state(opt)), nan_step
                 opt.zero_grad(set_to_none=True)
+                gauges = {k: stat(reg, f"hookpolicy_loss_{k}", "loss-spike-guard", "loss-spike")
+                          for k in ("mean", "max", "nonfinite")}
+                mean, largest, seen = gauges.pop("mean"), gauges.pop("max"), gauges
                 continue
             with pytest.raises(hookpolicy.Halt) as halted:
                 opt.step()
@@ -626,6 +630,12 @@ def test_loss_spike_guard_halts_at_the_20th_step_of_a_loss_that_stays_nan(
               if line.startswith("{") and '"event": "alert"' in line]
     skipped = [a["message"] for a in alerts if a["severity"] == "warning"]
     assert skipped == [f"loss nan at step {clean + i} is not finite; step skipped" for i in range(20)]
+    # "Exported: hookpolicy_loss_mean / _max / _nonfinite, hookpolicy_skipped_steps_total, hookpolicy_alerts_total"
+    labels = {"policy": "loss-spike-guard", "rule": "loss-spike"}
+    assert seen == {"nonfinite": 1} and math.isnan(mean) and math.isnan(largest)  # the gauges at step clean + 18
+    assert counter(reg, "hookpolicy_skipped_steps_total", **labels) == 20  # the halting step's too
+    assert counter(reg, "hookpolicy_alerts_total", **labels, severity="warning") == 20
+    assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") == 1
 
 
 @pytest.mark.slow
@@ -1121,3 +1131,85 @@ def test_freeze_embeddings_under_adamw_is_a_zero_gradient(workdir: Path, weight_
     else:
         assert not torch.equal(wpe, start)
         torch.testing.assert_close(wpe, start * (1 - 1e-2 * weight_decay) ** 3)
+
+
+def test_recover_says_what_its_snapshots_hold(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """recover.yaml: "Each snapshot holds the parameters and buffers plus the optimizer state (AdamW:
+    3x the parameters in all), in host memory; explain and the attach line print the size." The
+    sizes against the test's own sums of nbytes: explain on the charlm example, the attach line and
+    the first snapshot's line (after step 49, AdamW's moments in it) on the GPT."""
+    import logging
+
+    import examples.charlm
+    from click.testing import CliRunner
+    from hookpolicy.cli import cli
+
+    def size(n: int) -> str:
+        return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+    def own(model: nn.Module) -> int:  # parameters and buffers, a tied weight once
+        return sum(t.nbytes for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+
+    charlm = own(examples.charlm.build_model())
+    explained = CliRunner().invoke(cli, ["explain", str(POLICIES / "recover.yaml"), "--model",
+                                         "examples.charlm:build_model"], prog_name="hookpolicy")
+    assert explained.exit_code == 0, explained.output
+    assert (f"snapshots for then: rewind after every 50 steps, at most 2 in host memory, each {size(charlm)} of "
+            f"parameters and buffers plus the optimizer state (Adam: 2 x {size(charlm)} more): "
+            f"{size(2 * 3 * charlm)} with Adam") in explained.output
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with caplog.at_level(logging.INFO, "hookpolicy"), load("recover.yaml").attach(model, registry=CollectorRegistry(), rank=0):
+        for step in range(50):
+            train_step(model, opt, step)
+    state = sum(v.nbytes for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    params = own(model)
+    assert 3 * params <= params + state <= 3 * params + 4 * len(list(model.parameters()))  # + AdamW's step counts
+    said = [r.getMessage() for r in caplog.records]
+    assert f"GPT: snapshots for then: rewind after every 50 steps, at most 2 in host memory, each {size(params)} " \
+           f"of parameters and buffers plus the optimizer state (Adam: 2 x {size(params)} more): " \
+           f"{size(2 * 3 * params)} with Adam" in said
+    assert f"GPT: first snapshot for then: rewind after step 49: {size(params + state)} (x 2 kept at most); " \
+           "0 LR schedulers, 0 GradScalers with it" in said
+
+
+def test_clip_per_layer_clips_after_accumulation_and_amp_unscaling(workdir: Path) -> None:
+    """clip-per-layer.yaml: "once per optimizer step (before the update, after accumulation and AMP
+    unscaling)". Two micro-batches a step under torch.amp.GradScaler (scale 2**10): each layer's
+    norm and the update equal a twin's on which the test itself unscales (`scaler.unscale_`) the
+    accumulated gradients and calls clip_grad_norm_ per layer (a clip of the scaled gradients would
+    see norms 1024 times larger)."""
+    model = make_model()
+    ref = copy.deepcopy(model)
+    seen: set[int] = set()
+    layers: list[tuple[str, list[nn.Parameter]]] = []
+    for n, m in ref.named_modules():  # a tied parameter belongs to the first module that has it
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            if own:
+                layers.append((n, own))
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2))
+    reg = CollectorRegistry()
+    with load("clip-per-layer.yaml").attach(model, registry=reg, rank=0):
+        for step in range(3):
+            for micro in range(2):
+                for m, s in ((model, scaler), (ref, ref_scaler)):
+                    loss = m(*batch(2 * step + micro))[1]
+                    assert loss is not None
+                    s.scale(loss * 5).backward()
+            ref_scaler.unscale_(ref_opt)
+            norms = {n: torch.nn.utils.clip_grad_norm_(params, 1.0).item() for n, params in layers}
+            assert max(norms.values()) > 1.0 and min(norms.values()) < 1.0  # some clipped, some not
+            for s, o in ((scaler, opt), (ref_scaler, ref_opt)):
+                s.step(o)
+                s.update()
+                o.zero_grad(set_to_none=True)
+            for name, value in norms.items():
+                assert stat(reg, "hookpolicy_grad_l2_norm", "clip-per-layer", "clip-each-layer", name) == pytest.approx(
+                    value, rel=1e-6), (step, name)
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda msg: f"step {step} {name}: {msg}")
+    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0**10  # no step was an overflow
