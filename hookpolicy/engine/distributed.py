@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 from .heap import live_modules
 from .stats import tensor_partials
 
-__all__ = ["Shards", "Units", "data_parallel", "full_value", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards"]
+__all__ = ["Shards", "Units", "data_parallel", "wrappers_around", "full_value", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards"]
 
 #: What an empty shard contributes to each partial.
 _IDENTITY = {
@@ -217,22 +217,37 @@ def data_parallel(module: torch.nn.Module) -> bool:
     (either) in it or around it, or parameters that are DTensors. Its policy swaps wait for every
     rank (`reload`); without it, the job's loss is said to be taken on trust (`cycle`).
 
-    A wrapper *around* the model is one that is alive and holds it, found by a heap scan (only
+    A wrapper *around* the model is one that is alive and holds it (`wrappers_around`, only
     when nothing in the model shows): a framework may govern, and call, the module inside a
     DDP wrapper (Lightning's strategies wrap the LightningModule and call its training_step).
     """
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return False
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    kinds = tuple(k for k in (torch.nn.parallel.DistributedDataParallel, getattr(fsdp, "FSDPModule", None),
-                              getattr(fsdp, "FullyShardedDataParallel", None)) if isinstance(k, type))
-    if any(isinstance(m, kinds) for m in module.modules()):
+    if any(isinstance(m, _wrapper_kinds()) for m in module.modules()):
         return True
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if isinstance(dtensor, type) and any(isinstance(p, dtensor) for p in module.parameters()):
         return True
-    return any(issubclass(type(m), kinds) and any(inner is module for inner in m.modules()) for m in live_modules())
+    return bool(wrappers_around(module))
+
+
+def wrappers_around(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The DDP and FSDP wrappers alive that hold `module`: the one place hookpolicy looks for them
+    (`data_parallel`, `replicas`), by a heap scan."""
+    kinds = _wrapper_kinds()
+    return [m for m in live_modules() if issubclass(type(m), kinds) and _holds(m, module)]
+
+
+def _holds(wrapper: torch.nn.Module, module: torch.nn.Module) -> bool:
+    return any(inner is module for inner in wrapper.modules())
+
+
+def _wrapper_kinds() -> tuple[type, ...]:
+    """DistributedDataParallel, and FSDP2's FSDPModule and FSDP1 once `torch.distributed.fsdp` is imported."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return tuple(k for k in (torch.nn.parallel.DistributedDataParallel, getattr(fsdp, "FSDPModule", None),
+                             getattr(fsdp, "FullyShardedDataParallel", None)) if isinstance(k, type))
 
 
 def shard_name(name: str) -> str:

@@ -60,7 +60,7 @@ from .agreement import job_loss_rule
 from .jobstats import reduced
 from ..process import Once
 from . import module_hooks
-from .heap import live_modules
+from .distributed import wrappers_around
 from .rulestate import RuleState
 
 __all__ = ["Export", "Replicas", "job_rank", "job_world"]
@@ -216,14 +216,13 @@ class Replicas:
 
     def _wrappers_of(self, model: torch.nn.Module) -> list[torch.nn.parallel.DistributedDataParallel]:
         """The DDP wrappers inside `model`, else those alive around it (a framework may govern the module
-        a wrapper holds, as Lightning does: found by one heap scan, as `distributed.data_parallel` does)."""
+        a wrapper holds, as Lightning does: `distributed.wrappers_around`, which `data_parallel` asks too)."""
         ddp_type = torch.nn.parallel.DistributedDataParallel
         inside = [m for m in model.modules() if isinstance(m, ddp_type)]
         if inside:
             return inside
         if self._around is None:
-            self._around = weakref.WeakSet(
-                m for m in live_modules() if isinstance(m, ddp_type) and any(inner is model for inner in m.modules()))
+            self._around = weakref.WeakSet(m for m in wrappers_around(model) if isinstance(m, ddp_type))
         return list(self._around)
 
 
