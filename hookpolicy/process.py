@@ -30,6 +30,7 @@ hookpolicy, and each is the one home of what it holds):
 | `_AGREED`                     | `engine/agreement.py`       | ranks agree at every step once they agreed at one         |
 | `_CARRIED`                    | `engine/agreement.py`       | per model, the `ranks: job` layout every rank announced   |
 | `_DTENSOR`                    | `engine/distributed.py`     | the DTensor class, once torch.distributed.tensor is in    |
+| `_AROUND`                     | `engine/distributed.py`     | per module, the DDP/FSDP wrappers found around it (weakly) |
 | `_local`                      | `engine/stats.py`           | per-thread scratch buffers                                |
 | `_CHECKED_CLASSES`            | `engine/rebinding.py`       | the `Once` of classes checked for their own reducer       |
 | `_SESSION`                    | `apply/child.py`            | the `apply` child's session                               |

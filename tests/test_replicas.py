@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
+from hookpolicy.engine.distributed import data_parallel
 from helpers import REPO
 from helpers.distributed import spawn
 from helpers.policies import write_policy
@@ -274,6 +276,25 @@ class Headed(nn.Module):
         return self.head(self.body(x))
 
 
+class HeapScans:
+    """Counts the heap scans for modules (`heap.live_modules`' calls of `gc.get_objects`) inside the block."""
+
+    def __enter__(self) -> "HeapScans":
+        self.count = 0
+        self._get_objects = gc.get_objects
+
+        def counted(*args: Any) -> list[Any]:
+            if sys._getframe(1).f_code.co_name == "live_modules":
+                self.count += 1
+            return self._get_objects(*args)
+
+        gc.get_objects = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.get_objects = self._get_objects
+
+
 def kept_per_rank(rank: int, policy: str) -> dict[str, Any]:
     x, y = make_data(0)
     x, y = x[rank::2], y[rank::2]
@@ -318,7 +339,11 @@ def kept_per_rank(rank: int, policy: str) -> dict[str, Any]:
     out["comm hook"] = train(hooked, 1)
     torch.manual_seed(0)
     inner = build_model()
-    out["governed inside DDP"] = train(inner, 1, through=nn.parallel.DistributedDataParallel(inner))
+    around = nn.parallel.DistributedDataParallel(inner)
+    with HeapScans() as scans:
+        assert data_parallel(inner)  # what `apply` asks of a model it meets, before it attaches
+        out["governed inside DDP"] = train(inner, 1, through=around)
+    out["scans for the wrapper around"] = scans.count
     out["head outside DDP"] = train(Headed(), 1)
     torch.manual_seed(0)
     out["no optimizer"] = train(nn.parallel.DistributedDataParallel(build_model()), 1, manual=True)
@@ -347,6 +372,8 @@ def test_what_may_differ_by_rank_stays_per_rank_and_rank_0_says_why(tmp_path: Pa
     assert not [line for line in one["lines"] if "its series stay per rank" in line]  # said once per job
     # a model governed inside a DDP wrapper (as Lightning does): its gradients are the job's
     assert set(zero["governed inside DDP"]) == set(LINEARS) and one["governed inside DDP"] == {}
+    # found by one heap scan, which data_parallel made and Replicas did not make again
+    assert zero["scans for the wrapper around"] == one["scans for the wrapper around"] == 1
     # a step inside no_sync: rank 0 keeps the last all-reduced value; rank 1 exports none
     assert one["no_sync step"] == {}
     assert zero["no_sync step"]["0"] == ["0", pytest.approx(zero["synced"], rel=1e-6)]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
@@ -232,11 +233,24 @@ def data_parallel(module: torch.nn.Module) -> bool:
     return bool(wrappers_around(module))
 
 
+#: per module, the DDP and FSDP wrappers found alive around it (both weakly): asked again, the
+#: heap is scanned again only while none of them is alive and still holds it
+_AROUND: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet[torch.nn.Module]]" = weakref.WeakKeyDictionary()
+
+
 def wrappers_around(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The DDP and FSDP wrappers alive that hold `module`: the one place hookpolicy looks for them
-    (`data_parallel`, `replicas`), by a heap scan."""
+    (`data_parallel`, `replicas`). Found by a heap scan, kept weakly: the next question about the
+    same module scans again only if none found is still alive and holding it (none found is not
+    kept: a wrapper made later is found then)."""
     kinds = _wrapper_kinds()
-    return [m for m in live_modules() if issubclass(type(m), kinds) and _holds(m, module)]
+    known = [w for w in _AROUND.get(module, ()) if issubclass(type(w), kinds) and _holds(w, module)]
+    if known:
+        return known
+    found = [m for m in live_modules() if issubclass(type(m), kinds) and _holds(m, module)]
+    if found:
+        _AROUND[module] = weakref.WeakSet(found)
+    return found
 
 
 def _holds(wrapper: torch.nn.Module, module: torch.nn.Module) -> bool:
