@@ -144,7 +144,7 @@ def test_clip_norm_in_place_is_clip_grad_norm(norm_type: float) -> None:
         assert p.grad is not None and torch.equal(mine, p.grad)
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t, norm_type) for t in grads]), norm_type)
     assert total.item() > 0.5  # the norm as it left the clip is the limit
-    assert report.dtype == torch.float64 and report.tolist() == [[pytest.approx(0.5, rel=1e-6), 1.0]]
+    assert report.dtype == torch.float64 and report.tolist() == [[pytest.approx(0.5, rel=1e-6), 1.0, 0.0]]
 
 
 def test_clip_norm_reports_per_group_and_audits_without_changing_anything() -> None:
@@ -158,11 +158,23 @@ def test_clip_norm_reports_per_group_and_audits_without_changing_anything() -> N
     norms = [torch.linalg.vector_norm(t).item() for t in grads]
     left = [min(n, limit) if limit is not None else n for n, limit in zip(norms, limits)]
     assert norms[1] > 1.0 and left[1] == 1.0
-    assert report.tolist() == [[pytest.approx(n, rel=1e-6), c] for n, c in zip(left, (0.0, 1.0, 0.0))]
+    assert report.tolist() == [[pytest.approx(n, rel=1e-6), c, 0.0] for n, c in zip(left, (0.0, 1.0, 0.0))]
     clipped, same = clip_norm([t.clone() for t in grads], limits, 2.0, groups, inplace=True)
     assert torch.equal(same, report)
     assert torch.equal(clipped[0], grads[0]) and torch.equal(clipped[2], grads[2])  # under the limit, no limit
     assert torch.linalg.vector_norm(clipped[1]).item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_a_device_limit_that_is_not_usable_clips_nothing_and_is_reported() -> None:
+    """A limit computed on the device: NaN (not usable: a NaN or non-positive threshold) and +inf (a false
+    `when`) clip nothing; only NaN is flagged in the report's third column, for the read-back to say."""
+    grads = [torch.full((4,), 3.0) for _ in range(3)]
+    limits = [lambda norm: norm.new_full((), math.nan), lambda norm: norm.new_full((), math.inf),
+              lambda norm: norm / 2]
+    clipped, report = clip_norm([t.clone() for t in grads], limits, 2.0, [[0], [1], [2]], inplace=True)
+    assert torch.equal(clipped[0], grads[0]) and torch.equal(clipped[1], grads[1])
+    assert torch.allclose(clipped[2], grads[2] / 2)
+    assert report.tolist() == [[6.0, 0.0, 1.0], [6.0, 0.0, 0.0], [3.0, 1.0, 0.0]]
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])

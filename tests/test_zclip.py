@@ -193,3 +193,39 @@ def test_conditions_and_values_on_a_tensor_equal_their_float_evaluation(text: st
             assert bool(on_device) == condition.evaluate({"norm": norm}, past), (norm, std)
             want = value.evaluate({"norm": norm}, past)
             assert threshold.item() == pytest.approx(want, nan_ok=True, rel=1e-12), (norm, std)
+
+
+def test_a_threshold_on_the_device_that_is_not_positive_clips_nothing_and_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`max_norm` read on the device (it reads the current norm) that comes out negative from step 3 on:
+    nothing is clipped (the gradients the optimizer applies are a plain twin's, bit for bit) and one
+    `hookpolicy:` line names the rule, the step and the value's cause."""
+    policies = load_policy(tmp_path, """
+        - name: odd
+          match: {modules: ["**"]}
+          trigger: {at: step}
+          target: grad
+          actions:
+            - clip: {max_norm: "ema(norm, 0.5) - 3 * norm", warmup: 3, per: rule}
+    """)
+    model, twin = _model(), _model()
+    seen: list[list[torch.Tensor]] = []
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    opt.register_step_pre_hook(lambda o, a, k: seen.append([p.grad.clone() for p in model.parameters()
+                                                              if p.grad is not None]))
+    reg = CollectorRegistry()
+    with caplog.at_level("WARNING", logger="hookpolicy"), policies.attach(model, registry=reg, rank=0):
+        for step in range(8):
+            for m, o in ((model, opt), (twin, twin_opt)):
+                o.zero_grad()
+                _backward(m, step)
+            opt.step()  # hookpolicy's clip runs in a global step pre-hook, before the test's own hook
+            for applied, q in zip(seen[-1], twin.parameters()):
+                assert q.grad is not None and torch.equal(applied, q.grad)
+            twin_opt.step()
+    assert len(seen) == 8
+    lines = [r.getMessage() for r in caplog.records if "was NaN or not positive" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("p/odd: max_norm ema(norm, 0.5) - 3 * norm was NaN or not "
+                                                   "positive at step 3 for <root>"), lines
+    assert (metric(reg, "hookpolicy_clipped_total", {"rule": "odd", "module": "", "mode": "enforce"}) or 0.0) == 0.0

@@ -16,6 +16,8 @@ timm's `adaptive_clip_grad` is.
 
 from __future__ import annotations
 
+import math
+
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cached_property
@@ -122,12 +124,14 @@ def clip_norm(
 
     `groups` lists the tensor indices that share one norm (`per: module` / `per: rule`),
     `limits` the max_norm of each group (None: this group is not clipped now; a callable:
-    computed on the device from the group's norm, with no read-back). The coefficient is
+    computed on the device from the group's norm, with no read-back: NaN where it is not
+    usable, +inf where the group is not to be clipped). The coefficient is
     `clamp(limit / (norm + 1e-6), max=1)`, as `clip_grad_norm_`'s. Returns the tensors
     (clipped unless `apply` is False: audit mode measures and reports only) and a
-    `[len(groups), 2]` float64 device matrix, for the read-back: each group's norm as it
-    left the clip, `min(norm, limit)` (what an adaptive clip's history appends), and 1.0
-    where it was clipped (or would have been). Nothing is read back here.
+    `[len(groups), 3]` float64 device matrix, for the read-back: each group's norm as it
+    left the clip, `min(norm, limit)` (what an adaptive clip's history appends), 1.0
+    where it was clipped (or would have been), and 1.0 where a device limit was not usable
+    (so nothing was clipped). Nothing is read back here.
     """
     with torch.no_grad():
         norms = torch._foreach_norm(tensors, norm_type)
@@ -137,9 +141,11 @@ def clip_norm(
                 totals.append(norms[group[0]])
             else:
                 totals.append(torch.linalg.vector_norm(torch.stack([norms[i] for i in group]), norm_type))
-        bounds = [limit(full_value(total)) if callable(limit) else limit for total, limit in zip(totals, limits)]
+        raw = [limit(full_value(total)) if callable(limit) else limit for total, limit in zip(totals, limits)]
+        unusable = [torch.isnan(b) if isinstance(b, torch.Tensor) else None for b in raw]
+        bounds = [torch.where(b.isnan(), math.inf, b) if isinstance(b, torch.Tensor) else b for b in raw]
         group_coefs = [None if bound is None else _coefficient(bound, total) for total, bound in zip(totals, bounds)]
-        report = _clip_report(totals, bounds, group_coefs)
+        report = _clip_report(totals, bounds, group_coefs, unusable)
         if not apply or all(c is None for c in group_coefs):
             return tensors, report
         only = group_coefs[0]
@@ -167,19 +173,25 @@ def _coefficient(bound: Union[float, torch.Tensor], total: torch.Tensor) -> torc
 
 
 def _clip_report(totals: Sequence[torch.Tensor], bounds: Sequence[Union[None, float, torch.Tensor]],
-                 coefs: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    """Per group (norm as it left the clip, clipped? 1.0 : 0.0) as one float64 matrix on the norms' device.
+                 coefs: Sequence[Optional[torch.Tensor]], unusable: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """Per group (norm as it left the clip, clipped? 1.0 : 0.0, unusable limit? 1.0 : 0.0) as one
+    float64 matrix on the norms' device (`CLIP_COLUMNS`).
 
     One stack (dtypes promote: a bool flag becomes 1.0) and one cast, besides a comparison
     and a minimum per clipped group: a clip costs a few more small kernels, no sync.
     """
     cells: list[torch.Tensor] = []
-    for total, bound, coef in zip(totals, bounds, coefs):
+    for total, bound, coef, bad in zip(totals, bounds, coefs, unusable):
         total = full_value(total).double()
         left = total if bound is None else (torch.clamp(total, max=bound) if isinstance(bound, float)
                                             else torch.minimum(total, bound))
-        cells += [left, total.new_zeros(()) if coef is None else full_value(coef) < 1.0]
-    return torch.stack(cells).view(len(totals), 2).to(torch.float64)
+        zero = total.new_zeros(())
+        cells += [left, zero if coef is None else full_value(coef) < 1.0, zero if bad is None else bad]
+    return torch.stack(cells).view(len(totals), CLIP_COLUMNS).to(torch.float64)
+
+
+#: The columns of a clip's report: the norm as it left the clip, clipped, the limit not usable.
+CLIP_COLUMNS = 3
 
 
 #: Reduces squared unit norms of shards to those of whole units: (squares, groups per tensor) -> squares.

@@ -50,11 +50,12 @@ class ClipEntry:
     """What one execution of a clip did (enforce) or would have done (audit), still on the device.
 
     One row per group the clip measured (`rows`: its (module, tensor) key, see
-    `history.group_key`) or per unit row of a unit-wise clip; `matrix` is `[len(rows), 2]`
+    `history.group_key`) or per unit row of a unit-wise clip; `matrix` is `[len(rows), 3]`
     float64 on the device: the norm as it left the clip, `min(norm, limit)` (NaN where there
-    is none), and how many groups or units were clipped. The read-back adds the counts to
-    `hookpolicy_clipped_total` and, for a clip that keeps a history (a `max_norm` expression
-    or a `when`), appends the norm to it.
+    is none), how many groups or units were clipped, and 1.0 where a limit computed on the
+    device was NaN or not positive (nothing clipped). The read-back adds the counts to
+    `hookpolicy_clipped_total`, says once per action that a limit was not usable and, for a
+    clip that keeps a history (a `max_norm` expression or a `when`), appends the norm to it.
     """
 
     rule: RuleState

@@ -149,7 +149,7 @@ class Programs:
                 self._ledger.ran.update((count_keys[0], module) for module in modules)
                 counts = self._clip_units(rs, op, rows, tensors, list(weights))
                 # what it clipped (audit: would have) goes to the read-back; AGC measures no group norm
-                report = torch.stack([torch.full_like(counts, math.nan), counts], dim=1)
+                report = torch.stack([torch.full_like(counts, math.nan), counts, torch.zeros_like(counts)], dim=1)
                 self._ledger.entries.append(ClipEntry(rs, op.index, list(rows), report))
             else:
                 self._ledger.ran.update((count_keys[0], module) for module in modules)
@@ -233,8 +233,10 @@ def device_limit(action: Clip, past: Past) -> DeviceLimit:
     """The threshold of a clip whose `max_norm` reads the current norm, or that has a `when`.
 
     Evaluated on the group's norm in float64 on its device (ZClip computes in Python
-    floats), the history's functions being host floats: no read-back. NaN, a threshold that
-    is not positive and a false `when` become +inf: the group is not clipped.
+    floats), the history's functions being host floats: no read-back. A false `when`
+    becomes +inf (the group is not clipped); a threshold that is NaN or not positive
+    where `when` holds becomes NaN, which `actions.clip_norm` does not clip either and
+    reports, so that the read-back says it.
     """
     threshold, when = action.max_norm, action.when
 
@@ -242,10 +244,12 @@ def device_limit(action: Clip, past: Past) -> DeviceLimit:
         values = {"norm": norm.double()}
         bound = threshold.evaluate(cast(Mapping[str, float], values), past) if isinstance(threshold, Value) else threshold
         value = bound if isinstance(bound, torch.Tensor) else values["norm"].new_full((), float(cast(float, bound)))
-        keep = value > 0
-        if when is not None:
-            keep = keep & when.evaluate(cast(Mapping[str, float], values), past)
-        return torch.where(keep, value, math.inf)
+        usable = value > 0
+        value = torch.where(usable, value, math.nan)
+        if when is None:
+            return value
+        holds = torch.ones_like(usable) & when.evaluate(cast(Mapping[str, float], values), past)
+        return torch.where(holds, value, math.inf)
 
     return limit
 

@@ -32,6 +32,7 @@ from .decision import SinkHalts, StepReport
 from .distributed import reduce_shards
 from .history import History, group_key
 from .ledger import ClipEntry, Entry
+from ..process import Once
 from .replicas import Export, job_world
 from .rulestate import RuleState
 from .stats import combine, finish, resolve_counts
@@ -57,6 +58,7 @@ class Readback:
         self.rank = rank
         self.history = history
         self._policies = {p.name: p for p in policies}  # their series limits
+        self._said_limits = Once()  # (rule key, action index): clips whose device limit was not usable
         self._alerts = Alerts(history)
         self._last: dict[str, dict[Labels, float]] = defaultdict(dict)
         self.writers = Writers(root, rank)
@@ -107,7 +109,7 @@ class Readback:
                 self.writers.fault(report, rs, exc)
             return
         for clip, rows in zip(clips, fetched[len(entries):]):
-            self._report_clip(clip, rows, report)
+            self._report_clip(clip, rows, step, report)
         for entry, rows in zip(entries, fetched):
             if entry.deferred is not None:
                 resolve_counts(rows, entry.deferred, entry.op.kinds)
@@ -235,13 +237,17 @@ class Readback:
         report.pending.clear()
         return written.errors
 
-    def _report_clip(self, entry: ClipEntry, rows: list[list[float]], report: StepReport) -> None:
-        """Count what a clip clipped (or would have); feed an adaptive clip's norm history."""
+    def _report_clip(self, entry: ClipEntry, rows: list[list[float]], step: int, report: StepReport) -> None:
+        """Count what a clip clipped (or would have); say a limit that was not usable; feed an adaptive clip's history."""
         rs = entry.rule
         action = rs.rule.actions[entry.index]
         clipped: dict[str, float] = defaultdict(float)
-        for (module, tensor), (norm, count) in zip(entry.rows, rows):  # norm: as it left the clip
+        for (module, tensor), (norm, count, unusable) in zip(entry.rows, rows):  # norm: as it left the clip
             clipped[module] += count
+            if unusable and isinstance(action, Clip) and self._said_limits((rs.key, entry.index)):
+                log.warning("%s/%s: max_norm %s was NaN or not positive at step %d for %s (its norm %g), so nothing "
+                            "was clipped there; a threshold that is not a positive number never clips (said once)",
+                            *rs.key, action.max_norm, step, module or "<root>", norm)
             if isinstance(action, Clip) and action.remembers:
                 tracked = self.history.tracking(rs.key, entry.index, ("norm",), action.calls, action.warmup)
                 report.observed.append(tracked.observe(module, tensor, {"norm": norm}))
