@@ -47,6 +47,13 @@ def test_alive_is_what_the_heap_holds_made_before_and_after_the_watch() -> None:
     assert Own.__init__.__qualname__.endswith("Own.__init__") and not hasattr(Own.__init__, "__wrapped__")
     assert not hasattr(torch.optim.lr_scheduler.LambdaLR.__init__, "__wrapped__")
 
+    class Later(torch.optim.lr_scheduler.LambdaLR):  # defined after the watch: torch's class as it was
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            super().__init__(optimizer, lambda step: 1.0)
+
+    Later(optimizer)
+    assert not hasattr(Later.__init__, "__wrapped__") and schedulers.alive() == []
+
 
 def test_a_watched_constructor_keeps_its_signature() -> None:
     import inspect

@@ -79,7 +79,11 @@ class _Made:
 
     def __init__(self) -> None:
         self._alive: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-        self._lock = threading.RLock()  # a finalizer run by the collector inside note() may make another one
+        #: held while the wrappers go in or out and while one is added (a class defined on another thread is
+        #: wrapped entirely before they go out, or not at all); an RLock: a finalizer the collector runs inside
+        #: note() may make another scheduler
+        self._lock = threading.RLock()
+        self._on = False
         self._inits: list[tuple[type, Callable[..., None], Callable[..., None]]] = []  # (class, its __init__, ours)
         self._subclassing: list[tuple[type, Optional[Any], Any]] = []  # (root, its __init_subclass__, ours)
         self._shared = process.Shared("LRScheduler and GradScaler construction (then: rewind)",
@@ -97,47 +101,55 @@ class _Made:
 
     def note(self, made: Any) -> None:
         with self._lock:
-            self._alive[id(made)] = made
+            if self._on:  # not through a wrapper another library wrapped again and left in place
+                self._alive[id(made)] = made
 
     def _install(self) -> None:
-        for root in kinds():
-            self._hook_subclasses(root)
-            tree: list[type] = [root]
-            for cls in tree:  # grows while walked: each class's subclasses after it
-                tree += cls.__subclasses__()
-                self._wrap(cls)
-        for made in live_of(*kinds()):  # those made before: the one heap scan, after the wrappers are in
-            self.note(made)
+        with self._lock:
+            self._on = True
+            for root in kinds():
+                self._hook_subclasses(root)
+                tree: list[type] = [root]
+                for cls in tree:  # grows while walked: each class's subclasses after it
+                    tree += cls.__subclasses__()
+                    self._wrap(cls)
+            for made in live_of(*kinds()):  # those made before: the one heap scan, after the wrappers are in
+                self.note(made)
 
     def _uninstall(self) -> None:
-        for root, theirs, ours in self._subclassing:
-            if root.__dict__.get("__init_subclass__") is ours:
-                if theirs is None:
-                    delattr(root, "__init_subclass__")
-                else:
-                    setattr(root, "__init_subclass__", theirs)
-        for cls, theirs, ours in self._inits:
-            if cls.__dict__.get("__init__") is ours:  # one another library wrapped again is left, calling through
-                setattr(cls, "__init__", theirs)
-        self._subclassing.clear()
-        self._inits.clear()
         with self._lock:
+            self._on = False
+            for root, theirs, ours in self._subclassing:
+                if root.__dict__.get("__init_subclass__") is ours:
+                    if theirs is None:
+                        delattr(root, "__init_subclass__")
+                    else:
+                        setattr(root, "__init_subclass__", theirs)
+            for cls, init, wrapped in self._inits:
+                if cls.__dict__.get("__init__") is wrapped:  # one another library wrapped again stays, calling through
+                    setattr(cls, "__init__", init)
+            self._subclassing.clear()
+            self._inits.clear()
             self._alive.clear()
 
     def _wrap(self, cls: type) -> None:
         """`cls.__init__`, if `cls` defines its own, noting the object it made once it is made."""
-        init = cls.__dict__.get("__init__")
-        if not callable(init) or any(c is cls for c, _, _ in self._inits):
-            return
+        with self._lock:
+            init = cls.__dict__.get("__init__")
+            if not self._on or not callable(init) or any(c is cls for c, _, _ in self._inits):
+                return
+            self._inits.append((cls, init, self._noting(init)))
+            setattr(cls, "__init__", self._inits[-1][2])
+
+    def _noting(self, init: Callable[..., None]) -> Callable[..., None]:
+        """`init`, then the object it made noted (functools.wraps: the class's signature stays its own)."""
         note = self.note
 
         @functools.wraps(init)
         def __init__(made: Any, *args: Any, **kwargs: Any) -> None:
             init(made, *args, **kwargs)
             note(made)
-
-        self._inits.append((cls, init, __init__))
-        setattr(cls, "__init__", __init__)
+        return __init__
 
     def _hook_subclasses(self, root: type) -> None:
         """`root.__init_subclass__` wraps each class defined below `root` from now on (after its own, if any)."""
