@@ -28,7 +28,7 @@ from torch import nn
 import hookpolicy
 from helpers import REPO
 from helpers.distributed import spawn
-from helpers.outputs import Said
+from helpers.outputs import Said, json_lines
 from helpers.policies import write_policy
 from helpers.processes import Run, labels_of, losses, torchrun, value, wait_metrics
 
@@ -428,11 +428,13 @@ def rule_sets(rank: int, policies: list[str], generations: list[int]) -> dict[st
 @pytest.mark.parametrize("then", ["skip_step", "halt"])
 @pytest.mark.parametrize("differ", ["rules", "generation"])
 def test_ranks_holding_different_rules_take_no_decision_and_say_so(
-    tmp_path: Path, free_port: int, then: str, differ: str,
+    tmp_path: Path, free_port: int, then: str, differ: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Rank 0 holds one rule more than rank 1 (or the same rules of another generation): the
     position of a rule in one rank's rules names nothing on the other. Neither rank raises
-    (IndexError) or hangs; neither skips nor halts, rank 0's own NaN decision included; each says so."""
+    (IndexError) or hangs; neither skips nor halts, rank 0's own NaN decision included; each says so,
+    and so do rank 0's alert records (at step 1, and at step 2: the NaN reached the weights)."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
     guard = DECISION_RULES % then
     for folder in ("r0", "r1"):
         (tmp_path / folder).mkdir()
@@ -450,6 +452,10 @@ def test_ranks_holding_different_rules_take_no_decision_and_say_so(
     assert len(said[0]) == 3 and all(f"not taken here: {decided} by p/guard" in line for line in said[0][1:])
     assert ranks[0]["finite"] == [True, False, False]  # the NaN step was taken: no rank decided alone
     assert ranks[1]["finite"] == [True, True, True]
+    undone = "step not skipped" if then == "skip_step" else "not halted"
+    records = json_lines(tmp_path / "alerts.jsonl")
+    assert [(r["rank"], r["step"], r["outcome"]) for r in records] == [
+        (0, step, f"{undone} (the ranks hold different rules: no decision at this step)") for step in (1, 2)]
 
 
 def test_a_decision_names_its_rule_by_identity_not_by_position(tmp_path: Path, free_port: int) -> None:

@@ -109,3 +109,35 @@ def test_a_log_format_that_is_not_one_is_an_error_at_attach_and_at_apply(
                            sys.executable, "-c", "print('never')"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "never" not in done.stdout
     assert "HOOKPOLICY_LOG_FORMAT='yaml': write one of text, json" in done.stderr
+
+
+EVAL_SKIP = """
+    - name: out
+      match: {modules: ["0"]}
+      trigger: {at: forward, phase: any}
+      target: output
+      actions: [{alert: {if: "abs_max >= 0", then: skip_step}}]
+"""
+
+
+def test_a_skip_alert_at_an_evaluation_forward_says_it_skipped_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An evaluation forward is no step: its skip_step alert skips nothing, and its record says so;
+    the training step after it is skipped (the test's own copy of the weights), and its record says so."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hookpolicy.load(write_policy(tmp_path, EVAL_SKIP)).attach(model, registry=CollectorRegistry()):
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+        model.train()
+        before = [p.detach().clone() for p in model.parameters()]
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    records = json_lines(tmp_path / "alerts.jsonl")
+    assert [r["outcome"] for r in records] == ["step not skipped (not at a training step)", "step skipped"]
+    assert records[0]["message"].endswith(" [step not skipped (not at a training step)]")

@@ -3,9 +3,9 @@
 `Alerts.evaluate` says whether an alert fires (its condition held `for:` evaluations in a
 row, after its warm-up), `Alerts.observe` hands what an alert with history functions saw
 to the step's report; `render` writes its message, never claiming an effect (a skip, a
-halt) that did not happen. What a cool-down or rewind alert did is known only once the step
-chose among the healing alerts that fired (`healing`: a rewind wins over a cool-down): its
-record waits as a `Pending` until then.
+halt) that did not happen. What an alert's `then` did is known only once the step is decided
+(the ranks agreed on its skip or halt, the step chose among the healing alerts that fired:
+`healing`, a rewind wins over a cool-down): its record waits as a `Pending` until then.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def not_taken(then: str, why: str) -> str:
 
 @dataclass
 class Pending:
-    """The record of a cool-down or rewind alert that fired, until the step says what became of it."""
+    """The record of an alert that fired, until the step is decided; `settles`: its `then` was to act
+    (enforced, not at `remove()`), so its outcome waits for the step's decision."""
 
     rule: RuleState
     index: int
@@ -104,6 +105,7 @@ class Pending:
     stats: dict[str, float]
     past: Past
     record: dict[str, Any]
+    settles: bool = False
 
     @property
     def key(self) -> tuple[tuple[str, str], int]:
@@ -111,6 +113,8 @@ class Pending:
 
     def settled(self, happened: str) -> dict[str, Any]:
         """The record, its outcome and message saying `happened`."""
+        if happened == self.record["outcome"]:
+            return self.record
         applied = happened == _OUTCOMES[self.action.then][0]
         message = render(self.action, {**self.base, "outcome": happened}, self.stats, applied, self.past)
         return {**self.record, "outcome": happened, "message": message}

@@ -4,7 +4,7 @@ Before the update (`before_update`, the optimizer step pre-hook; or, for a scrip
 steps no optimizer, the end of its backward pass):
 
     scope -> active rules -> loss -> execute -> read back -> decide -> agree (and reduce the loss)
-          -> the job's loss rules -> heal (then write the healing alerts' records) -> commit history
+          -> the job's loss rules -> heal -> write the alert records (what each did) -> commit history
           -> hide gradients -> lower the lr (a cool-down)
 
 After it (`after_update`): restore the hidden gradients -> measure the update (`updates`,
@@ -211,8 +211,7 @@ class StepCycle:
             if agreed is None or agreed.same:  # the job's loss rules' heals are every rank's as they are
                 decision.heal = max(decision.heal, self.healing.choose(decision.heals))
             healed = self.healing.decided(decision, self.step, self._steps.mode == "optimizer")
-        why = "the ranks hold different rules: no decision at this step" if decide else "not at a training step"
-        for rs, exc in self.readback.settle(decision, healed, why):
+        for rs, exc in self.readback.settle(decision, healed, decide):
             self._faults.fail(rs, exc)
         for key in decision.skip_by:
             self.store.inc(SKIPPED_STEPS, key)

@@ -30,7 +30,7 @@ class StepReport:
     heals: list[tuple[tuple[str, str], int]] = field(default_factory=list)
     #: the one the step takes, agreed on by every rank: its place + 1 in `healing.heal_order`; 0 for none
     heal: int = 0
-    #: the records of those alerts, written once the step says what became of each (`Readback.settle`)
+    #: the records of the alerts that fired, written once the step is decided (`Readback.settle`)
     pending: list["Pending"] = field(default_factory=list)
     #: the first alert with `then: halt` in enforce mode
     halt: Optional[Halt] = None

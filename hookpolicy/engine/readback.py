@@ -201,10 +201,9 @@ class Readback:
                     "severity": action.severity, "then": action.then, "mode": rs.mode, "outcome": happened,
                     "condition": action.source, "message": message,
                 }
-                if applied and action.then in ("cool_down", "rewind"):  # the step chooses among them later
-                    report.pending.append(Pending(rs, index, action, base, stats, past or NO_PAST, record))
-                else:
-                    logged[(-1, None)].append(record)
+                # written once the step is decided (`settle`): what its `then` did is known only then
+                report.pending.append(Pending(rs, index, action, base, stats, past or NO_PAST, record,
+                                              settles=applied and action.then != "log"))
                 if rs.enforce and not final:
                     if action.then == "skip_step" and rs.key not in report.skip_by:
                         report.skip = True
@@ -222,16 +221,33 @@ class Readback:
             self.store.set(ALERT_FIRING, (*rs.key, severity), 1.0 if on else 0.0)
 
     def settle(
-        self, report: StepReport, outcomes: Mapping[tuple[tuple[str, str], int], str], why: str,
+        self, report: StepReport, healed: Mapping[tuple[tuple[str, str], int], str], decided: bool,
     ) -> list[tuple[RuleState, Exception]]:
-        """Write the records of the cool-down and rewind alerts that fired (`report.pending`), now that
-        the step chose among them: each says what became of it (`outcomes`, by rule and action index;
-        not taken, for `why`, where it has none). Returns the faults of these writes."""
+        """Write the step's alert records (`report.pending`), in the order they fired, now that the step
+        is `decided` (False: an evaluation forward's read-back, which decides no step). A record whose
+        `then` was to act says what became of it: a skip or halt the ranks did not take, a cool-down or
+        rewind the step did not take (`healed`: by rule and action index, from `Healing.decided`).
+        Returns the faults of these writes."""
+        why = "the ranks hold different rules: no decision at this step" if decided else "not at a training step"
         written = StepReport()
+        batch: list[dict[str, Any]] = []
         try:
-            for pending in report.pending:
-                happened = outcomes.get(pending.key) or not_taken(pending.action.then, why)
-                self.writers.write_log(pending.rule, -1, None, [pending.settled(happened)], written)
+            for i, pending in enumerate(report.pending):
+                then = pending.action.then
+                if not pending.settles:
+                    batch.append(pending.record)
+                elif then == "skip_step":
+                    batch.append(pending.settled(outcome(then, True, "enforce") if decided and report.skip
+                                                 else not_taken(then, why)))
+                elif then == "halt":
+                    batch.append(pending.settled(outcome(then, True, "enforce") if report.halt is not None
+                                                 else not_taken(then, why)))
+                else:
+                    batch.append(pending.settled(healed.get(pending.key) or not_taken(then, why)))
+                following = report.pending[i + 1].rule if i + 1 < len(report.pending) else None
+                if following is not pending.rule:  # one write per rule, as its pass wrote them
+                    self.writers.write_log(pending.rule, -1, None, batch, written)
+                    batch = []
         except SinkHalts:
             pass
         report.pending.clear()
