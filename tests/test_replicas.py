@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
+import yaml
 from prometheus_client import CollectorRegistry
 from torch import nn
 
@@ -383,32 +384,9 @@ def test_what_may_differ_by_rank_stays_per_rank_and_rank_0_says_why(tmp_path: Pa
 
 # -- maxJobSeries ------------------------------------------------------------------------
 
-BUDGETED = """\
-- name: outputs
-  match: {types: [Linear]}
-  trigger: {at: forward}
-  target: output
-  actions:
-    - capture: {stats: [abs_max]}
-- name: grads
-  match: {types: [Linear]}
-  trigger: {at: step}
-  target: grad
-  actions:
-    - capture: {stats: [l2_norm]}
-- name: grads-each
-  match: {types: [Linear]}
-  trigger: {at: step}
-  target: grad
-  actions:
-    - capture: {stats: [l2_norm], series: rank}
-- name: loss
-  match: {root: true}
-  trigger: {at: step}
-  target: loss
-  actions:
-    - capture: {stats: [mean]}
-"""
+#: RULES' activation, gradient (the job's and `series: rank`) and job's-loss rules
+BUDGETED = yaml.safe_dump([rule for rule in yaml.safe_load(RULES)
+                           if rule["name"] in ("outputs", "grads", "grads-each", "loss")], sort_keys=False)
 
 #: Without a budget the job exports 3 activation and 3 `series: rank` gradient series on
 #: each of the 2 ranks, and once (rank 0) 3 gradient series and the job's loss: 16. In
