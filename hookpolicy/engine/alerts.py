@@ -17,8 +17,7 @@ from typing import Any, Optional, Union
 
 from ..policy.expr import NO_PAST, Past, Template
 from ..policy.model import Alert
-from .decision import StepReport
-from .history import History, Tracked
+from .history import History, Observation, Tracked
 from .rulestate import RuleState
 
 __all__ = ["Alerts", "MAX_RENDERED_CHARS", "Pending", "alert_line", "json_number", "not_taken", "outcome", "render"]
@@ -33,13 +32,14 @@ class Alerts:
 
     def observe(
         self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
-        report: StepReport,
+        observed: list[Observation],
     ) -> Optional[Tracked]:
-        """The history of an alert that keeps one (None for one that does not); its values go to `report`."""
+        """The history of an alert that keeps one (None for one that does not); its values go to `observed`
+        (the step's `StepReport.observed`, committed once the step is decided)."""
         if not action.remembers:
             return None
         tracked = self.history.tracking(rs.key, index, action.stats, action.calls, action.warmup)
-        report.observed.append(tracked.observe(module, tensor, stats))
+        observed.append(tracked.observe(module, tensor, stats))
         return tracked
 
     def restart(self) -> None:

@@ -186,7 +186,7 @@ class Readback:
                         boarded[index] += [(scalar_tag(*rs.key, p.target, s, module, tensor), stats[s])
                                            for s in action.stats]
                     continue
-                tracked = self._alerts.observe(rs, index, action, module, tensor, stats, report)
+                tracked = self._alerts.observe(rs, index, action, module, tensor, stats, report.observed)
                 fired = self._alerts.evaluate(rs, index, action, module, tensor, stats, tracked)
                 past = None if tracked is None else tracked.past(module, tensor)
                 firing[action.severity] = firing.get(action.severity, False) or fired
