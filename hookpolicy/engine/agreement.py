@@ -74,11 +74,11 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from ..errors import Halt
-from ..policy.model import LOSS, Alert, Policy
+from ..policy.model import LOSS, Alert, Policy, stats_of
 from .decision import StepReport
 from .jobstats import Layout
 from .rulestate import RuleState
-from .stats import PARTIALS, combine, tensor_partials
+from .stats import combine, partials_for, tensor_partials
 
 __all__ = ["Agreed", "Agreement", "Vote", "digest", "identities", "job_loss_rule", "ROW"]
 
@@ -109,8 +109,8 @@ class Vote(Protocol):
         """At `step`, every rank wants `wanted`; None when not every rank wants the same. Only take note here."""
 
 
-#: Every partial a loss rule may need (`update_ratio`'s reference belongs to `target: update` alone).
-LOSS_PARTIALS: tuple[str, ...] = tuple(p for p in PARTIALS if p != "ref_sumsq")
+#: Every partial the statistics a loss rule may capture need.
+LOSS_PARTIALS: tuple[str, ...] = partials_for(stats_of(LOSS))
 
 #: The row each rank contributes to the step's one collective, int64 each (the loss's partials
 #: travel as the bits of their float64): the decision codes (a rule's code, 0 for none; a new

@@ -17,8 +17,8 @@ from .document import Document, JsonPath
 from .expr import ExprError, parse, parse_value
 from .messages import CLIP_NAMES, expression_names, message_problem
 from .model import (
-    ACTIVATIONS, AFTER_UPDATE, HOOK_POINTS, LOSS, OPTIMIZER_STATE, PARAM_TARGETS, TARGETS, UPDATE, UPDATE_RATIO, Capture,
-    Trigger,
+    ACTIVATIONS, AFTER_UPDATE, HOOK_POINTS, LOSS, OPTIMIZER_STATE, PARAM_TARGETS, STATS, TARGETS, UPDATE, UPDATE_RATIO,
+    Capture, Trigger, stats_of,
 )
 from .patterns import compile_glob, shown
 
@@ -262,7 +262,7 @@ class _Checker:
     def capture(self, body: dict[str, Any], site: _Site) -> None:
         path = site.path
         for index, stat in enumerate(_list(body.get("stats"))):
-            if stat == UPDATE_RATIO and site.target not in (None, UPDATE):
+            if site.target is not None and stat in STATS and stat not in stats_of(site.target):  # update_ratio
                 self.add(path + ("stats", index), _only_update(site.target))
         board = _dict(body.get("tensorboard"))
         if "tensorboard" in body and "stats" not in body and board.get("histograms") is not True:

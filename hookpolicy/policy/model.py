@@ -16,7 +16,7 @@ from .expr import STATS, UPDATE_RATIO, Call, Condition, Value
 
 __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "AFTER_UPDATE", "UPDATE", "OPTIMIZER_STATE",
-    "UPDATE_RATIO", "LOSS", "ACTIVATIONS", "STATS", "Mode", "OnError", "HookPoint",
+    "UPDATE_RATIO", "LOSS", "ACTIVATIONS", "STATS", "stats_of", "Mode", "OnError", "HookPoint",
     "TriggerPhase", "Per", "Ranks", "Adapters", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
     "LogSink", "Board", "Clip", "Scale", "CoolDown", "Rewind", "Alert", "Action", "Rule", "Snapshots", "Policy",
 ]
@@ -59,6 +59,12 @@ OPTIMIZER_STATE = "optimizer_state"
 #: the targets known only once the optimizer applied the step: measured after the update, read
 #: back with the next step's statistics; nothing can change them and a skip cannot undo them
 AFTER_UPDATE: frozenset[str] = frozenset({UPDATE, OPTIMIZER_STATE})
+
+
+def stats_of(target: str) -> tuple[str, ...]:
+    """The statistics a rule on `target` may capture or name: `update_ratio` (the update's norm over
+    its parameter's) only on `update`, every other on every target."""
+    return STATS if target == UPDATE else tuple(s for s in STATS if s != UPDATE_RATIO)
 
 
 @dataclass(frozen=True)
