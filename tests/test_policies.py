@@ -1213,3 +1213,36 @@ def test_clip_per_layer_clips_after_accumulation_and_amp_unscaling(workdir: Path
             for (name, p), q in zip(model.named_parameters(), ref.parameters()):
                 torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda msg: f"step {step} {name}: {msg}")
     assert scaler.get_scale() == ref_scaler.get_scale() == 2.0**10  # no step was an overflow
+
+
+def test_feature_extraction_keeps_every_forward_of_a_step(workdir: Path) -> None:
+    """feature-extraction.yaml: "each evaluated forward writes one file per matched module (so gradient
+    accumulation writes one per micro-batch)" and "collecting embeddings from an evaluation run
+    (phase: any captures under model.eval() too)". An evaluation loop of three batches before the
+    first step (an evaluation forward does not advance the step), then two micro-batches of step 0:
+    every forward's output is in a file of its own, equal to what the test's own hook saw, numbered
+    in order (.pt, .2.pt, ... .5.pt); none overwrites another (they all did before)."""
+    model = make_model()
+    seen: list[torch.Tensor] = []
+    handle = model.transformer.ln_f.register_forward_hook(lambda mod, a, out: seen.append(out.detach().clone()))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    try:
+        with load("feature-extraction.yaml").attach(model, registry=CollectorRegistry(), rank=0):
+            model.eval()
+            with torch.no_grad():
+                for i in range(3):
+                    model(batch(10 + i)[0])
+            model.train()
+            for micro in range(2):
+                loss = model(*batch(micro))[1]
+                assert loss is not None
+                loss.backward()
+            opt.step()
+    finally:
+        handle.remove()
+    assert len(seen) == 5
+    names = ["step00000000-transformer.ln_f-output.pt"] + [
+        f"step00000000-transformer.ln_f-output.{n}.pt" for n in range(2, 6)]
+    assert sorted(f.name for f in (workdir / "features").glob("*ln_f*")) == sorted(names)
+    for name, out in zip(names, seen):
+        assert torch.equal(torch.load(workdir / "features" / name), out), name

@@ -194,8 +194,11 @@ class TensorWriter:
         self.files = 0
         self.bytes = 0
         self.spent = False
+        self._names: dict[str, int] = {}  # the names written, each with its count (at most max_files)
 
     def write(self, name: str, tensor: torch.Tensor) -> Path:
+        """Write `tensor` as `name`; a name this writer already wrote (the forwards of one step: its
+        micro-batches, an evaluation loop's batches) is numbered, `x.pt`, `x.2.pt`, ..., never overwritten."""
         if self.files >= self.config.max_files:
             self.spent = True
             raise BudgetSpent(f"capture.tensors.max_files={self.config.max_files} reached in {self.folder}")
@@ -209,6 +212,13 @@ class TensorWriter:
                 f"({self.bytes} written, {len(data)} more)"
             )
         self.folder.mkdir(parents=True, exist_ok=True)
+        count = self._names[name] = self._names.get(name, 0) + 1
+        stem, suffix = os.path.splitext(name)
+        while count > 1 and f"{stem}.{count}{suffix}" in self._names:
+            count += 1
+        if count > 1:
+            name = f"{stem}.{count}{suffix}"
+            self._names[name] = 1
         final = safe_path(self.folder, file_name(name))
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=TEMP_PREFIX, suffix=".partial")
         try:
