@@ -511,3 +511,31 @@ def test_a_rewind_past_max_rewinds_is_recorded_as_halting(tmp_path: Path, monkey
         (5, "cool_down", "not cooled down (a rewind by p/heal took the step)"), (5, "rewind", "rewinding"),
         (6, "cool_down", "not cooled down (the run halts at this step)"),
         (6, "rewind", "not rewound (max_rewinds: 1 reached; halting)")]
+
+
+def test_a_cool_down_without_an_optimizer_is_recorded_as_not_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A script that updates its weights by hand steps no optimizer (a step is a backward pass):
+    there is no learning rate to lower. The cool-down alert's record says so, and the weights are
+    those of the same script without the policy, bit for bit."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    pol = load_policy(tmp_path, fires_at(2, 2, "cool_down", ", cool_down: {factor: 0.1, steps: 5}"))
+
+    def by_hand(model: nn.Module) -> None:
+        for x, y in batches(5):
+            nn.functional.mse_loss(model(x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    assert p.grad is not None
+                    p -= 0.05 * p.grad
+                    p.grad = None
+
+    model, reference = tiny(seed=3), tiny(seed=3)
+    with caplog.at_level(logging.WARNING, "hookpolicy"), pol.attach(model, registry=CollectorRegistry()):
+        by_hand(model)
+    by_hand(reference)
+    assert_same(model, reference)
+    assert [(r["step"], r["outcome"]) for r in json_lines(tmp_path / "alerts.jsonl")] == [
+        (2, "not cooled down (no optimizer steps this model)")]
+    assert any("then: cool_down acts on optimizer steps" in r.getMessage() for r in caplog.records)
