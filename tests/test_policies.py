@@ -1246,3 +1246,18 @@ def test_feature_extraction_keeps_every_forward_of_a_step(workdir: Path) -> None
     assert sorted(f.name for f in (workdir / "features").glob("*ln_f*")) == sorted(names)
     for name, out in zip(names, seen):
         assert torch.equal(torch.load(workdir / "features" / name), out), name
+
+
+def test_freeze_embeddings_for_a_warm_up_window(workdir: Path, tmp_path: Path) -> None:
+    """freeze-embeddings.yaml: "can be limited to a window of steps (steps.until) to freeze only during
+    a warm-up". With steps: {until: 2} (the tuning line's form), SGD leaves the embeddings exactly as
+    they were at steps 0 and 1 and moves them from step 2 on, as the test's own copies show."""
+    text = (POLICIES / "freeze-embeddings.yaml").read_text().replace("at: step\n", "at: step\n        steps: {until: 2}\n", 1)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wpe = model.transformer.wpe.weight
+    with load_text(tmp_path, text).attach(model, registry=CollectorRegistry(), rank=0):
+        for step in range(4):
+            before = wpe.detach().clone()
+            train_step(model, opt, step)
+            assert torch.equal(wpe, before) == (step < 2), step
