@@ -639,13 +639,15 @@ def test_loss_spike_guard_halts_at_the_20th_step_of_a_loss_that_stays_nan(
 
 
 @pytest.mark.slow
-def test_recover_climbs_its_ladder_as_its_header_says(workdir: Path) -> None:
+def test_recover_climbs_its_ladder_as_its_header_says(
+        workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """recover.yaml against its header, the spikes told by loss-spike-guard's reference
     condition (`_loss_spike`) from the losses of the applied steps: a single spike skipped (bit
     for bit); from the 3rd in a row the lr the optimizer uses (read by its own step pre-hook) is
     0.1x for 100 steps; at the 6th the state is the test's own copy taken after step 149 (the
     newest snapshot at least 10 steps older, snapshots after every 50 steps), the streaks start
-    again; the 4th rewind halts."""
+    again; the 4th rewind halts, and the rewind alerts' records say so."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
     model = make_model()
     lr = 1e-2
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -695,6 +697,10 @@ def test_recover_climbs_its_ladder_as_its_header_says(workdir: Path) -> None:
     assert counter(reg, "hookpolicy_rewinds_total", **labels, model="GPT") == 3
     assert counter(reg, "hookpolicy_skipped_steps_total", **labels, model="GPT") == skipped
     assert 0.1 * lr in expected_lr and expected_lr.count(0.1 * lr) >= 100
+    rewinding = [(a["step"], a["severity"], a["outcome"]) for a in _alert_records(tmp_path / "alerts.jsonl")
+                 if a["then"] == "rewind"]
+    assert [outcome for *_, outcome in rewinding] == ["rewinding"] * 3 + ["not rewound (max_rewinds: 3 reached; halting)"]
+    assert rewinding[-1][:2] == (expected_halt, "critical")
 
 
 def test_zclip_equals_the_authors_zclip_on_a_gpt(workdir: Path) -> None:
