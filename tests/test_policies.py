@@ -308,13 +308,20 @@ def test_activation_sparsity_matches_reference(workdir: Path) -> None:
     labels = {"policy": "activation-sparsity", "rule": "mlp-activations"}
     try:
         with load("activation-sparsity.yaml").attach(model, registry=reg, rank=0):
-            train_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), 0)
-            for name, out in outputs.items():
-                assert stat(reg, "hookpolicy_output_zero_fraction", **labels, module=name) == pytest.approx((out == 0).double().mean().item())
-                assert stat(reg, "hookpolicy_output_mean", **labels, module=name) == pytest.approx(out.double().mean().item(), rel=1e-5)
-                assert stat(reg, "hookpolicy_output_rms", **labels, module=name) == pytest.approx(
-                    out.double().pow(2).mean().sqrt().item(), rel=1e-5)
-                assert 0.2 < (out == 0).double().mean().item() < 0.8  # a ReLU at init: about half silent
+            opt = torch.optim.SGD(model.parameters(), lr=1e-1)
+            for step in range(11):  # every: 10 - steps 0 and 10 measured, the others keep step 0's values
+                train_step(model, opt, step)
+                if step % 10 == 0:
+                    measured = dict(outputs)
+                for name, out in measured.items():
+                    assert stat(reg, "hookpolicy_output_zero_fraction", **labels, module=name) == pytest.approx(
+                        (out == 0).double().mean().item()), (step, name)
+                    assert stat(reg, "hookpolicy_output_mean", **labels, module=name) == pytest.approx(out.double().mean().item(), rel=1e-5)
+                    assert stat(reg, "hookpolicy_output_rms", **labels, module=name) == pytest.approx(
+                        out.double().pow(2).mean().sqrt().item(), rel=1e-5)
+                    assert stat(reg, "hookpolicy_output_abs_max", **labels, module=name) == out.abs().max().item()
+                    assert 0.2 < (out == 0).double().mean().item() < 0.8  # a ReLU at init: about half silent
+                assert step % 10 == 0 or not all(torch.equal(measured[n], o) for n, o in outputs.items())
 
         # phase: any - the same policy measures an evaluation set, read back per batch
         model.eval()
