@@ -239,16 +239,18 @@ class MetricsStore:
             raise ValueError(f"unknown statistic families {sorted(unknown)}")
         dropped: dict[tuple[str, str], int] = defaultdict(int)  # (policy, limit) -> series dropped now
         with self._lock:
+            costs = self._job_costs
             for key, value in values.items():
                 family, labels = key
                 policy = policies.get(labels[0])
                 limit = None if policy is None else policy.max_job_series
-                if limit is not None and not self._job_series(key, limit, 1 if key in job else world):
-                    if key not in withheld and key not in self._refused:
+                if limit is not None and costs.get(key) != (cost := 1 if job and key in job else world) \
+                        and not self._job_series(key, limit, cost):  # new, or its cost changed
+                    if not (withheld and key in withheld) and key not in self._refused:
                         self._refused.add(key)
                         dropped[(labels[0], "maxJobSeries")] += 1
                     continue
-                if key in withheld:
+                if withheld and key in withheld:
                     continue
                 series = self._stats[family]
                 if labels not in series:
