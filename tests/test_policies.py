@@ -211,17 +211,23 @@ def test_clip_global_equals_clip_grad_norm(workdir: Path) -> None:
             ref_opt.zero_grad()
 
 
-def test_clip_per_layer_equals_clip_grad_norm_per_module(workdir: Path) -> None:
-    model = make_model()
-    ref = copy.deepcopy(model)
+def own_layers(model: nn.Module) -> list[tuple[str, list[nn.Parameter]]]:
+    """Each Linear and Embedding with the parameters it owns (a tied parameter belongs to the first module that has it)."""
     seen: set[int] = set()
     layers: list[tuple[str, list[nn.Parameter]]] = []
-    for n, m in ref.named_modules():  # a tied parameter belongs to the first module that has it
+    for n, m in model.named_modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
             seen.update(id(p) for p in own)
             if own:
                 layers.append((n, own))
+    return layers
+
+
+def test_clip_per_layer_equals_clip_grad_norm_per_module(workdir: Path) -> None:
+    model = make_model()
+    ref = copy.deepcopy(model)
+    layers = own_layers(ref)
     assert "lm_head" not in dict(layers)  # tied to transformer.wte
     reg = CollectorRegistry()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -1195,14 +1201,7 @@ def test_clip_per_layer_clips_after_accumulation_and_amp_unscaling(workdir: Path
     see norms 1024 times larger)."""
     model = make_model()
     ref = copy.deepcopy(model)
-    seen: set[int] = set()
-    layers: list[tuple[str, list[nn.Parameter]]] = []
-    for n, m in ref.named_modules():  # a tied parameter belongs to the first module that has it
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
-            seen.update(id(p) for p in own)
-            if own:
-                layers.append((n, own))
+    layers = own_layers(ref)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     scaler, ref_scaler = (torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2))
     reg = CollectorRegistry()
