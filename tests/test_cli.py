@@ -134,7 +134,7 @@ def test_explain_says_what_max_job_series_counts(tmp_path: Path) -> None:
     assert result.stdout.splitlines()[-1] == (
         "note: example-monitor: spec.limits.maxJobSeries=300: the job exports at most that many of its statistic "
         "series, all ranks together; a series exported once per job counts 1, one every rank exports counts the "
-        "number of ranks; first published, first kept")
+        "number of ranks; the job's series of a step are kept before each rank's, then first published, first kept")
 
 
 def test_explain_text_table() -> None:

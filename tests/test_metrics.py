@@ -60,10 +60,10 @@ def _dropped(store: MetricsStore) -> float:
 def test_the_job_budget_counts_a_series_each_rank_exports_once_per_rank() -> None:
     """maxJobSeries on 2 ranks: a job's series costs 1, a rank's own costs 2, counted alike on both ranks.
 
-    In publish order: own0 (2), job0 (1), own1 (2), job1 (1) make 6 of 7; own2 (2) does not
-    fit, job2 (1) does, job3 does not. Rank 0 exports the 3 job series and 2 of its own,
-    rank 1 its 2 own: 7 series in the job. Each drop is counted once, by the rank that
-    would have exported the series: own2 on both, job3 on rank 0.
+    Published interleaved (own0, job0, own1, job1, own2, job2, job3), the job's series are
+    kept first: job0-3 make 4 of 7, own0 makes 6, own1 (8) and own2 do not fit. Rank 0
+    exports the 4 job series and own0, rank 1 own0: 6 series in the job. Each drop is counted
+    once, by the rank that would have exported the series: own1 and own2 on both ranks.
     """
     policies = {"p": Policy(name="p", source="", revision="", rules=(), max_job_series=7)}
     own = [(stat_family("output", "rms"), ("p", "acts", f"m{i}", "")) for i in range(3)]
@@ -73,12 +73,17 @@ def test_the_job_budget_counts_a_series_each_rank_exports_once_per_rank() -> Non
     for _ in range(3):  # later steps change nothing: the same series fit, each drop was counted once
         zero.set_stats(values, policies, 2, job)
         one.set_stats(values, policies, 2, job, withheld=job)
-        assert _stored(zero) == {own[0], own[1], job[0], job[1], job[2]} and _stored(one) == {own[0], own[1]}
-        assert (_dropped(zero), _dropped(one)) == (2, 1)
+        assert _stored(zero) == {own[0], *job} and _stored(one) == {own[0]}
+        assert (_dropped(zero), _dropped(one)) == (2, 2)
+    # without a job-wide budget nothing is reordered or dropped
+    free = {"p": Policy(name="p", source="", revision="", rules=())}
+    store = MetricsStore(rank=0)
+    store.set_stats(values, free, 2, job)
+    assert _stored(store) == set(values) and _dropped(store) == 0
     # once the policy is forgotten (a detach, a reload), its room is free again
     zero.forget_policy("p")
-    zero.set_stats(dict.fromkeys(job, 1.0), policies, 2, job)
-    assert _stored(zero) == set(job)
+    zero.set_stats(dict.fromkeys(own, 1.0), policies, 2)
+    assert _stored(zero) == set(own)
 
 
 def test_a_series_whose_ranks_change_is_counted_anew_and_kept() -> None:

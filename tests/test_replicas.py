@@ -389,10 +389,10 @@ BUDGETED = yaml.safe_dump([rule for rule in yaml.safe_load(RULES)
                            if rule["name"] in ("outputs", "grads", "grads-each", "loss")], sort_keys=False)
 
 #: Without a budget the job exports 3 activation and 3 `series: rank` gradient series on
-#: each of the 2 ranks, and once (rank 0) 3 gradient series and the job's loss: 16. In
-#: publish order (activations at the forward; then the step rules; the loss after the
-#: agreement) a budget of 12 keeps the activations (6), the job's gradients (9), one
-#: gradient of each rank (11) and the loss (12).
+#: each of the 2 ranks, and once (rank 0) 3 gradient series and the job's loss: 16. A
+#: budget of 12 keeps, at the step's first read-back, the job's gradients first (3), then in
+#: publish order the activations (9) and one gradient of each rank (11); the job's loss,
+#: read back after the agreement, takes the last place (12).
 JOB_SERIES = 12
 UNCAPPED = 16
 

@@ -23,7 +23,7 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Collection, Iterable, Iterator, Mapping, Optional, Union
+from typing import Callable, Collection, Iterable, Iterator, Mapping, Optional, Union, cast
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -229,63 +229,69 @@ class MetricsStore:
         are the job's (exported once per job, by rank 0), the others each rank's own, and
         those in `withheld` are not exported by this process (rank 0 exports them).
         A new series beyond its policy's `maxJobSeries` (a job's series counting 1, a
-        rank's `world`, counted alike on every rank: `job_series`) or, in this process,
-        beyond its `maxSeries` is dropped, counted once in `hookpolicy_series_dropped_total`
-        by the process that would have exported it, and said once per policy.
+        rank's `world`) or, in this process, beyond its `maxSeries` is dropped, counted once
+        in `hookpolicy_series_dropped_total` by the process that would have exported it, and
+        said once per policy.
+
+        Every rank counts every series of the job in the same order, whether it exports it
+        or not: of the series new at this call, the job's first, then each rank's, each in
+        the order of `values` (the same rules on the same model publish the same keys at the
+        same steps), so every rank admits the same ones with no collective. A series
+        admitted stays; when what it costs changes (the process group came up) it is
+        counted anew, without a drop.
         A family `stat_family` cannot make raises `ValueError`.
         """
         unknown = {family for family, _ in values} - _STAT_FAMILIES
         if unknown:
             raise ValueError(f"unknown statistic families {sorted(unknown)}")
         dropped: dict[tuple[str, str], int] = defaultdict(int)  # (policy, limit) -> series dropped now
+        new: list[tuple[tuple[str, Labels], float, Policy, int]] = []  # not yet counted against a maxJobSeries
         with self._lock:
             costs = self._job_costs
             for key, value in values.items():
-                family, labels = key
-                policy = policies.get(labels[0])
-                limit = None if policy is None else policy.max_job_series
-                if limit is not None and costs.get(key) != (cost := 1 if job and key in job else world) \
-                        and not self._job_series(key, limit, cost):  # new, or its cost changed
-                    if not (withheld and key in withheld) and key not in self._refused:
-                        self._refused.add(key)
-                        dropped[(labels[0], "maxJobSeries")] += 1
-                    continue
-                if withheld and key in withheld:
-                    continue
-                series = self._stats[family]
-                if labels not in series:
-                    if self._series[labels[0]] >= (Policy.max_series if policy is None else policy.max_series):
-                        if key not in self._refused:
-                            self._refused.add(key)
-                            dropped[(labels[0], "maxSeries")] += 1
+                policy = policies.get(key[1][0])
+                if policy is not None and policy.max_job_series is not None:
+                    cost = 1 if job and key in job else world
+                    counted = costs.get(key)
+                    if counted is None:  # admitted below, the job's first
+                        new.append((key, value, policy, cost))
                         continue
-                    self._series[labels[0]] += 1
-                    self._refused.discard(key)
-                series[labels] = value
+                    if counted != cost:  # its kind changed (the process group came up): counted anew, kept
+                        self._job[key[1][0]] += cost - counted
+                        costs[key] = cost
+                if not (withheld and key in withheld):
+                    self._store(key, value, policy, dropped)
+            # the job's series first: a budget keeps them before each rank's (they cost 1, not world)
+            for key, value, policy, cost in sorted(new, key=lambda item: not (job and item[0] in job)):
+                here = not (withheld and key in withheld)
+                if self._job[key[1][0]] + cost > cast(int, policy.max_job_series):
+                    if here and key not in self._refused:
+                        self._refused.add(key)
+                        dropped[(key[1][0], "maxJobSeries")] += 1
+                    continue
+                self._job[key[1][0]] += cost
+                costs[key] = cost
+                self._refused.discard(key)
+                if here:
+                    self._store(key, value, policy, dropped)
         for (name, limit_name), count in dropped.items():
             self.inc(SERIES_DROPPED, (name,), count)
             self._say_full(name, limit_name, policies.get(name), world)
 
-    def _job_series(self, key: tuple[str, Labels], limit: int, cost: int) -> bool:
-        """Whether the series `key` fits its policy's `maxJobSeries` of `limit` (counted if new), under the lock.
-
-        Every rank counts every series of the job in the same order (the same rules on the
-        same model publish the same keys at the same steps), whether it exports them or not,
-        so every rank admits the same ones. A series admitted stays; when what it costs
-        changes (the process group came up) its cost is counted anew, without a drop.
-        """
-        policy = key[1][0]
-        counted = self._job_costs.get(key)
-        if counted is None:
-            if self._job[policy] + cost > limit:
-                return False
-            self._job[policy] += cost
-            self._job_costs[key] = cost
+    def _store(self, key: tuple[str, Labels], value: float, policy: Optional[Policy],
+               dropped: dict[tuple[str, str], int]) -> None:
+        """Store one series this process exports, unless it is new beyond its policy's `maxSeries`; under the lock."""
+        family, labels = key
+        series = self._stats[family]
+        if labels not in series:
+            if self._series[labels[0]] >= (Policy.max_series if policy is None else policy.max_series):
+                if key not in self._refused:
+                    self._refused.add(key)
+                    dropped[(labels[0], "maxSeries")] += 1
+                return
+            self._series[labels[0]] += 1
             self._refused.discard(key)
-        elif counted != cost:
-            self._job[policy] += cost - counted
-            self._job_costs[key] = cost
-        return True
+        series[labels] = value
 
     def _say_full(self, name: str, limit_name: str, policy: Optional[Policy], world: int) -> None:
         """One warning per policy that reached a limit: maxSeries by every process, maxJobSeries by rank 0 for the job."""

@@ -261,7 +261,8 @@ def _series_notes(policies: Sequence[Policy], bindings: Sequence[Binding]) -> li
         if policy.max_job_series is not None:
             notes.append(f"{policy.name}: spec.limits.maxJobSeries={policy.max_job_series}: the job exports at most "
                          "that many of its statistic series, all ranks together; a series exported once per job "
-                         "counts 1, one every rank exports counts the number of ranks; first published, first kept")
+                         "counts 1, one every rank exports counts the number of ranks; the job's series of a step are "
+                         "kept before each rank's, then first published, first kept")
     return notes
 
 
