@@ -85,6 +85,13 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def lr_seen(opt: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, list[float]]:
+    """`opt` and the lr of its first group at each of its steps, read by its own step pre-hook."""
+    used: list[float] = []
+    opt.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
+    return opt, used
+
+
 def opt_state(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for s in opt.state_dict()["state"].values()]
 
@@ -663,9 +670,7 @@ def test_recover_climbs_its_ladder_as_its_header_says(
     monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
     model = make_model()
     lr = 1e-2
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    used: list[float] = []
-    opt.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
+    opt, used = lr_seen(torch.optim.AdamW(model.parameters(), lr=lr))
     idx, targets = batch(0)
     scrambled = batch(1)[1]
     bad = {60, 80, 81, 82, *range(200, 206), *range(206, 212), *range(212, 218), *range(218, 224)}
@@ -915,9 +920,7 @@ def test_recover_takes_a_nan_loss_for_a_spike_up_its_ladder(
     monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
     model = make_model()
     lr = 1e-2
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    used: list[float] = []
-    opt.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
+    opt, used = lr_seen(torch.optim.AdamW(model.parameters(), lr=lr))
     idx, targets = batch(0)
     nan = {0, 5, *range(62, 68), 68, 69}
     applied: list[float] = []
