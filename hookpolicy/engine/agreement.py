@@ -28,8 +28,8 @@ place in the *sorted* identities, which is the same on every rank, and the rank 
 decided (`1 + place * world_size + rank`). A new decision every rank must take at the same
 step is one more code in `ROW`, before "digest", encoded and decoded alike.
 The "heal" code (`then: cool_down` / `then: rewind`, `healing.py`) is the place (+1) of the
-healing alert this rank's step takes in `healing.heal_order`, times the world size, plus the
-rank (0 for none): after the maximum every rank takes the same alert.
+healing alert this rank's step takes in `healing.heal_order` (0 for none): after the maximum
+every rank takes the same alert.
 
 **Ranks that hold different rules** (between two ranks' swaps at a hot reload, or policies
 that differ by rank) cannot tell from one collective which rules every rank holds, and a
@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence
 
@@ -150,7 +151,8 @@ class Agreement:
     """The agreement of one attachment; see the module docstring."""
 
     def __init__(
-        self, policies: Sequence[Policy], rules: dict[tuple[str, str], RuleState], generation: int, model: str = "",
+        self, policies: Sequence[Policy], rules: dict[tuple[str, str], RuleState], generation: int,
+        model: Optional[torch.nn.Module] = None,
     ) -> None:
         self._names = identities(policies)
         self.generation = generation
@@ -165,7 +167,8 @@ class Agreement:
         #: the `ranks: job` activation statistics (`jobstats`): they travel in the collective too
         self._rules = rules
         self.layout = Layout(rules.values())
-        self._model = model  # the model's label: the key of its `_CARRIED` layout
+        #: the governed model, weakly: the key of its `_CARRIED` layout
+        self._model = None if model is None else weakref.ref(model)
         self._apart = False  # the ranks held different rules at the last agreement
         #: set by a reload protocol before the first step (`Attached.vote_on_reloads`)
         self.vote: Optional[Vote] = None
@@ -194,9 +197,10 @@ class Agreement:
         halt = report.halt
         codes = [self._encode(report.skip_rule), self._encode(None if halt is None else (halt.policy, halt.rule))]
         wanted = 0 if self.vote is None else self.vote.wanted()
-        heal = 0 if not report.heal else (report.heal - 1) * dist.get_world_size() + dist.get_rank() + 1
+        heal = report.heal
         layout = self.layout
-        carry = _CARRIED.get(self._model, (0, 0))
+        model = None if self._model is None else self._model()
+        carry = (0, 0) if model is None else _CARRIED.get(model, (0, 0))
         follows = carry[1] > 0 and layout.digest == carry[0] and len(tail) == carry[1]
         padded = list(tail) if follows else [0.0] * carry[1]
         rows = _all_gather([*codes, heal, self._digest, wanted, layout.digest, layout.width, int(follows)], loss,
@@ -211,7 +215,8 @@ class Agreement:
             merged = layout.merge(rows[:, len(ROW):].contiguous().view(torch.float64))
         announced = [(highest[_AT[k]], lowest[_AT[k]]) for k in ("layout", "width")]
         carry = (highest[_AT["layout"]], highest[_AT["width"]]) if all(a == b for a, b in announced) else (0, 0)
-        _CARRIED[self._model] = carry
+        if model is not None:
+            _CARRIED[model] = carry
         if carry[0] != layout.digest:
             layout.apart(step, dist.get_rank())
         job = _job_loss(rows)
@@ -225,7 +230,7 @@ class Agreement:
                      "are agreed on again", step, self.generation)
         other_skip, other_halt = self._decode(highest[_AT["skip"]]), self._decode(highest[_AT["halt"]])
         # the healing alert of the highest place any rank took (`healing.heal_order`, the same list on every rank)
-        report.heal = 0 if highest[_AT["heal"]] == 0 else (highest[_AT["heal"]] - 1) // dist.get_world_size() + 1
+        report.heal = highest[_AT["heal"]]
         if not report.skip and other_skip is not None:
             report.skip, report.skip_rule = True, other_skip[0]
             report.skip_by.append(other_skip[0])
@@ -274,12 +279,12 @@ class Agreement:
 _AGREED = False
 
 
-#: Per governed model (its label), the `ranks: job` layout every rank announced at its last
+#: Per governed model (weakly: it goes with the model), the `ranks: job` layout every rank announced at its last
 #: agreement (digest, width), which the next agreement's tail is as wide as. Process-wide, not
 #: per attachment: a policy swapped in on this rank alone (a reload of a model that is not
 #: data-parallel) starts a new attachment, which must still send the width the other ranks'
 #: attachments expect. Every rank computes it from the same gathered rows.
-_CARRIED: dict[str, tuple[int, int]] = {}
+_CARRIED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, int]]" = weakref.WeakKeyDictionary()
 
 
 def agreeing(decides: bool) -> bool:

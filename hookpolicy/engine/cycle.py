@@ -93,7 +93,7 @@ class StepCycle:
         self.programs = Programs(self.rules, self.ledger, self._faults, self.history)
         self.executor = Executor(self.rules, phase, self._faults, self.programs)
         self.installer = HookInstaller(plan, self.rules, self.executor)
-        self.agreement = Agreement(policies, self.rules, generation, store.model)
+        self.agreement = Agreement(policies, self.rules, generation, model)
         self._steps = StepTracker(model, phase, self.rules, store.model)
         self.replicas = Replicas(model)
         self.readback = Readback(store, policies, output_root(), rank, self.history, self.replicas.exported)
