@@ -122,7 +122,8 @@ class Replicas:
             return Export.RANK
         if rank != 0:
             return Export.BY_RANK_0
-        if all(self._wrappers.values()):
+        # the job's loss and `ranks: job` activations are merged in the agreement whatever DDP's sync
+        if rs.rule.target not in _PARAMETERS or all(self._wrappers.values()):
             return Export.JOB
         if self._said("unsynced"):
             log.warning("%s/%s: a step ran with DDP's gradient sync off (no_sync): its gradients are each rank's "
