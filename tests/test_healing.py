@@ -22,7 +22,7 @@ from torch import nn
 
 from hookpolicy import Halt
 from helpers.models import tiny
-from helpers.outputs import json_lines
+from helpers.outputs import json_lines, metric
 from helpers.policies import load_policy
 
 STEPS = 14
@@ -239,9 +239,13 @@ def test_a_rewind_before_the_first_snapshot_skips_the_step_and_says_so(
     pol = load_policy(tmp_path, fires_at(2, 2, "rewind"), spec=SNAPSHOTS)
     data = batches()
     model, optimizer, scheduler = setup("lambda")
-    with caplog.at_level(logging.WARNING, "hookpolicy"), pol.attach(model, registry=CollectorRegistry()):
+    reg = CollectorRegistry()
+    with caplog.at_level(logging.WARNING, "hookpolicy"), pol.attach(model, registry=reg):
         train(model, optimizer, scheduler, data)
     assert any("cannot rewind at step 2 (no snapshot yet" in r.getMessage() for r in caplog.records)
+    # the skip it fell back to is counted as one, and no rewind is
+    assert metric(reg, "hookpolicy_skipped_steps_total", {"policy": "p"}) == 1
+    assert not metric(reg, "hookpolicy_rewinds_total", {"policy": "p"})
     assert [r["outcome"] for r in json_lines(tmp_path / "alerts.jsonl")] == [
         "not rewound (no snapshot yet: the first is taken after 4 steps: step skipped instead)"]
     ref_model, ref_optimizer, ref_scheduler = setup("lambda")  # a skipped step: no update, the scheduler steps on

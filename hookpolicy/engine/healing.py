@@ -163,8 +163,12 @@ class Healing:
         target = None if self.snapshots is None else self.snapshots.pick(step, rewind.back)
         if target is None:
             why = "no snapshot is taken of this model" if self.snapshots is None else self.snapshots.missing()
-            log.warning("%s/%s: cannot rewind at step %d (%s): step skipped instead", healer.policy, healer.rule,
-                        step, why)
+            if healer.key not in report.skip_by:  # a skip like any other: hookpolicy_skipped_steps_total counts it
+                report.skip_by.append(healer.key)
+                report.skip_rule = report.skip_rule or healer.key
+            if self._said(("cannot rewind", name)):
+                log.warning("%s/%s: cannot rewind at step %d (%s): step skipped instead (said once; each such "
+                            "step is counted in hookpolicy_skipped_steps_total)", healer.policy, healer.rule, step, why)
             return not_taken("rewind", f"{why}: step skipped instead")
         self._rewinds[name] += 1
         self._rewinding = (healer, target)
