@@ -496,6 +496,15 @@ def test_tensor_file_names_from_the_model_stay_one_name_in_the_folder(tmp_path: 
     assert torch.equal(torch.load(written, weights_only=True), torch.zeros(2))
 
 
+def test_names_that_become_one_file_name_do_not_overwrite_each_other(tmp_path: Path) -> None:
+    """`a/b.pt` and `a\\b.pt` (two module names) both become `a_b.pt`: the second is numbered."""
+    writer = TensorWriter(tmp_path, TensorFiles(dir="t"))
+    first, second = writer.write("a/b.pt", torch.zeros(2)), writer.write("a\\b.pt", torch.ones(2))
+    assert (first.name, second.name) == ("a_b.pt", "a_b.2.pt")
+    assert torch.equal(torch.load(first, weights_only=True), torch.zeros(2))
+    assert torch.equal(torch.load(second, weights_only=True), torch.ones(2))
+
+
 @pytest.mark.parametrize("relative", ["../x", "/etc/passwd", "a/../../x", "a\x00b"])
 def test_safe_path_refuses_escapes_with_a_sink_error(tmp_path: Path, relative: str) -> None:
     with pytest.raises(SinkError):

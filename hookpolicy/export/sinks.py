@@ -212,14 +212,15 @@ class TensorWriter:
                 f"({self.bytes} written, {len(data)} more)"
             )
         self.folder.mkdir(parents=True, exist_ok=True)
+        name = file_name(name)  # two names that become one safe file name must not overwrite each other either
         count = self._names[name] = self._names.get(name, 0) + 1
         stem, suffix = os.path.splitext(name)
         while count > 1 and f"{stem}.{count}{suffix}" in self._names:
             count += 1
         if count > 1:
-            name = f"{stem}.{count}{suffix}"
+            name = file_name(f"{stem}.{count}{suffix}")
             self._names[name] = 1
-        final = safe_path(self.folder, file_name(name))
+        final = safe_path(self.folder, name)
         fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=TEMP_PREFIX, suffix=".partial")
         try:
             with os.fdopen(fd, "wb") as f:
