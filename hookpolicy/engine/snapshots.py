@@ -21,8 +21,10 @@ Memory: at most `keep` snapshots, in host memory, each the size of the model's p
 and buffers plus the optimizer state (Adam: twice the parameters, and a step count); the
 buffers are allocated once per slot and reused. On CUDA the copies go to pinned host
 memory on a side stream, off the critical path: the next update waits for them on the
-device (no host sync), and the forward and backward passes in between overlap them. On
-the CPU a copy is a copy: the step pays for it (see docs/guardrails.md for the cost).
+device (no host sync), and the forward and backward passes in between overlap them; a
+model with buffers (BatchNorm's running statistics, which the next forward writes in
+place) makes the current stream wait for them at once instead. On the CPU a copy is a
+copy: the step pays for it (see docs/guardrails.md for the cost).
 
 Not snapshotted: the data loader (the script's loop goes on with the next batch, which is
 the point: the batches in between are dropped), the RNG states (dropout masks after a
@@ -205,6 +207,10 @@ class Snapshots:
                       for i, o in enumerate(optimizers)]
         if side is not None:
             self._pending = (side.device, side.record_event())
+            if any(True for _ in model.buffers()):
+                # the next forward writes buffers in place (BatchNorm's running statistics, DDP's
+                # broadcast of rank 0's): its stream waits for their copies now (on the device, no sync)
+                self._wait()
         held = {id(o) for o in optimizers}
         scheduler, scaler = schedulers.kinds()
         found = schedulers.alive()  # no heap scan: known from their construction
