@@ -285,7 +285,7 @@ class HeapScans:
         self._get_objects = gc.get_objects
 
         def counted(*args: Any) -> list[Any]:
-            if sys._getframe(1).f_code.co_name == "live_modules":
+            if sys._getframe(2).f_code.co_name == "live_modules":  # through heap.live_of
                 self.count += 1
             return self._get_objects(*args)
 

@@ -42,7 +42,7 @@ def live_optimizers(collect: bool = False) -> list[torch.optim.Optimizer]:
 
 def live_modules() -> list[torch.nn.Module]:
     """Every `torch.nn.Module` alive in the process."""
-    return [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]
+    return live_of(torch.nn.Module)
 
 
 def live_of(*kinds: type) -> list[Any]:
