@@ -235,8 +235,9 @@ class MetricsStore:
 
         Every rank counts every series of the job in the same order, whether it exports it
         or not: of the series new at this call, the job's first, then each rank's, each in
-        the order of `values` (the same rules on the same model publish the same keys at the
-        same steps), so every rank admits the same ones with no collective. A series
+        the order of `values`, so every rank admits the same ones with no collective as long as
+        every rank publishes the same keys at the same steps (replicas in step; an evaluation
+        one rank runs alone, or a module some ranks skip, breaks that: docs/operations.md §9). A series
         admitted stays; when what it costs changes (the process group came up) it is
         counted anew, without a drop.
         A family `stat_family` cannot make raises `ValueError`.
