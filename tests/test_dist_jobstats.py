@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -197,3 +197,38 @@ def test_a_ranks_job_rule_that_cannot_be_reduced_is_refused_at_its_line(
     rule = f"- name: r\n  match: {{types: [Linear]}}\n  {keys}\n  ranks: job\n  actions:\n    {actions}\n"
     shown = refusal(tmp_path, rule)
     assert message in shown, shown
+
+
+def two_models(rank: int, policy: str) -> dict[str, Any]:
+    """Two DDP models of one class, each attached with a registry of its own (so both are labelled
+    `Sequential`), stepped in turn: what each published of its `ranks: job` statistics."""
+    torch.manual_seed(0)
+    models = [wrap(build_model(), "ddp") for _ in range(2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    x, y = make_data(rank)
+    attached = [hookpolicy.load(policy).attach(m, registry=CollectorRegistry(), rank=rank) for m in models]
+    published: list[list[Optional[float]]] = [[], []]
+    try:
+        for step in range(STEPS):
+            for i, (model, optimizer) in enumerate(zip(models, optimizers)):
+                nn.functional.mse_loss(model(x[16 * step:16 * (step + 1)]), y[16 * step:16 * (step + 1)]).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                published[i].append(attached[i].last_values().get("hookpolicy_output_numel", {}).get(("p", "acts", "", "")))
+    finally:
+        for a in attached:
+            a.remove()
+    return {"published": published}
+
+
+@pytest.mark.slow
+def test_two_models_of_one_class_each_carry_their_own_layout(tmp_path: Path, free_port: int) -> None:
+    """The layout a model's next agreement follows is kept per model object: two models that share a
+    label (one class, two registries) both publish the job's statistics from their second step on
+    (both ranks' outputs: 2 ranks x 16 rows x the Linears' widths). It was kept per label, and
+    each model's agreement overwrote the other's: neither ever published."""
+    zero, one = spawn(two_models, tmp_path, free_port, str(write_policy(tmp_path, RULES)))
+    widths = sum(m.out_features for m in build_model() if isinstance(m, nn.Linear))
+    for result in (zero, one):
+        for series in result["published"]:
+            assert series[0] is None and series[1:] == [2 * 16 * widths] * (STEPS - 1), series
