@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import gc
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -449,3 +450,37 @@ def test_the_jobs_series_stay_within_max_job_series_on_every_rank(tmp_path: Path
     assert zero["dropped"] + one["dropped"] == UNCAPPED - JOB_SERIES
     assert len(zero["lines"]) == 1 and one["lines"] == []  # rank 0 says it for the job
     assert f"maxJobSeries={JOB_SERIES} in a job of 2 rank(s)" in zero["lines"][0]
+
+
+def loss_at_a_no_sync_step(rank: int, policy: str) -> dict[str, Any]:
+    """Two DDP steps, the second inside no_sync: the job's loss rank 0 exports after each, and each rank's loss."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(build_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = make_data(0)
+    x, y = x[rank::2], y[rank::2]
+    reg = CollectorRegistry()
+    exported: list[Any] = []
+    losses: list[float] = []
+    with hookpolicy.load(policy).attach(model, registry=reg, rank=rank):
+        for step in range(2):
+            batch = slice(step * 32, (step + 1) * 32)
+            with model.no_sync() if step == 1 else contextlib.nullcontext():
+                loss = nn.functional.mse_loss(model(x[batch]), y[batch])
+                loss.backward()
+                optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+            exported.append(series(reg, "hookpolicy_loss_mean", "loss"))
+    return {"exported": exported, "losses": losses}
+
+
+def test_the_jobs_loss_is_exported_at_a_step_ddp_did_not_sync(tmp_path: Path, free_port: int) -> None:
+    """The job's loss is merged in the agreement, not all-reduced by DDP: a step inside no_sync (whose
+    gradients are each rank's own, so the gradient series wait) still exports it, rank 0 alone."""
+    rules = yaml.safe_dump([rule for rule in yaml.safe_load(RULES) if rule["name"] in ("grads", "loss")], sort_keys=False)
+    zero, one = spawn(loss_at_a_no_sync_step, tmp_path, free_port, str(write_policy(tmp_path, rules)))
+    for step in range(2):
+        job = (zero["losses"][step] + one["losses"][step]) / 2
+        assert zero["exported"][step] == {"": ["0", pytest.approx(job, rel=1e-6)]}
+        assert one["exported"][step] == {}
