@@ -2,8 +2,13 @@
 
 1. When. `Reloader` looks every HOOKPOLICY_WATCH_INTERVAL seconds, on a background
    thread: with `--watch` a change of a policy file's content or of a folder's listing
-   reloads; a SIGHUP to the process, or a bump of the run folder's `reload` file (what
-   the parent does on its SIGHUP), always does.
+   (a dangling link or other unreadable entry included) reloads; a SIGHUP to the process,
+   or a bump of the run folder's `reload` file (what the parent does on its SIGHUP),
+   always does. A reload that failed is tried again, after one interval and then twice as
+   long each time up to RETRY_MAX_SECONDS, until one succeeds or the files change (which
+   reloads at once): a look between two steps of a ConfigMap update (the kubelet swaps
+   `..data` first and removes a removed key's link after) or a validation cut short must
+   not leave the job on the old policies until the next edit.
 2. What is valid. Every source is loaded and validated, all or nothing. An invalid set is
    reported on stderr and the old one stays. The outcome is the value of
    `hookpolicy_config_last_reload_successful` (`MetricsStore.config_loaded`, the gauge's
@@ -49,7 +54,7 @@ from ..process import start_thread
 from ..say import say
 from .validate import load_elsewhere
 
-__all__ = ["Governed", "Swaps", "Vote", "Reloader", "content", "fingerprint"]
+__all__ = ["Governed", "Swaps", "Vote", "Reloader", "RETRY_MAX_SECONDS", "content", "fingerprint"]
 
 #: attach(policies, model, start_step, generation) -> the new attachment (raises when it cannot).
 Attach = Callable[[PolicySet, torch.nn.Module, int, int], Attached]
@@ -298,6 +303,9 @@ class Reloader:
         self._stop = threading.Event()
         self._requested = False
         self._files = files if files is not None else fingerprint(config.sources)
+        #: after a failed reload: (when to try again, on time.monotonic(), the delay after that)
+        self._retry: Optional[tuple[float, float]] = None
+        self._said_problems: Optional[str] = None  # the failure last said, not repeated by a retry
         self._trigger = self._read_trigger()
         self._thread = start_thread("reload", self._loop)
 
@@ -340,20 +348,32 @@ class Reloader:
         files = fingerprint(self.config.sources)
         changed = files != self._files
         self._files = files
-        if not requested and not (self.config.watch and changed):
+        retry = self._retry is not None and (changed or time.monotonic() >= self._retry[0])
+        if not requested and not (self.config.watch and changed) and not retry:
             return
         self.reload(explicit=requested)
 
     def reload(self, explicit: bool = False) -> None:
-        """Load and validate every source; a valid, different set waits in `swaps`."""
+        """Load and validate every source; a valid, different set waits in `swaps`.
+
+        A failure keeps the current policies, reads 0 on the reload gauge and is tried
+        again (`check`) until a reload succeeds; a retry that fails the same way says nothing.
+        """
         store = store_for(self.registry, self.config.rank)
         try:  # in a child process: parsing 1 MB here would hold the training thread's GIL for seconds
             policies = PolicySet(load_elsewhere(list(self.config.sources)))
         except PolicyError as exc:
             store.config_loaded(False)
             lines = "\n".join(str(p) for p in exc.problems)
-            say(f"reload failed; keeping the current policies:\n{lines}")
+            delay = self.config.interval if self._retry is None else min(2 * self._retry[1], RETRY_MAX_SECONDS)
+            self._retry = (time.monotonic() + delay, delay)
+            if lines != self._said_problems or explicit:
+                self._said_problems = lines
+                say(f"reload failed; keeping the current policies (tried again until it succeeds):\n{lines}")
             return
+        if self._retry is not None:
+            say("reload: the policy files load again")
+        self._retry, self._said_problems = None, None
         store.config_loaded(True)
         current, _ = self.swaps.current()
         if [(p.name, p.revision) for p in policies.policies] == [(p.name, p.revision) for p in current.policies]:
@@ -362,6 +382,10 @@ class Reloader:
             return
         self.swaps.request(policies)
 
+
+#: The longest wait between two tries of a reload that keeps failing (the first waits one
+#: watch interval, each next one twice as long): each try starts a validating Python.
+RETRY_MAX_SECONDS = 60.0
 
 #: A file read at least this many seconds after it was last modified, and whose status is
 #: the same since, is not read again: modification times can be too coarse to tell two
@@ -373,7 +397,8 @@ _checksums: dict[str, tuple[tuple[int, ...], Optional[int], float]] = {}
 
 
 def fingerprint(sources: Sequence[str]) -> tuple[Any, ...]:
-    """What the policy files look like now: names, and a checksum of each file's bytes.
+    """What the policy files look like now: names, a checksum of each file's bytes, and the
+    entries that are not files (a dangling link between the two steps of a ConfigMap update).
 
     Content, not modification times: those can be too coarse to tell two quick saves
     apart. But bounded, since this runs every watch interval inside the training
@@ -382,8 +407,8 @@ def fingerprint(sources: Sequence[str]) -> tuple[Any, ...]:
     it, and loading it will refuse it); one unchanged for SETTLED_SECONDS is not read
     again. At most MAX_BYTES + 1 bytes of each file that changed are read per interval.
     """
-    files, _ = expand_sources(list(sources))
-    seen: list[Any] = []
+    files, problems = expand_sources(list(sources))
+    seen: list[Any] = [(p.file, p.message) for p in problems]
     for file in files:
         try:
             status = os.stat(file)
