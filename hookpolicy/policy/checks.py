@@ -47,9 +47,16 @@ def _list(value: Any) -> list[Any]:
 
 
 def _number(value: Any) -> Optional[float]:
-    """`value` as a float when it is a (finite) number, not a boolean; else None."""
+    """`value` as a float when it is a (finite) number, not a boolean; else None.
+
+    An integer past float's range is None too: the schema check says why (more than
+    64 bits), and `float()` of it would raise OverflowError out of `check`.
+    """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:
+            return None
         return number if math.isfinite(number) else None
     return None
 
