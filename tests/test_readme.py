@@ -80,8 +80,14 @@ def commands(name: str) -> list[tuple[Block, str]]:
     return out
 
 
+#: The README's virtual environment: made and entered before anything is installed.
+VENV = "python3 -m venv .venv && . .venv/bin/activate"
+#: PyTorch's CPU wheel index, for the first install off the project's package mirror.
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+
+
 def is_install(command: str) -> bool:
-    return command.startswith(("pip install", "apt-get"))
+    return command.startswith(("pip install", "apt-get", "python3 -m venv", ". .venv/bin/activate"))
 
 
 def is_bench(block: Block, command: str) -> bool:
@@ -99,24 +105,44 @@ def ci_script() -> str:
 
 
 def test_the_installs_are_the_ones_ci_runs() -> None:
-    """The README's system packages are the ones .ci/run installs, its test command is
-    .ci/run's, and the example's install is the same pinned torch without the test extra."""
+    """The README's system packages are the ones .ci/run installs; .ci/run makes a fresh venv and
+    runs the README's test command in it; both commands come with the pinned CPU torch, from
+    PyTorch's CPU index and from the mirror, the example without the test extra."""
     readme = [command for _, command in commands("README.md") if is_install(command.split(" && ")[0])]
     (apt,) = [c for c in readme if c.startswith("apt-get")]
     assert apt == "apt-get update && apt-get install -y prometheus prometheus-alertmanager chromium"
-    ci_apt = re.findall(r"apt-get install -y -q ([\w .-]+)", ci_script())
-    assert ci_apt and {p for line in ci_apt for p in line.split()} == set(apt.split("-y ")[1].split())
-    tests = "pip install torch==2.13.0 && pip install torch==2.13.0 -e '.[test]' && python -m pytest"
-    assert tests in readme and tests in [line.strip() for line in ci_script().splitlines()]
+    ci = ci_script()
+    ci_apt = re.findall(r"apt-get install -y -q ([\w .-]+)", ci)
+    # (python3-venv: what Debian's python3 needs for the venv, when the image lacks it)
+    assert ci_apt and {p for line in ci_apt for p in line.split()} - {"python3-venv"} == set(apt.split("-y ")[1].split())
+    # the venv comes first, before any pip install; .ci/run makes one (python3 -m venv) and enters it
+    assert readme.index(VENV) == 0
+    mirror = "pip install torch==2.13.0 && pip install torch==2.13.0 -e '.[test]' && python -m pytest"
+    ci_lines = [line.strip() for line in ci.splitlines()]
+    assert mirror in ci_lines
+    made = [n for n, line in enumerate(ci_lines) if re.match(r'python3 -m venv "?\$\w+"?$', line)]
+    entered = [n for n, line in enumerate(ci_lines) if re.match(r'\. "?\$\w+/bin/activate"?$', line)]
+    assert made and entered and made[0] < entered[0] < ci_lines.index(mirror)
+    # each command in both forms: the CPU index on the first install, or the mirror's torch==2.13.0
+    cpu = mirror.replace("pip install torch==2.13.0 &&", f"pip install torch==2.13.0 {CPU_INDEX} &&", 1)
+    assert mirror in readme and cpu in readme
     example = [c for c in readme if "hookpolicy apply" in c]
-    assert example and all(c.startswith("pip install torch==2.13.0 && pip install -e . && hookpolicy apply ")
-                           for c in example)
-    # `pip install 'hookpolicy[report]'`: the extra exists, and the test extra (what CI has) holds it
-    assert "pip install 'hookpolicy[report]'" in readme
+    assert len(example) == 2
+    assert example[0] == example[1].replace("pip install torch==2.13.0 &&", f"pip install torch==2.13.0 {CPU_INDEX} &&", 1)
+    assert example[1].startswith("pip install torch==2.13.0 && pip install -e . && hookpolicy apply ")
+    # the report extra, from the checkout (a bare 'hookpolicy[report]' is not on any index): the
+    # extra exists, and the test extra (what CI has) holds it
+    assert "pip install -e '.[report]'" in readme
     pyproject = (REPO / "pyproject.toml").read_text("utf-8")
     assert re.search(r'^report = \["matplotlib', pyproject, re.M)
     test_extra = pyproject.split("\ntest = [", 1)[1].split("]", 1)[0]
     assert "matplotlib" in test_extra
+
+
+def test_the_readme_gives_no_stale_numbers_of_tests() -> None:
+    """Counts and durations of the suite change with every commit: the README leaves them to pytest."""
+    text = (REPO / "README.md").read_text("utf-8")
+    assert not re.search(r"[\d,]+ tests|about \d+ slow|\(about \d+, among them", text)
 
 
 @pytest.mark.parametrize("name", QUICK_STARTS)
@@ -141,14 +167,29 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     interpreter under test and its copy of hookpolicy."""
     root = tmp_path_factory.mktemp("readme")
     copy = root / "checkout"
-    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".mypy_cache",
+    shutil.copytree(REPO, copy, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", ".mypy_cache",
                                                               ".pytest_cache", ".hypothesis", "runs"))
     shims = root / "bin"
     shims.mkdir()
-    (shims / "python").symlink_to(sys.executable)
-    (shims / "hookpolicy").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m hookpolicy "$@"\n')
-    (shims / "hookpolicy").chmod(0o755)
+    # Scripts that exec the interpreter by its own path, not symlinks to it: a venv's Python
+    # started through a link in another folder finds no pyvenv.cfg beside it and runs as the
+    # base Python, without the venv's packages.
+    for name, argv in (("python", ""), ("hookpolicy", " -m hookpolicy")):
+        (shims / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{argv} "$@"\n')
+        (shims / name).chmod(0o755)
     return copy
+
+
+@pytest.mark.slow
+def test_python_on_the_path_is_the_interpreter_under_test(checkout: Path) -> None:
+    """`python` in a README command is this interpreter with its own site: the same prefix (a
+    venv's, in a venv) and the same torch, as Python itself reports them."""
+    probe = "import sys, torch; print(sys.prefix); print(sys.base_prefix); print(torch.__file__)"
+    done = run(checkout, f"python -c {shlex.quote(probe)}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    import torch
+
+    assert done.stdout.splitlines() == [sys.prefix, sys.base_prefix, torch.__file__]
 
 
 def environment(checkout: Path) -> dict[str, str]:
