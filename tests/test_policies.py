@@ -470,8 +470,9 @@ def test_freeze_embeddings_zeroes_their_gradients(workdir: Path) -> None:
 
 
 def test_per_rule_clip_over_tied_weights_equals_clip_grad_norm(workdir: Path, tmp_path: Path) -> None:
-    text = (POLICIES / "clip-global.yaml").read_text().replace('modules: ["**.attn.*", "**.self_attn.*"]', 'modules: ["**"]')
-    text = text.replace("types: [Linear, Conv1D]", "types: [Linear, Embedding, LayerNorm]")
+    text = (POLICIES / "clip-global.yaml").read_text().replace('modules: ["**.attn.*", "**.self_attn", "**.self_attn.*", "**.multihead_attn", "**.multihead_attn.*"]',
+                                                           'modules: ["**"]')
+    text = text.replace("types: [Linear, Conv1D, MultiheadAttention]", "types: [Linear, Embedding, LayerNorm]")
     model = make_model()
     ref = copy.deepcopy(model)
     with load_text(tmp_path, text).attach(model, registry=CollectorRegistry(), rank=0):

@@ -11,6 +11,7 @@ what the plan lists and nothing else; `explain` prints it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -233,6 +234,12 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
         if frozen:
             warnings.append(f"{where}: {frozen} frozen parameters (requires_grad=False) left out: "
                             "they never get a gradient")
+        bound_names = {b.module for b in bindings[len(bindings) - made:]}
+        if rule.target in PARAM_TARGETS:
+            warnings.extend(f"{where}: {w}" for w in _partial_owners(bound_names, entries))
+        else:
+            warnings.extend(f"{where}: {w}" for w in _never_called(bound_names, entries))
+        warnings.extend(f"{where}: {w}" for w in _lookalikes(rule, matcher, entries))
         if made and rule.target in AFTER_UPDATE:
             notes.append(f"{where}: {_after_update_note(rule, bindings[-made:])}")
         if not made:
@@ -303,6 +310,81 @@ def _bare_containers(rule: Rule, matcher: Matcher, entries: list[ModuleEntry]) -
             found.append(f"{field} glob {glob!r} names {', '.join(e.name for e in bare[:_SHOWN])}, which "
                          f"{'has' if one else 'have'} no parameters of {'its' if one else 'their'} "
                          f"own; globs match whole names, so the parameters of {shown} {what}: {hint}")
+    return found
+
+
+#: layer classes a `types` name does not match but that do the same job: a policy that names
+#: the first likely meant the second too (transformers' Conv1D is a Linear whose weight is
+#: stored transposed: HF GPT-2's attention and MLP projections are all Conv1D)
+_LOOKALIKES: dict[str, tuple[str, ...]] = {"Linear": ("Conv1D",)}
+
+#: (parent class, child attribute): a child module its parent never calls as a module. PyTorch's
+#: MultiheadAttention passes `out_proj.weight` to F.multi_head_attention_forward, so `out_proj`'s
+#: forward and backward hooks never run.
+_NOT_CALLED: frozenset[tuple[str, str]] = frozenset({("MultiheadAttention", "out_proj")})
+
+
+def _listed(names: Sequence[str]) -> str:
+    return ", ".join(names[:_SHOWN]) + (f", ... ({len(names)} in all)" if len(names) > _SHOWN else "")
+
+
+def _partial_owners(bound: set[str], entries: Sequence[ModuleEntry]) -> list[str]:
+    """The parents of bound modules that hold trainable parameters of their own the rule does not bind.
+
+    `nn.MultiheadAttention` holds `in_proj_weight` and `in_proj_bias` itself beside its child
+    `out_proj`, a Linear: `types: [Linear]` there selects a quarter of the attention's
+    parameters. Said per parent class, with what would cover them. The root is left out: its
+    own parameters (a position embedding) are rarely part of a child's layer.
+    """
+    by_name = {e.name: e for e in entries}
+    missed: dict[str, list[str]] = {}
+    params: dict[str, list[str]] = {}
+    for name in sorted(bound):
+        parent = name.rpartition(".")[0]
+        entry = by_name.get(parent)
+        if not parent or parent in bound or entry is None:
+            continue
+        own = [n for n, p in entry.module.named_parameters(recurse=False) if p.requires_grad]
+        if own:
+            cls = type(entry.typed).__name__
+            if parent not in missed.setdefault(cls, []):
+                missed[cls].append(parent)
+                params[cls] = own
+    return [f"binds children of {_listed(parents)} ({cls}) but not the parameters {', '.join(params[cls])} that "
+            + (f"it holds itself; to cover them, add {cls} to types (or match its name)" if len(parents) == 1 else
+               f"they hold themselves; to cover them, add {cls} to types (or match their names)")
+            for cls, parents in missed.items()]
+
+
+def _never_called(bound: set[str], entries: Sequence[ModuleEntry]) -> list[str]:
+    """Bound modules whose parent never calls them as modules, so their hooks never run."""
+    by_name = {e.name: e for e in entries}
+    found: dict[tuple[str, str], list[str]] = {}
+    for name in sorted(bound):
+        parent, _, attr = name.rpartition(".")
+        entry = by_name.get(parent)
+        if entry is not None and (type(entry.typed).__name__, attr) in _NOT_CALLED:
+            found.setdefault((type(entry.typed).__name__, attr), []).append(name)
+    return [f"{_listed(names)} {'is' if len(names) == 1 else 'are'} never called as a module: {cls} uses "
+            f"{attr}'s weights directly, so {'its' if len(names) == 1 else 'their'} forward and backward hooks "
+            f"never run; match the {cls} itself for its inputs and outputs"
+            for (cls, attr), names in found.items()]
+
+
+def _lookalikes(rule: Rule, matcher: Matcher, entries: Sequence[ModuleEntry]) -> list[str]:
+    """For each `types` name, the model's modules of a class that does the same job, which the rule's
+    globs select but its `types` leave out."""
+    found = []
+    for wanted in rule.match.types:
+        for other in _LOOKALIKES.get(wanted, ()):
+            if other in rule.match.types:
+                continue
+            wider = Matcher(dataclasses.replace(rule.match, types=rule.match.types + (other,)))
+            names = [e.name for e in entries if type(e.typed).__name__ == other
+                     and not matcher.matches(e.name, e.typed, e.name == "") and wider.matches(e.name, e.typed, e.name == "")]
+            if names:
+                found.append(f"types: [{wanted}] does not select the {len(names)} {other} modules "
+                             f"({_listed(names)}), which do a {wanted}'s job; add {other} to types to govern them")
     return found
 
 
