@@ -193,3 +193,23 @@ def test_attached_summary_counts_what_the_registry_counts(tmp_path: Path, monkey
         "  watch/norms: nothing counted",
         "  outputs: metrics in the registry given to attach",
     ]
+
+
+@pytest.mark.slow
+def test_the_summary_says_the_port_could_not_be_bound_not_that_none_was_given(tmp_path: Path, free_port: int) -> None:
+    """The reported fault: the summary said "no --metrics-port" when the port was given but taken."""
+    import socket
+
+    (tmp_path / "watch.yaml").write_text(POLICY.replace("THEN", "skip_step"))
+    (tmp_path / "train.py").write_text(SCRIPT)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port))
+        taken.listen()
+        done = subprocess.run(
+            [sys.executable, "-m", "hookpolicy", "apply", "watch.yaml", "--metrics-port", str(free_port), "--",
+             sys.executable, "train.py", "3", "-1", "-1", "0"],
+            cwd=tmp_path, env=child_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _summary(done.stderr)[-1] == (
+        "hookpolicy:   watch/norms: its capture goes nowhere (no log, tensorboard or tensors, and "
+        f"--metrics-port {free_port}: port {free_port} could not be bound)")

@@ -58,6 +58,7 @@ class _Session:
         self.reloader = Reloader(config, self.discovery.swaps, registry=self.registry, files=files)
         self._started = False
         self._metrics: Optional[str] = None  # the URL this process serves its metrics on
+        self._no_metrics = "no --metrics-port"  # why it serves none, for the run summary
         self._previous_excepthook = sys.excepthook
 
     def start(self) -> None:
@@ -84,7 +85,7 @@ class _Session:
         try:
             policies = self.discovery.swaps.current()[0].policies
             for line in summary_lines(store_for(self.registry, self.discovery.rank), policies, metrics=self._metrics,
-                                      root=output_root()):
+                                      root=output_root(), no_metrics=self._no_metrics):
                 say(line)
         except Exception as exc:  # noqa: BLE001 - a summary must not turn a clean exit into a traceback
             say(f"no run summary: {type(exc).__name__}: {exc}")
@@ -121,7 +122,9 @@ class _Session:
             local = self.config.local_rank if ENV_LOCAL_RANK in os.environ else attached.rank
             port = self.config.metrics_port + local
             exporter = serve(self.registry, port, self.config.metrics_addr, rank=attached.rank)
-            if exporter is not None:
+            if exporter is None:
+                self._no_metrics = f"--metrics-port {self.config.metrics_port}: port {port} could not be bound"
+            else:
                 # Said once bound, by the rank that serves: a line before the bind would
                 # promise a port that may then be taken.
                 self._metrics = metrics_url(self.config.metrics_addr, port)

@@ -67,13 +67,14 @@ _SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
 def summary_lines(
     store: MetricsStore, policies: Sequence[Policy], *, metrics: Optional[str], root: Path,
-    models: Optional[Sequence[str]] = None, heading: str = "run summary",
+    models: Optional[Sequence[str]] = None, heading: str = "run summary", no_metrics: str = "no --metrics-port",
 ) -> list[str]:
     """The summary of `policies` on `store`'s models (or only `models`), one string a line.
 
     `metrics` says where the metrics go (a URL, "the registry given to attach"); None when
     nothing serves them, and then a capture that writes no file computes into nowhere,
-    which its own line says. `root` is the folder the policies' paths are relative to.
+    which its own line says, with `no_metrics` for why (a port given that could not be
+    bound is not "no --metrics-port"). `root` is the folder the policies' paths are relative to.
     """
     engine, _ = store.snapshot()
     def mine(model: str) -> bool:
@@ -99,7 +100,7 @@ def summary_lines(
             if any(isinstance(a, Capture) and a.log is None and a.tensorboard is None and a.tensors is None
                    for a in rule.actions):
                 lines.append(f"  {policy.name}/{rule.name}: its capture goes nowhere "
-                             "(no log, tensorboard or tensors, and no --metrics-port)")
+                             f"(no log, tensorboard or tensors, and {no_metrics})")
     return lines
 
 
