@@ -5,8 +5,9 @@ Three parties set them:
 - you: `HOOKPOLICY_POLICY_DIRS` (folders of ops-managed policies), `HOOKPOLICY_OUTPUT_DIR`
   (where policy `log`/`tensors` paths point), `HOOKPOLICY_WATCH_INTERVAL`,
   `HOOKPOLICY_LOG_FORMAT` (alerts on stderr as readable lines or JSON; `apply --log-format`
-  sets it too) and `HOOKPOLICY_ALERT_LOG` (a file that gets every alert record as JSON;
-  `apply --report` sets it when you have not);
+  sets it too), `HOOKPOLICY_ALERT_LOG` (a file that gets every alert record as JSON;
+  `apply --report` sets it when you have not) and `HOOKPOLICY_RUN_ID` (the run's identity,
+  `apply` sets one when you have not);
 - `hookpolicy apply`, for every process of its COMMAND (`apply_variables` writes them,
   `ChildConfig.from_env` reads them back in the child): `HOOKPOLICY_BOOTSTRAP`,
   `HOOKPOLICY_POLICIES`, `HOOKPOLICY_AUDIT`, `HOOKPOLICY_STRICT`, `HOOKPOLICY_WATCH`,
@@ -26,14 +27,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import time
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 __all__ = [
     "ENV_POLICY_DIRS", "ENV_OUTPUT_DIR", "ENV_WATCH_INTERVAL", "ENV_BOOTSTRAP", "ENV_POLICIES",
     "ENV_AUDIT", "ENV_STRICT", "ENV_WATCH", "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_RUN_DIR", "ENV_PARENT", "ENV_RANK",
-    "ENV_LOCAL_RANK", "ENV_LOG_FORMAT", "ENV_ALERT_LOG", "DEFAULT_METRICS_ADDR", "LOG_FORMATS", "ChildConfig",
-    "alert_log", "apply_variables", "local_rank", "log_format", "output_dir", "policy_dirs", "rank", "rank_identity",
+    "ENV_LOCAL_RANK", "ENV_LOG_FORMAT", "ENV_ALERT_LOG", "ENV_RUN_ID", "DEFAULT_METRICS_ADDR", "LOG_FORMATS", "ChildConfig",
+    "alert_log", "apply_variables", "local_rank", "log_format", "new_run_id", "output_dir", "policy_dirs", "rank",
+    "rank_identity", "run_id",
 ]
 
 # -- set by you
@@ -49,6 +53,11 @@ ENV_LOG_FORMAT = "HOOKPOLICY_LOG_FORMAT"
 #: A file every alert record is appended to, as a JSON line, whatever the format on stderr;
 #: `apply --report` sets it (to a file of its run folder) unless you did.
 ENV_ALERT_LOG = "HOOKPOLICY_ALERT_LOG"
+#: This run's identity, the `run` label of `hookpolicy_run_info`: unique per attempt (a
+#: retried Job's new pod, a new `apply`), so the alerting rules tell a retry from the run
+#: before it. Unset: `apply` sets a new one for its COMMAND, a process outside `apply` makes
+#: its own. torchrun's TORCHELASTIC_RESTART_COUNT, when above 0, is appended (`ID.2`).
+ENV_RUN_ID = "HOOKPOLICY_RUN_ID"
 
 # -- set by `hookpolicy apply` for its COMMAND
 #: Set to 1: the bootstrap is on (without it `_bootstrap/sitecustomize.py` does nothing).
@@ -84,6 +93,21 @@ DEFAULT_METRICS_ADDR = "127.0.0.1"
 _DEFAULT_INTERVAL = 1.0
 _MIN_INTERVAL = 0.05
 _MAX_INTERVAL = 3600.0  # threading's waits refuse some larger timeouts (OverflowError)
+
+
+def new_run_id() -> str:
+    """A fresh run identity: the UTC start time and 6 random hex digits, `20261128T004300Z-3f9a1c`."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+_OWN_RUN_ID = new_run_id()
+
+
+def run_id(environ: Mapping[str, str]) -> str:
+    """HOOKPOLICY_RUN_ID (this process's own when unset), with torchrun's restart count when above 0."""
+    base = environ.get(ENV_RUN_ID, "").strip() or _OWN_RUN_ID
+    restarts = environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+    return f"{base}.{restarts}" if restarts.isdigit() and restarts.isascii() and int(restarts) else base
 
 
 def policy_dirs(environ: Mapping[str, str]) -> list[str]:

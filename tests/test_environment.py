@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -120,3 +121,27 @@ def test_the_readme_lists_every_variable() -> None:
     table = table[: table.index("\n\n", table.index("| variable |"))]
     listed = set(re.findall(r"`([A-Z_]+)`", table)) - {"PYTHONPATH"}
     assert listed == NAMES
+
+
+def test_a_run_id_is_one_per_apply_shared_by_its_ranks_and_new_per_restart() -> None:
+    """`apply` gives its COMMAND one run identity (every rank the same); an inherited one stands;
+    torchrun's restart count makes a restarted worker a new run; outside `apply` a process has its own."""
+    launch = Launch(sources=("/p/a.yaml",))
+    first, second = (child_environment(launch, "/tmp/run", {})[environment.ENV_RUN_ID] for _ in range(2))
+    assert first != second and re.fullmatch(r"\d{8}T\d{6}Z-[0-9a-f]{6}", first)
+    assert child_environment(launch, "/tmp/run", {"HOOKPOLICY_RUN_ID": "pod-uid-1"})["HOOKPOLICY_RUN_ID"] == "pod-uid-1"
+    assert environment.run_id({"HOOKPOLICY_RUN_ID": "a"}) == "a"
+    assert environment.run_id({"HOOKPOLICY_RUN_ID": "a", "TORCHELASTIC_RESTART_COUNT": "0"}) == "a"
+    assert environment.run_id({"HOOKPOLICY_RUN_ID": "a", "TORCHELASTIC_RESTART_COUNT": "2"}) == "a.2"
+    assert environment.run_id({}) == environment.run_id({}) != environment.new_run_id()
+
+
+def test_every_store_exports_its_run() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from hookpolicy.export.metrics import store_for
+
+    registry = CollectorRegistry()
+    store_for(registry, 3)
+    run = environment.run_id(os.environ)
+    assert registry.get_sample_value("hookpolicy_run_info", {"run": run, "rank": "3"}) == 1.0

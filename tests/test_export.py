@@ -251,3 +251,85 @@ def test_the_series_dropped_alert_names_the_limits_the_policy_sets(tmp_path: Pat
                       if "hookpolicy_series_dropped_total" in r["expr"]]
         assert named in dropped["annotations"]["description"]
         assert dropped["annotations"]["summary"].endswith("maxSeries or maxJobSeries" if "Job" in named else "maxSeries")
+
+
+# --------------------------------------------------------------------------- nothing a policy says is executed
+
+HOSTILE_RUNBOOK = 'https://runbooks.example.com/{{ range query "up" }}{{ .Labels.instance }},{{ end }}?v={{ $value }}'
+HOSTILE_POLICY = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata:
+  name: hostile
+  annotations: {runbook_url: '%s'}
+spec:
+  rules:
+    - name: nan
+      match: {modules: ["**"]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - alert:
+            if: "nonfinite > 0"
+            severity: critical
+            then: skip_step
+            message: '{{{{ query "up" }}}} {policy} {{{{ $labels.job }}}} }}}} {{{{ end }}}}'
+""" % HOSTILE_RUNBOOK.replace("'", "''")
+
+HOSTILE_TEST = """\
+rule_files: [hostile.rules.yml]
+evaluation_interval: 1m
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'up{job="train", instance="node-1:9400"}'
+        values: '1x10'
+      - series: 'hookpolicy_alerts_total{job="train", instance="node-1:9400", rank="0", model="GPT", policy="hostile", rule="nan", severity="critical"}'
+        values: '_ 1 1 1'
+    alert_rule_test:
+      - eval_time: 2m
+        alertname: HookpolicyHostileNan
+        exp_alerts:
+          - exp_labels: {severity: critical, policy: hostile, rule: nan, job: train, instance: "node-1:9400", rank: "0", model: GPT}
+            exp_annotations:
+              summary: %s
+              description: %s
+              runbook_url: %s
+"""
+
+
+@needs_promtool
+def test_nothing_a_policy_says_is_executed_by_prometheus(tmp_path: Path) -> None:
+    """The reported fault: `metadata.annotations.runbook_url` was copied unescaped, and Prometheus
+    ran `{{ range query "up" }}` in it, rendering the scrape targets into the URL. promtool renders
+    every annotation of the generated rules with a live `up` series: each reads as the policy wrote it."""
+    # a file name with a newline: the rules' header comment must not end early (YAML injection)
+    path = tmp_path / "hostile\ngroups: []\n.yaml"
+    path.write_text(HOSTILE_POLICY)
+    policies = hookpolicy.load(path).policies
+    assert policies[0].annotations["runbook_url"] == HOSTILE_RUNBOOK
+    text = prometheus_rules(policies)
+    (tmp_path / "hostile.rules.yml").write_text(text)
+    assert [g["name"] for g in yaml.safe_load(text)["groups"]] == ["hookpolicy.hostile", "hookpolicy.engine"]
+    message = '{{{{ query "up" }}}} {policy} {{{{ $labels.job }}}} }}}} {{{{ end }}}}'  # as written (a format string)
+    summary = '{{ query "up" }} hostile {{ $labels.job }} }} {{ end }}'
+    description = (
+        "Rule nan of hookpolicy policy hostile (grad at step) fired within the last 5m on job train, instance "
+        f"node-1:9400, rank 0, model GPT: `nonfinite > 0` held on 1 consecutive evaluation (then: skip_step; log "
+        f"message: \"{message}\"). The module, step and statistics are in the run's alert log: a hookpolicy: line on "
+        "stderr per firing (a JSON record with HOOKPOLICY_LOG_FORMAT=json), and the file HOOKPOLICY_ALERT_LOG names."
+    )
+    (tmp_path / "hostile.test.yml").write_text(HOSTILE_TEST % tuple(json.dumps(s) for s in (summary, description,
+                                                                                             HOSTILE_RUNBOOK)))
+    for argv in (["check", "rules", "hostile.rules.yml"], ["test", "rules", "hostile.test.yml"]):
+        done = subprocess.run([str(PROMTOOL), *argv], capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_hostile_file_name_stays_text_in_the_dashboard(tmp_path: Path) -> None:
+    """Names in the dashboard come from the schema's alphabets; the one free string, the file name, is JSON text."""
+    path = tmp_path / 'x"}, {"type": "text\n.yaml'
+    path.write_text(HOSTILE_POLICY)
+    dashboard = json.loads(grafana_dashboard(hookpolicy.load(path).policies))
+    assert dashboard["description"].endswith(str(path))
+    assert {p["type"] for p in dashboard["panels"]} <= {"row", "timeseries", "state-timeline", "table"}

@@ -36,7 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Mapping, Optional, Sequence
 
-from ..environment import DEFAULT_METRICS_ADDR, alert_log, apply_variables
+from ..environment import DEFAULT_METRICS_ADDR, ENV_RUN_ID, alert_log, apply_variables, new_run_id
 from ..say import say
 
 __all__ = ["BOOTSTRAP_DIR", "HALT_STATUS", "Launch", "child_environment", "resolve_command", "run"]
@@ -96,6 +96,8 @@ def child_environment(launch: Launch, run_dir: str, environ: Mapping[str, str]) 
             env.pop(name, None)
         else:
             env[name] = value
+    if not env.get(ENV_RUN_ID, "").strip():  # one identity for every rank of this run
+        env[ENV_RUN_ID] = new_run_id()
     return env
 
 

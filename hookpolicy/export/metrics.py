@@ -18,6 +18,7 @@ targets and statistics; any other name is refused too.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections import defaultdict
@@ -29,12 +30,13 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..environment import run_id
 from ..policy.model import STATS, TARGETS, Policy
 from ..process import Once
 
 __all__ = [
     "ACTIONS", "ALERTS", "ALERT_FIRING", "CLIPPED", "FAMILIES", "Family", "HOOK_ERRORS", "HOOK_SECONDS",
-    "LAST_STEP_TIMESTAMP", "POLICY_INFO", "RELOAD_SUCCESSFUL", "REWINDS", "SERIES_DROPPED", "SKIPPED_STEPS", "STAT_LABELS",
+    "LAST_STEP_TIMESTAMP", "POLICY_INFO", "RELOAD_SUCCESSFUL", "REWINDS", "RUN_INFO", "SERIES_DROPPED", "SKIPPED_STEPS", "STAT_LABELS",
     "STEPS", "Labels", "MODEL_FAMILIES", "MetricsStore", "ModelMetrics", "StoreCollector", "split_family", "stat_family",
     "store_for",
 ]
@@ -106,12 +108,16 @@ SERIES_DROPPED = Family(
     "hookpolicy_series_dropped", "counter",
     "Statistic series not exported because spec.limits.maxSeries or maxJobSeries was reached: one per series.", ("policy",),
 )
+RUN_INFO = Family(
+    "hookpolicy_run_info", "gauge", "1, labelled with this run's identity (HOOKPOLICY_RUN_ID): a retry is a new run, "
+    "which the alerting rules join to tell its counters from the previous attempt's.", ("run",),
+)
 
 #: Every engine family, in exposition order.
 FAMILIES: tuple[Family, ...] = (
     STEPS, LAST_STEP_TIMESTAMP, ACTIONS, ALERTS, ALERT_FIRING, SKIPPED_STEPS, REWINDS, CLIPPED, HOOK_ERRORS,
     HOOK_SECONDS,
-    POLICY_INFO, RELOAD_SUCCESSFUL, SERIES_DROPPED,
+    POLICY_INFO, RELOAD_SUCCESSFUL, SERIES_DROPPED, RUN_INFO,
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -170,6 +176,7 @@ class MetricsStore:
         self._models: "weakref.WeakKeyDictionary[object, str]" = weakref.WeakKeyDictionary()
         self._classes: dict[str, int] = {}
         self._off: dict[Labels, str] = {}  # (policy, rule, model) -> why, for the run summary; not exported
+        self._engine[RUN_INFO.name][(run_id(os.environ),)] = 1.0
 
     # -- engine families ---------------------------------------------------------------
     def inc(self, family: Family, labels: Labels = (), by: float = 1.0) -> None:

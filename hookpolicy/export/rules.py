@@ -15,11 +15,15 @@ count twice. Each alert therefore becomes one of two shapes:
 
 - an **event** (`then: skip_step`, `cool_down`, `rewind`, `halt`, or `for: 1`): one confirmed occurrence
   matters and the condition usually clears on the next step, faster than a scrape, so
-  the firing gauge would be missed. The rule watches the counter,
-  `increase(hookpolicy_alerts_total[5m]) > 0` (plus a clause for a counter series that
-  appears with a value already above zero, which `increase` cannot see), with
-  Prometheus `for: 0s`: it fires at the first evaluation that sees the event and
-  resolves 5 minutes after the last one.
+  the firing gauge would be missed. The rule watches the counter, with Prometheus
+  `for: 0s`, in three clauses (`_counter_fired`): `increase(X[5m]) > 0` (a rise within a
+  run, and a restart whose counter climbs again: `increase` counts across a reset); a
+  series first seen within the window with a value above 0 (`increase` needs two samples,
+  so the first alert of a short job shows none); and a counter above 0 in a run that
+  started within the window (`hookpolicy_run_info` with a `run` label new in it): a retry
+  of the same job on the same target that reaches the same count as the attempt before
+  (3, then 3) shows no increase and no new series. It fires at the first evaluation
+  that sees the event and resolves 5 minutes after the last one.
 - a **condition** (`then: log` with `for: N >= 2`): a sustained state. The rule watches
   `hookpolicy_alert_firing == 1` with Prometheus `for: 1m`: the gauge must still read 1
   a minute later (at least two evaluations at Prometheus' default 1m interval), so a
@@ -27,6 +31,11 @@ count twice. Each alert therefore becomes one of two shapes:
 
 Alerts of one rule that share a severity share their series (the labels are policy,
 rule and severity), so they become one alerting rule whose annotations list each of them.
+
+Nothing a policy says is executed: every string of the policy that goes into a template
+(annotations are Go templates that Prometheus renders, `{{ query "..." }}` included) is
+made literal by `go_literal`; labels and names come from the schema's restricted
+alphabets, and quoted into PromQL by `promql_string`.
 
 Trap: Grafana and Prometheus read label values, not file names; a policy renamed in its
 file is a new set of series, and dashboards and rules must be regenerated.
@@ -45,7 +54,7 @@ from ..policy.model import Alert, Capture, Policy, Rule
 
 __all__ = [
     "ALERT_WINDOW", "CONDITION_FOR", "STALL_SECONDS", "exported_families", "stat_families",
-    "promql_string", "prometheus_rules",
+    "go_literal", "promql_string", "prometheus_rules",
 ]
 
 #: The range over which a counter-based (event) alert looks back; also how long it
@@ -97,22 +106,42 @@ def _selector(metric: str, **labels: str) -> str:
     return f"{metric}{{{inner}}}" if inner else metric
 
 
-def _counter_fired(metric: str, window: str, **labels: str) -> str:
-    """True while `metric` rose within `window`, including a series that is new in it.
+#: The run identity every process exports (`hookpolicy_run_info{run}`), joined on the labels
+#: that name one process's endpoint.
+_RUN_JOIN = "on (job, instance, rank)"
 
-    `increase()` needs two samples, so a counter that first appears with value 1 (the
-    first alert of a run) shows no increase; the `unless ... offset` clause catches it.
+
+def _counter_fired(metric: str, window: str, **labels: str) -> str:
+    """True while `metric` rose within `window`, including a series or a run that is new in it.
+
+    - `increase()` sees a rise within a run, and a restart whose counter climbs again (it
+      counts across a reset; a restart that stays at 0 adds nothing);
+    - it needs two samples, so a counter that first appears above 0 (the first alert of a
+      short job) shows none: `max_over_time(...) unless ... offset` catches a series first
+      seen within the window, for `window` after that sample even once the job is gone;
+    - a retry on the same target whose counter first shows the count the attempt before
+      ended with (3, then 3) is neither: the counter above 0 in a run whose
+      `hookpolicy_run_info{run}` series is new within the window catches it.
     """
     sel = _selector(metric, **labels)
-    return f"increase({sel}[{window}]) > 0 or ({sel} unless {sel} offset {window}) > 0"
+    return (
+        f"increase({sel}[{window}]) > 0"
+        f" or max_over_time({sel}[{window}]) > 0 unless {sel} offset {window}"
+        f" or {sel} > 0 and {_RUN_JOIN} (hookpolicy_run_info unless hookpolicy_run_info offset {window})"
+    )
 
 
 # --------------------------------------------------------------------------- alert text
 
 
-def _go_literal(text: str) -> str:
-    """Literal text in a Prometheus (Go template) annotation: `{` may open an action."""
+def go_literal(text: str) -> str:
+    """Literal text in a Prometheus (Go template) annotation: `{` may open an action.
+
+    Every `{` becomes the action `{{ "{" }}`, which prints one; nothing else opens an
+    action, so `{{ range query "up" }}` in a policy's runbook URL is printed, not run.
+    """
     return text.replace("{", '{{ "{" }}')
+
 
 
 def _summary(alert: Alert, policy: Policy, rule: Rule) -> str:
@@ -123,11 +152,11 @@ def _summary(alert: Alert, policy: Policy, rule: Rule) -> str:
     rendered message.
     """
     known = {
-        "policy": _go_literal(policy.name), "rule": _go_literal(rule.name),
-        "severity": alert.severity, "target": rule.target, "condition": _go_literal(alert.source),
+        "policy": go_literal(policy.name), "rule": go_literal(rule.name),
+        "severity": alert.severity, "target": rule.target, "condition": go_literal(alert.source),
         "rank": "{{ $labels.rank }}", "model": "{{ $labels.model }}",
     }
-    fallback = (f"{_go_literal(policy.name)}/{_go_literal(rule.name)}: {_go_literal(alert.source)} "
+    fallback = (f"{go_literal(policy.name)}/{go_literal(rule.name)}: {go_literal(alert.source)} "
                 "on {{ $labels.model }} rank {{ $labels.rank }}")
     try:
         parts = list(string.Formatter().parse(alert.message))
@@ -135,7 +164,7 @@ def _summary(alert: Alert, policy: Policy, rule: Rule) -> str:
         return fallback
     out: list[str] = []
     for literal, field, spec, conversion in parts:
-        out.append(_go_literal(literal))
+        out.append(go_literal(literal))
         if field is not None:
             if field not in known or spec or conversion:
                 return fallback
@@ -179,7 +208,7 @@ def _limits(policy: Policy) -> str:
 def _runbook(policy: Policy) -> dict[str, str]:
     for key in ("runbook_url", "runbook"):
         if key in policy.annotations:
-            return {"runbook_url": policy.annotations[key]}
+            return {"runbook_url": go_literal(policy.annotations[key])}
     return {}
 
 
@@ -199,8 +228,8 @@ class _AlertGroup:
     def describe(self, alert: Alert) -> str:
         mode = "audit: reported only, nothing was changed" if self.rule.mode == "audit" else f"then: {alert.then}"
         return (
-            f"`{_go_literal(alert.source)}` held on {_plural(alert.for_, 'consecutive evaluation')} "
-            f"({mode}; log message: \"{_go_literal(alert.message)}\")"
+            f"`{go_literal(alert.source)}` held on {_plural(alert.for_, 'consecutive evaluation')} "
+            f"({mode}; log message: \"{go_literal(alert.message)}\")"
         )
 
 
@@ -233,8 +262,8 @@ def _alerting_rule(group: _AlertGroup, several_severities: bool) -> dict[str, An
         f"Rule {rule.name} of hookpolicy policy {policy.name} ({_trigger_text(rule)}) {when} on "
         "job {{ $labels.job }}, instance {{ $labels.instance }}, rank {{ $labels.rank }}, model {{ $labels.model }}: "
         + "; ".join(group.describe(a) for a in group.alerts)
-        + ". The module, step and statistics are in the run's alert log "
-        "(JSON lines with \"event\": \"alert\", on stderr)."
+        + ". The module, step and statistics are in the run's alert log: a hookpolicy: line on stderr per "
+        "firing (a JSON record with HOOKPOLICY_LOG_FORMAT=json), and the file HOOKPOLICY_ALERT_LOG names."
     )
     return {
         "alert": _alert_name(*name_parts),
@@ -258,9 +287,9 @@ def _policy_group(policy: Policy) -> dict[str, Any]:
         "for": "0s",
         "labels": {"severity": error_severity, "policy": policy.name},
         "annotations": {
-            "summary": f"hookpolicy rule {{{{ $labels.rule }}}} of policy {_go_literal(policy.name)} raised errors",
+            "summary": f"hookpolicy rule {{{{ $labels.rule }}}} of policy {go_literal(policy.name)} raised errors",
             "description": (
-                f"A hook of rule {{{{ $labels.rule }}}} (policy {_go_literal(policy.name)}, onError: "
+                f"A hook of rule {{{{ $labels.rule }}}} (policy {go_literal(policy.name)}, onError: "
                 f"{policy.on_error}) raised within the last {ALERT_WINDOW} on job {{{{ $labels.job }}}}, "
                 "instance {{ $labels.instance }}, rank {{ $labels.rank }}, model {{ $labels.model }}. The traceback is in the run's "
                 "log; a rule is switched off after 3 errors."
@@ -274,9 +303,9 @@ def _policy_group(policy: Policy) -> dict[str, Any]:
         "for": "0s",
         "labels": {"severity": "warning", "policy": policy.name},
         "annotations": {
-            "summary": f"hookpolicy policy {_go_literal(policy.name)} reached spec.limits.{_limit_names(policy)}",
+            "summary": f"hookpolicy policy {go_literal(policy.name)} reached spec.limits.{_limit_names(policy)}",
             "description": (
-                f"Policy {_go_literal(policy.name)} ({_limits(policy)}) dropped statistic series "
+                f"Policy {go_literal(policy.name)} ({_limits(policy)}) dropped statistic series "
                 "within the last 15m on job {{ $labels.job }}, instance {{ $labels.instance }}, rank "
                 "{{ $labels.rank }}: narrow its match, use per: module or per: rule instead of per: tensor, "
                 f"or raise spec.limits.{_limit_names(policy)} if Prometheus can take it."
@@ -328,9 +357,14 @@ def prometheus_rules(policies: Sequence[Policy], *, stall_seconds: int = STALL_S
     for how an alert's `for:` in steps becomes a Prometheus `for:`.
     """
     doc = {"groups": [_policy_group(p) for p in policies] + [_engine_group(stall_seconds)]}
-    sources = ", ".join(p.source for p in policies) or "no policy"
+    sources = ", ".join(_one_line(p.source) for p in policies) or "no policy"
     header = (
         f"# Prometheus alerting rules generated by `hookpolicy export prometheus-rules` from {sources}.\n"
         "# Regenerate them when a policy changes; check with `promtool check rules FILE`.\n"
     )
     return header + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=100000, allow_unicode=True)
+
+
+def _one_line(text: str) -> str:
+    """`text` for a comment line: control characters (a file name may hold a newline) escaped."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
