@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookpolicy  # noqa: E402
 from timing import step_table  # noqa: E402
 from examples.charlm import batch, build_model, encode  # noqa: E402
-from hookpolicy.engine.actions import clip_unitwise  # noqa: E402
+from hookpolicy.engine.measure.actions import clip_unitwise  # noqa: E402
 
 POLICY = """\
 apiVersion: hookpolicy/v1

@@ -304,7 +304,7 @@ def history_host_cost(steps: int = 20_000) -> dict[str, float]:
     import math
 
     import hookpolicy
-    from hookpolicy.engine.history import History, Observation, spec_for
+    from hookpolicy.engine.measure.history import History, Observation, spec_for
     from hookpolicy.policy.model import Alert, Clip
 
     out: dict[str, float] = {}
@@ -392,7 +392,7 @@ def snapshot_cost(seed: int) -> tuple[int, float, float, int, int]:
     import gc
     import statistics
 
-    from hookpolicy.engine.snapshots import Snapshots
+    from hookpolicy.engine.heal.snapshots import Snapshots
 
     torch.set_num_threads(1)
     data = corpus(seed)

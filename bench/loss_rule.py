@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookpolicy  # noqa: E402
 from timing import step_table  # noqa: E402
 from examples.charlm import batch, build_model, encode  # noqa: E402
-from hookpolicy.engine.loss import LossTap  # noqa: E402
-from hookpolicy.engine.scopes import Scopes  # noqa: E402
+from hookpolicy.engine.hooks.loss import LossTap  # noqa: E402
+from hookpolicy.engine.execute.scopes import Scopes  # noqa: E402
 
 POLICY = """\
 apiVersion: hookpolicy/v1

@@ -48,8 +48,8 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry, generate_latest
 
 import hookpolicy
-from hookpolicy.engine import agreement
-from hookpolicy.engine.decision import StepReport
+from hookpolicy.engine.decide import agreement
+from hookpolicy.engine.decide.decision import StepReport
 
 #: Linear layers of the MLP (each with weight and bias): per-module series scale with it.
 LAYERS = 8

@@ -5,13 +5,13 @@ PyTorch and every other library. What hookpolicy changes there, and who gives it
 
 | change                                            | made by (the one owner)            | given back                                   |
 |---------------------------------------------------|------------------------------------|----------------------------------------------|
-| optimizer step pre/post hooks                     | `engine/optimizer_hooks.py`        | last `Subscription.remove()` outside a step  |
-| the hook before every module call (forward pre)   | `engine/module_hooks.py` (`_CALLS`) | last remove() of a `global_forward_pre_hook` handle |
-| the filter for torch.compile's global-hook warning| `engine/module_hooks.py` (`_CALLS`) | with the module call hook                    |
-| module/parameter registration hooks               | `engine/module_hooks.py` (`_WATCH`) | last `Watching.remove()`                     |
-| `torch.nn.Module.__reduce_ex__`                    | `engine/module_hooks.py`           | last `OwnHandle.remove()`                    |
-| `torch.autograd.backward`, `GradScaler.scale`      | `engine/loss.py` (`_ROOTS`)        | last `LossTap.remove()`                      |
-| `__init__` of `LRScheduler`, `GradScaler` and their subclasses; their `__init_subclass__` | `engine/schedulers.py` (`_MADE`) | last `Watch.remove()` (a snapshot's) |
+| optimizer step pre/post hooks                     | `engine/hooks/optimizer_hooks.py`        | last `Subscription.remove()` outside a step  |
+| the hook before every module call (forward pre)   | `engine/hooks/module_hooks.py` (`_CALLS`) | last remove() of a `global_forward_pre_hook` handle |
+| the filter for torch.compile's global-hook warning| `engine/hooks/module_hooks.py` (`_CALLS`) | with the module call hook                    |
+| module/parameter registration hooks               | `engine/hooks/module_hooks.py` (`_WATCH`) | last `Watching.remove()`                     |
+| `torch.nn.Module.__reduce_ex__`                    | `engine/hooks/module_hooks.py`           | last `OwnHandle.remove()`                    |
+| `torch.autograd.backward`, `GradScaler.scale`      | `engine/hooks/loss.py` (`_ROOTS`)        | last `LossTap.remove()`                      |
+| `__init__` of `LRScheduler`, `GradScaler` and their subclasses; their `__init_subclass__` | `engine/hooks/schedulers.py` (`_MADE`) | last `Watch.remove()` (a snapshot's) |
 | threads `hookpolicy-*`                            | `start_thread` (exporter, reload, lifetime) | their owner's shutdown/stop                  |
 | what was said once                                | `Once`                             | never: "once" is per process or per owner    |
 | SIGTERM/SIGHUP handlers, the signal wakeup fd     | `apply/child.py`, `apply/lifetime.py` (`apply` children only) | never: the process ends with them |
@@ -21,18 +21,18 @@ hookpolicy, and each is the one home of what it holds):
 
 | singleton                     | module                      | holds                                                     |
 |-------------------------------|-----------------------------|-----------------------------------------------------------|
-| `_OWNER`                      | `engine/optimizer_hooks.py` | the optimizer step subscribers, in order                  |
-| `_CALLS`, `_WATCH`            | `engine/module_hooks.py`    | module call subscribers; the modules watched for changes  |
-| `_ours`, `_saved`             | `engine/module_hooks.py`    | ids of hookpolicy's module hooks; the previous reducer     |
-| `_ROOTS`                      | `engine/loss.py`            | the loss taps joined, the scale of each GradScaler output |
-| `_MADE`                       | `engine/schedulers.py`      | the LR schedulers and GradScalers made while watched (weakly) |
+| `_OWNER`                      | `engine/hooks/optimizer_hooks.py` | the optimizer step subscribers, in order                  |
+| `_CALLS`, `_WATCH`            | `engine/hooks/module_hooks.py`    | module call subscribers; the modules watched for changes  |
+| `_ours`, `_saved`             | `engine/hooks/module_hooks.py`    | ids of hookpolicy's module hooks; the previous reducer     |
+| `_ROOTS`                      | `engine/hooks/loss.py`            | the loss taps joined, the scale of each GradScaler output |
+| `_MADE`                       | `engine/hooks/schedulers.py`      | the LR schedulers and GradScalers made while watched (weakly) |
 | `_ATTACHED`                   | `engine/runtime.py`         | the policies attached to each model (weak keys)           |
-| `_AGREED`                     | `engine/agreement.py`       | ranks agree at every step once they agreed at one         |
-| `_CARRIED`                    | `engine/agreement.py`       | per model, the `ranks: job` layout every rank announced   |
-| `_DTENSOR`                    | `engine/distributed.py`     | the DTensor class, once torch.distributed.tensor is in    |
-| `_AROUND`                     | `engine/distributed.py`     | per module, the DDP/FSDP wrappers found around it (weakly) |
-| `_local`                      | `engine/stats.py`           | per-thread scratch buffers                                |
-| `_CHECKED_CLASSES`            | `engine/rebinding.py`       | the `Once` of classes checked for their own reducer       |
+| `_AGREED`                     | `engine/decide/agreement.py`       | ranks agree at every step once they agreed at one         |
+| `_CARRIED`                    | `engine/decide/agreement.py`       | per model, the `ranks: job` layout every rank announced   |
+| `_DTENSOR`                    | `engine/measure/distributed.py`     | the DTensor class, once torch.distributed.tensor is in    |
+| `_AROUND`                     | `engine/measure/distributed.py`     | per module, the DDP/FSDP wrappers found around it (weakly) |
+| `_local`                      | `engine/measure/stats.py`           | per-thread scratch buffers                                |
+| `_CHECKED_CLASSES`            | `engine/execute/rebinding.py`       | the `Once` of classes checked for their own reducer       |
 | `_SESSION`                    | `apply/child.py`            | the `apply` child's session                               |
 | `_SHARED`, `_FILTERS`         | here                        | every `Shared` and `WarningFilter`, for `snapshot()`      |
 

@@ -35,7 +35,7 @@ from helpers.processes import (
     Run, Samples, child_env, labels_of, losses, scrape, steps_are, torchrun, value, wait_metrics,
 )
 from hookpolicy.apply.discovery import Discovery
-from hookpolicy.engine import heap
+from hookpolicy.engine.hooks import heap
 from hookpolicy.apply.reload import Reloader
 from hookpolicy.environment import ChildConfig
 from hookpolicy.export.metrics import RELOAD_SUCCESSFUL

@@ -26,7 +26,7 @@ import hookpolicy
 from helpers.hooks import global_hook_counts
 from helpers.processes import Run, Samples, child_env, labels_of, value, wait_metrics
 from hookpolicy.apply.discovery import Discovery
-from hookpolicy.engine import loss, optimizer_hooks
+from hookpolicy.engine.hooks import loss, optimizer_hooks
 
 TRIALS = 8
 MIB = 1 << 20

@@ -486,7 +486,7 @@ def test_a_history_within_its_budget_behaves_as_without_one(
 def test_history_values_are_counted_per_series_of_a_group() -> None:
     """The cost of a group is its ring plus 2 per ema alpha (at least 1 a series), reserved whole
     at its first evaluation: a second group that does not fit gets no series at all."""
-    from hookpolicy.engine.history import History
+    from hookpolicy.engine.measure.history import History
     from hookpolicy.policy.expr import parse
 
     calls = parse("max(l2_norm, 8) > 0 or ema(mean, 0.9) > 0 or count(std) > 0").calls
@@ -706,7 +706,7 @@ def copy_of(module: nn.Module) -> nn.Module:
 
 
 def test_non_finite_values_never_enter_a_series() -> None:
-    from hookpolicy.engine.history import History, Observation, SeriesSpec
+    from hookpolicy.engine.measure.history import History, Observation, SeriesSpec
 
     history = History()
     spec = {"loss": SeriesSpec(size=3, alphas=(0.5,), warmup=0)}
@@ -725,7 +725,7 @@ def test_window_functions_over_a_wrapping_ring_match_numpy() -> None:
     reads all of it."""
     import numpy as np
 
-    from hookpolicy.engine.history import History, Observation, spec_for
+    from hookpolicy.engine.measure.history import History, Observation, spec_for
     from hookpolicy.policy.expr import Call, parse
 
     condition = parse("robust_z(mean, 100) > 0 or zscore(mean, 100) > 0 or median(mean, 7) > 0 or mad(mean, 100) > 0")

@@ -5,6 +5,8 @@ policies, the `engine` runs a plan and writes into the `export` stage's collecto
 sinks, and `apply` and the top-level modules use them all; no import circle. Every module
 of the package belongs to one layer of `LAYERS`, and imports only from its own layer and
 the ones that table allows; a new module must be placed there (and on the README's map).
+Inside the engine the same holds for its parts (`ENGINE_PARTS`): each subpackage imports
+only the parts before it, and the step (`cycle`, `runtime`) sits on top of them all.
 
 Read from the source with `ast`, never by importing, so every import counts: one inside a
 function, and one under `if TYPE_CHECKING:` too (a reader follows it all the same; the
@@ -39,6 +41,20 @@ LAYERS: dict[str, set[str]] = {
     "apply": {"base", "policy", "plan", "engine", "export", "api"},
     "edge": {"base", "policy", "plan", "engine", "export", "api", "apply"},
 }
+
+#: The engine's parts: part -> the parts its modules may import besides their own. A part is a
+#: subpackage of `hookpolicy/engine/`, or `step`: the modules at the engine's top (`STEP`).
+ENGINE_PARTS: dict[str, set[str]] = {
+    "hooks": set(),
+    "measure": {"hooks"},
+    "execute": {"hooks", "measure"},
+    "decide": {"hooks", "measure", "execute"},
+    "heal": {"hooks", "measure", "execute", "decide"},
+    "step": {"hooks", "measure", "execute", "decide", "heal"},
+}
+
+#: The modules at the top of the engine, outside its parts: the step and the handle `attach` returns.
+STEP = {"hookpolicy.engine", "hookpolicy.engine.cycle", "hookpolicy.engine.runtime"}
 
 
 def _module_name(path: Path) -> str:
@@ -142,12 +158,54 @@ def test_the_layers_are_an_order() -> None:
 def test_the_layer_rule_catches_an_import_against_the_flow(monkeypatch: pytest.MonkeyPatch) -> None:
     """The check can fail: an engine module importing `apply` and `export` importing the engine are caught."""
     graph = _graph()
-    monkeypatch.setitem(graph, "hookpolicy.engine.stats", graph["hookpolicy.engine.stats"] | {"hookpolicy.apply.reload"})
-    monkeypatch.setitem(graph, "hookpolicy.export.sinks", graph["hookpolicy.export.sinks"] | {"hookpolicy.engine.stats"})
+    monkeypatch.setitem(graph, "hookpolicy.engine.measure.stats", graph["hookpolicy.engine.measure.stats"] | {"hookpolicy.apply.reload"})
+    monkeypatch.setitem(graph, "hookpolicy.export.sinks", graph["hookpolicy.export.sinks"] | {"hookpolicy.engine.measure.stats"})
     monkeypatch.setattr(sys.modules[__name__], "_graph", lambda: graph)
-    for layer, culprit in (("engine", "hookpolicy.apply.reload"), ("export", "hookpolicy.engine.stats")):
+    for layer, culprit in (("engine", "hookpolicy.apply.reload"), ("export", "hookpolicy.engine.measure.stats")):
         with pytest.raises(AssertionError, match=culprit):
             test_a_layer_imports_only_the_layers_before_it(layer)
+
+
+def _part(module: str) -> str:
+    """The engine part of `module` (a name under `hookpolicy.engine`), or "" when it is in none."""
+    parts = module.split(".")[2:]
+    if parts and parts[0] in ENGINE_PARTS.keys() - {"step"}:
+        return parts[0]
+    return "step" if module in STEP else ""
+
+
+ENGINE = sorted(m for m in MODULES if _layer(m) == "engine")
+
+
+def test_every_engine_module_is_in_a_part() -> None:
+    assert not [m for m in ENGINE if not _part(m)], "place these in a subpackage of test_layout.ENGINE_PARTS (or STEP)"
+
+
+@pytest.mark.parametrize("part", sorted(ENGINE_PARTS))
+def test_an_engine_part_imports_only_the_parts_before_it(part: str) -> None:
+    allowed = {part} | ENGINE_PARTS[part]
+    wrong = [f"{module} imports {name} ({_part(name)})" for module, names in sorted(_graph().items())
+             if module in ENGINE and _part(module) == part for name in sorted(names)
+             if _layer(name) == "engine" and _part(name) not in allowed]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_engine_parts_are_an_order() -> None:
+    graph = {part: set(allowed) for part, allowed in ENGINE_PARTS.items()}
+    assert not _circle(graph), " -> ".join(_circle(graph))
+    assert all(ENGINE_PARTS[earlier] <= ENGINE_PARTS[later] for later in ENGINE_PARTS for earlier in ENGINE_PARTS[later])
+
+
+def test_the_engine_part_rule_catches_an_import_against_the_flow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A statistic importing the read-back and a hook owner importing the step are caught."""
+    graph = _graph()
+    stats, hooks = "hookpolicy.engine.measure.stats", "hookpolicy.engine.hooks.module_hooks"
+    monkeypatch.setitem(graph, stats, graph[stats] | {"hookpolicy.engine.decide.readback"})
+    monkeypatch.setitem(graph, hooks, graph[hooks] | {"hookpolicy.engine.cycle"})
+    monkeypatch.setattr(sys.modules[__name__], "_graph", lambda: graph)
+    for part, culprit in (("measure", "hookpolicy.engine.decide.readback"), ("hooks", "hookpolicy.engine.cycle")):
+        with pytest.raises(AssertionError, match=culprit):
+            test_an_engine_part_imports_only_the_parts_before_it(part)
 
 
 def test_the_policy_stage_imports_neither_torch_nor_click() -> None:

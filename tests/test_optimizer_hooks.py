@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.optim.optimizer as torch_optimizer
 
-from hookpolicy.engine import optimizer_hooks
+from hookpolicy.engine.hooks import optimizer_hooks
 
 
 class Recorder:

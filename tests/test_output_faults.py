@@ -2,7 +2,7 @@
 
 Issue 24.5: a model output whose `.loss` raised (anything but AttributeError) crashed
 training under `target: loss`, from an output hook outside any containment. The loss is
-now taken at the backward root (engine/loss.py), so the output is never read; this keeps
+now taken at the backward root (engine/hooks/loss.py), so the output is never read; this keeps
 it so. The reference is the loss the script itself backpropagated.
 """
 

@@ -18,7 +18,7 @@ import torch.nn.modules.module as torch_module
 from torch import nn
 
 from hookpolicy import process
-from hookpolicy.engine import module_hooks
+from hookpolicy.engine.hooks import module_hooks
 
 
 def compile_filters() -> list[tuple[object, ...]]:

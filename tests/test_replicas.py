@@ -1,4 +1,4 @@
-"""A series set per job: statistics the same on every rank are exported by rank 0 only (`engine/replicas.py`).
+"""A series set per job: statistics the same on every rank are exported by rank 0 only (`engine/decide/replicas.py`).
 
 2 gloo ranks in process (`helpers.distributed.spawn`), each with its own registry (as
 `hookpolicy apply` gives each rank its own `/metrics`). The references are PyTorch's:
@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
-from hookpolicy.engine.distributed import data_parallel
+from hookpolicy.engine.measure.distributed import data_parallel
 from helpers import REPO
 from helpers.distributed import spawn
 from helpers.policies import write_policy

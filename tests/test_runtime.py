@@ -649,7 +649,7 @@ def test_failing_rule_is_contained_then_switched_off(tmp_path: Path, monkeypatch
           trigger: {at: forward}
           actions: [{capture: {stats: [l2_norm]}}]
     """)
-    from hookpolicy.engine import programs
+    from hookpolicy.engine.execute import programs
 
     def explode(*a: Any, **k: Any) -> Any:
         raise RuntimeError("kaboom")
@@ -672,7 +672,7 @@ def test_on_error_halt_stops_training(tmp_path: Path, monkeypatch: pytest.Monkey
           trigger: {at: forward}
           actions: [{capture: {stats: [l2_norm]}}]
     """, spec="onError: halt\n")
-    from hookpolicy.engine import programs
+    from hookpolicy.engine.execute import programs
 
     monkeypatch.setattr(programs, "tensor_partials", lambda *a: 1 / 0)
     model, opt = fresh()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hookpolicy.engine import schedulers
+from hookpolicy.engine.hooks import schedulers
 from helpers.models import tiny
 
 

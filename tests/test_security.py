@@ -33,7 +33,7 @@ from hookpolicy.policy import loader
 from hookpolicy.policy.expr import FUNCTIONS, STATS, Arith, Call, Compare, ExprError, Junction, Name, Neg, Num, parse
 from hookpolicy.export.sinks import SinkError, TensorWriter, file_name, safe_path
 from hookpolicy.policy.linear import LinearPattern
-from hookpolicy.engine import alerts
+from hookpolicy.engine.decide import alerts
 from hookpolicy.policy.messages import MAX_FIELD_WIDTH
 from hookpolicy.policy.model import Alert, TensorFiles
 from hookpolicy.policy.patterns import compile_glob

@@ -16,9 +16,9 @@ from typing import Iterator
 import pytest
 import torch
 
-from hookpolicy.engine import stats
-from hookpolicy.engine.actions import clip_norm
-from hookpolicy.engine.stats import combine, finish, partials_for, resolve_counts, tensor_partials
+from hookpolicy.engine.measure import stats
+from hookpolicy.engine.measure.actions import clip_norm
+from hookpolicy.engine.measure.stats import combine, finish, partials_for, resolve_counts, tensor_partials
 
 ALL = ("l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel")
 SETS = (ALL, ("l2_norm", "abs_max", "nonfinite"), ("nonfinite",), ("std",), ("mean",), ("l2_norm", "nonfinite"),

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 from hookpolicy import Halt
-from hookpolicy.engine import updates
+from hookpolicy.engine.execute import updates
 
 from helpers.models import tiny
 from helpers.outputs import json_lines

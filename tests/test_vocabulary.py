@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hookpolicy.engine import stats as engine_stats
+from hookpolicy.engine.measure import stats as engine_stats
 from hookpolicy.policy import model
 from hookpolicy.policy.build import build_policy
 from hookpolicy.policy.expr import STATS

@@ -124,7 +124,7 @@ def test_the_threshold_on_the_device_equals_zclips_clip_value(mean: float, var: 
     """For norms below, around and far above the mean: the policy's first clip, evaluated on the
     device from a norm tensor, clips exactly where ZClip's `_compute_clip_val` returns a value,
     to that value (mean + z_t * std / (z / z_t): lower the larger the spike); elsewhere not at all."""
-    from hookpolicy.engine.programs import device_limit
+    from hookpolicy.engine.execute.programs import device_limit
     from hookpolicy.policy.model import Clip
 
     clip = hookpolicy.load(ZCLIP_YAML).policies[0].rules[0].actions[0]

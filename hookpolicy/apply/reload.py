@@ -128,7 +128,7 @@ class Swaps:
     delays a swap to the next call.
 
     A data-parallel model (`Governed.replicated`) swaps only to a version every rank of the
-    process group has: its step agreement (`engine/agreement.py`) carries this rank's newest
+    process group has: its step agreement (`engine/decide/agreement.py`) carries this rank's newest
     version (`wanted`), and `agreed` learns, at the same step on every rank, whether all
     ranks want the same one. If they do, every rank swaps to it at its next step boundary;
     if not (a rank has not seen the new files yet, or could not load them), no rank does,

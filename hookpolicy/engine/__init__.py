@@ -4,4 +4,9 @@ Takes a `Plan`; gives hook handles, step boundaries (optimizer steps, backward p
 statistics kept on the device and read back once per step, the compiled actions (clip,
 scale, alert, skip, halt), and what the read-back hands to the export stage. One step
 reads top to bottom in `cycle.py`; `runtime.Attached` is the handle `attach` returns.
+
+Its parts, each importing only those before it (`tests/test_layout.py` checks the order):
+`hooks/` (PyTorch's process-wide hooks, one owner each) -> `measure/` (rules compiled,
+statistics) -> `execute/` (steps, hook bodies, the step's ledger) -> `decide/` (read-back,
+alerts, the ranks' agreement) -> `heal/` (cool-down, rewind) -> `cycle.py`, `runtime.py`.
 """

@@ -40,28 +40,28 @@ from ..export.metrics import ACTIONS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, SKIPPED
 from ..export.sinks import output_root
 from ..plan.planner import Plan
 from ..policy.model import AFTER_UPDATE, LOSS, Policy
-from . import module_hooks, optimizer_hooks
-from .agreement import Agreed, Agreement, job_loss_rule
-from .jobstats import reduced
-from .decision import StepReport
-from .distributed import data_parallel
-from .executor import Executor
-from .programs import Programs
-from .faults import Faults
-from .healing import Healing
-from .history import History
-from .installer import HookInstaller
-from .ledger import Ledger
-from .loss import LossTap
-from .scopes import Scopes
-from .readback import Readback
-from .replicas import Replicas
-from .rebinding import Rebinding
-from .rulestate import RuleState, rule_states
-from .skipping import HiddenGrads
-from .steps import Phase, StepTracker
-from .structure import named_tensors
-from .updates import Updates
+from .hooks import module_hooks, optimizer_hooks
+from .decide.agreement import Agreed, Agreement, job_loss_rule
+from .decide.jobstats import reduced
+from .decide.decision import StepReport
+from .measure.distributed import data_parallel
+from .execute.executor import Executor
+from .execute.programs import Programs
+from .execute.faults import Faults
+from .heal.healing import Healing
+from .measure.history import History
+from .execute.installer import HookInstaller
+from .execute.ledger import Ledger
+from .hooks.loss import LossTap
+from .execute.scopes import Scopes
+from .decide.readback import Readback
+from .decide.replicas import Replicas
+from .execute.rebinding import Rebinding
+from .measure.rulestate import RuleState, rule_states
+from .execute.skipping import HiddenGrads
+from .execute.steps import Phase, StepTracker
+from .execute.structure import named_tensors
+from .execute.updates import Updates
 
 __all__ = ["StepCycle", "Leftovers"]
 

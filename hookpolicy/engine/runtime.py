@@ -28,11 +28,11 @@ from ..export.summary import summary_lines
 from ..plan.matcher import model_class
 from ..plan.planner import Plan, build_plan
 from ..policy.model import Policy
-from .agreement import Vote
+from .decide.agreement import Vote
 from .cycle import Leftovers, StepCycle
-from .history import History
-from .rebinding import publish_rule_series
-from .rulestate import MAX_ERRORS
+from .measure.history import History
+from .execute.rebinding import publish_rule_series
+from .measure.rulestate import MAX_ERRORS
 
 __all__ = ["Attached", "MAX_ERRORS"]
 

@@ -25,7 +25,7 @@ from ..policy.model import (
 
 __all__ = ["LOSS_SOURCE", "Binding", "Plan", "build_plan", "describe_action", "param"]
 
-#: what `target: loss` is (engine/loss.py takes it there)
+#: what `target: loss` is (engine/hooks/loss.py takes it there)
 LOSS_SOURCE = ("the tensor the script calls backward() on (loss.backward(), torch.autograd.backward), at each "
                "backward call of the step that reaches its parameters, divided by GradScaler's scale when one "
                "scaled it: one value per root; the optimizer applies the gradient of their sum (mean * numel)")
@@ -250,7 +250,7 @@ def build_plan(policies: Sequence[Policy], model: Any) -> Plan:
 
 
 def _series_notes(policies: Sequence[Policy], bindings: Sequence[Binding]) -> list[str]:
-    """Per policy, the rules whose series a process group exports once per job (`engine/replicas.py`)."""
+    """Per policy, the rules whose series a process group exports once per job (`engine/decide/replicas.py`)."""
     bound = {b.key for b in bindings}
     notes = []
     for policy in policies:

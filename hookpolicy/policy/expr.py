@@ -14,7 +14,7 @@ Grammar (`and` binds tighter than `or`; `*` `/` tighter than `+` `-`)::
 A NAME is a statistic (`l2_norm`, `mean`, ...) or an alias a caller passes in (`norm` for
 a clip's own norm, `loss` for `target: loss`): its **current** value. A FUNC reads the
 **past** values of the same series (never the current one), kept by
-`hookpolicy.engine.history`: `prev(x)`, `count(x)` (how many values it has had),
+`hookpolicy.engine.measure.history`: `prev(x)`, `count(x)` (how many values it has had),
 `ema(x, alpha)`, `ema_std(x, alpha)`,
 `mean(x, W)`, `std(x, W)`, `min(x, W)`, `max(x, W)`, `median(x, W)`, `mad(x, W)` (the
 median absolute deviation from that median), `zscore(x, W)`, which is
@@ -108,7 +108,7 @@ class ExprError(ValueError):
 
 
 class Past(Protocol):
-    """The past values of the series an expression is evaluated for (`hookpolicy.engine.history`)."""
+    """The past values of the series an expression is evaluated for (`hookpolicy.engine.measure.history`)."""
 
     def aggregate(self, func: str, series: str, param: float) -> float:
         """`func` (one of FUNCTIONS but zscore and robust_z) over the past of `series`; nan with none (count: 0)."""

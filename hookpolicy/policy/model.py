@@ -141,7 +141,7 @@ class Capture:
     log: Optional[LogSink] = None
     tensorboard: Optional[Board] = None
     #: `job`: a statistic that is the same on every rank (gradients after DDP's all-reduce,
-    #: FSDP2's full tensors, the job's loss) is exported by rank 0 only (`engine/replicas.py`); `rank`: every
+    #: FSDP2's full tensors, the job's loss) is exported by rank 0 only (`engine/decide/replicas.py`); `rank`: every
     #: rank exports its own series, as for statistics that differ by rank
     series: SeriesPer = "job"
 

@@ -125,7 +125,7 @@ def _start() -> None:
     its target (what it was started to run). It is decided at its first module call,
     from inside the target: governed if `torch.multiprocessing.spawn` started it (a rank),
     left alone otherwise (a DataLoader worker, a Pool worker), the hook removed either way.
-    This module holds its only process-wide hook outside `engine/module_hooks.py`: it
+    This module holds its only process-wide hook outside `engine/hooks/module_hooks.py`: it
     must not import hookpolicy before the process is known to be governed.
     """
     global _PENDING

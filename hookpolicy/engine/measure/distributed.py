@@ -35,7 +35,7 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-from .heap import live_modules
+from ..hooks.heap import live_modules
 from .stats import tensor_partials
 
 __all__ = ["Shards", "Units", "data_parallel", "wrappers_around", "full_value", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards"]

@@ -60,7 +60,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from .. import process
+from ... import process
 
 __all__ = [
     "OwnHandle", "TreeSubscriber", "Watching", "reduces_itself", "forward_hook", "forward_pre_hook",

@@ -33,9 +33,9 @@ from typing import Optional
 
 import torch
 
-from .. import process
-from . import heap
-from .rulestate import RuleState, refuse
+from ... import process
+from ..hooks import heap
+from ..measure.rulestate import RuleState, refuse
 from .scopes import Scopes
 
 __all__ = ["Phase", "StepTracker", "recomputing"]

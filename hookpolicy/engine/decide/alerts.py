@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from ..policy.expr import NO_PAST, Past, Template
-from ..policy.model import Alert
-from .history import History, Observation, Tracked
-from .rulestate import RuleState
+from ...policy.expr import NO_PAST, Past, Template
+from ...policy.model import Alert
+from ..measure.history import History, Observation, Tracked
+from ..measure.rulestate import RuleState
 
 __all__ = ["Alerts", "MAX_RENDERED_CHARS", "Pending", "alert_line", "json_number", "not_taken", "outcome", "render"]
 

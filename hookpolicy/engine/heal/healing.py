@@ -39,12 +39,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..errors import Halt
-from ..process import Once
-from ..export.metrics import REWINDS, ModelMetrics
-from ..policy.model import Alert, Policy
-from .alerts import not_taken, outcome
-from .decision import StepReport
+from ...errors import Halt
+from ...process import Once
+from ...export.metrics import REWINDS, ModelMetrics
+from ...policy.model import Alert, Policy
+from ..decide.alerts import not_taken, outcome
+from ..decide.decision import StepReport
 from .snapshots import Snapshots, snapshots_of
 
 __all__ = ["Healing", "Healer", "heal_order"]

@@ -32,11 +32,11 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..policy.model import ACTIVATIONS
-from .actions import StatsOp
-from .ledger import Entry
-from .rulestate import RuleState
-from .stats import combine
+from ...policy.model import ACTIVATIONS
+from ..measure.actions import StatsOp
+from ..execute.ledger import Entry
+from ..measure.rulestate import RuleState
+from ..measure.stats import combine
 
 __all__ = ["JOB_TARGETS", "Layout", "Slot", "reduced"]
 

@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ..policy.model import Alert, Capture, Clip, Rule, Scale
+from ...policy.model import Alert, Capture, Clip, Rule, Scale
 from .distributed import full_value
 from .stats import partials_for
 

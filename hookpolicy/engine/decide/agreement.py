@@ -74,12 +74,12 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from ..errors import Halt
-from ..policy.model import LOSS, Alert, Policy, stats_of
+from ...errors import Halt
+from ...policy.model import LOSS, Alert, Policy, stats_of
 from .decision import StepReport
 from .jobstats import Layout
-from .rulestate import RuleState
-from .stats import combine, partials_for, tensor_partials
+from ..measure.rulestate import RuleState
+from ..measure.stats import combine, partials_for, tensor_partials
 
 __all__ = ["Agreed", "Agreement", "Vote", "digest", "identities", "job_loss_rule", "ROW"]
 

@@ -16,17 +16,17 @@ from typing import Mapping, Optional, Sequence, cast
 
 import torch
 
-from ..plan.planner import param as find_param
-from ..policy.expr import Past, Value
-from ..policy.model import AFTER_UPDATE, LOSS, Clip
-from ..process import Once
-from .actions import DeviceLimit, Limit, MutateOp, StatsOp, clip_norm, clip_unitwise, mutate
-from .distributed import Shards, local_shards, shard_name, shard_partials, sum_over_groups, unit_shards
+from ...plan.planner import param as find_param
+from ...policy.expr import Past, Value
+from ...policy.model import AFTER_UPDATE, LOSS, Clip
+from ...process import Once
+from ..measure.actions import DeviceLimit, Limit, MutateOp, StatsOp, clip_norm, clip_unitwise, mutate
+from ..measure.distributed import Shards, local_shards, shard_name, shard_partials, sum_over_groups, unit_shards
 from .faults import Faults
-from .history import History, group_key
+from ..measure.history import History, group_key
 from .ledger import ClipEntry, Entry, Ledger
-from .rulestate import RuleState
-from .stats import tensor_partials
+from ..measure.rulestate import RuleState
+from ..measure.stats import tensor_partials
 
 __all__ = ["Programs"]
 

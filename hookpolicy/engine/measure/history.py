@@ -34,10 +34,10 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..plan.planner import Binding
-from ..policy.expr import Call, Value
-from ..policy.model import OPTIMIZER_STATE, PARAM_TARGETS, Alert, Clip, Policy
-from ..process import Once
+from ...plan.planner import Binding
+from ...policy.expr import Call, Value
+from ...policy.model import OPTIMIZER_STATE, PARAM_TARGETS, Alert, Clip, Policy
+from ...process import Once
 
 __all__ = ["GroupKey", "History", "Observation", "Past", "Series", "SeriesSpec", "Tracked", "bounds", "cost",
            "group_key", "group_specs", "spec_for"]

@@ -35,14 +35,14 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..plan.planner import param as find_param
-from ..policy.model import AFTER_UPDATE, OPTIMIZER_STATE, UPDATE
-from ..process import Once
-from ..policy.patterns import NamePattern, compile_glob
-from .distributed import local_shards
+from ...plan.planner import param as find_param
+from ...policy.model import AFTER_UPDATE, OPTIMIZER_STATE, UPDATE
+from ...process import Once
+from ...policy.patterns import NamePattern, compile_glob
+from ..measure.distributed import local_shards
 from .programs import Programs
-from .rulestate import RuleState
-from .stats import sums_of_squares
+from ..measure.rulestate import RuleState
+from ..measure.stats import sums_of_squares
 
 __all__ = ["Updates", "state_group_key"]
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import process
+from ... import process
 from .heap import live_of
 
 __all__ = ["Watch", "alive", "kinds", "watch"]

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .actions import Program, StatsOp, compile_rule
-from ..plan.planner import Binding, Plan
-from ..policy.model import Alert, Capture, Clip, Policy, Rule, Scale
+from ...plan.planner import Binding, Plan
+from ...policy.model import Alert, Capture, Clip, Policy, Rule, Scale
 
 __all__ = ["MAX_ERRORS", "RuleState", "rebind", "refuse", "rule_states"]
 

@@ -16,10 +16,10 @@ from typing import Optional
 
 import torch
 
-from . import module_hooks
+from ..hooks import module_hooks
 from .executor import Executor
-from ..plan.planner import Binding, Plan
-from .rulestate import RuleState
+from ...plan.planner import Binding, Plan
+from ..measure.rulestate import RuleState
 
 __all__ = ["HookInstaller"]
 

@@ -46,7 +46,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler
 from torch.autograd.graph import GradientEdge
 
-from .. import process
+from ... import process
 
 __all__ = ["LossTap", "Reached"]
 

@@ -44,9 +44,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..policy.model import Alert, Policy
-from ..process import Once
-from . import schedulers
+from ...policy.model import Alert, Policy
+from ...process import Once
+from ..hooks import schedulers
 
 __all__ = ["Snapshot", "Snapshots", "config", "describe", "model_bytes", "snapshots_of"]
 

@@ -18,9 +18,9 @@ from typing import Optional, Union
 
 import torch
 
-from .actions import StatsOp
-from .distributed import Shards
-from .rulestate import RuleState
+from ..measure.actions import StatsOp
+from ..measure.distributed import Shards
+from ..measure.rulestate import RuleState
 
 __all__ = ["ClipEntry", "Entry", "Ledger"]
 

@@ -13,10 +13,10 @@ import time
 import traceback
 from typing import Any, Callable
 
-from ..errors import Halt
-from ..export.metrics import HOOK_ERRORS, ModelMetrics
+from ...errors import Halt
+from ...export.metrics import HOOK_ERRORS, ModelMetrics
 from .ledger import Ledger
-from .rulestate import MAX_ERRORS, RuleState
+from ..measure.rulestate import MAX_ERRORS, RuleState
 
 __all__ = ["Faults"]
 

@@ -21,22 +21,22 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .actions import StatsOp
-from ..errors import Halt
-from ..export.metrics import ALERT_FIRING, ALERTS, CLIPPED, ModelMetrics, Labels, stat_family
-from ..export.tensorboard import scalar_tag
-from ..policy.expr import NO_PAST
-from ..policy.model import OPTIMIZER_STATE, Capture, Clip, LogSink, Policy
+from ..measure.actions import StatsOp
+from ...errors import Halt
+from ...export.metrics import ALERT_FIRING, ALERTS, CLIPPED, ModelMetrics, Labels, stat_family
+from ...export.tensorboard import scalar_tag
+from ...policy.expr import NO_PAST
+from ...policy.model import OPTIMIZER_STATE, Capture, Clip, LogSink, Policy
 from .alerts import Alerts, Pending, json_number, not_taken, outcome, render
 from .decision import SinkHalts, StepReport
-from .distributed import reduce_shards
-from .history import History, group_key
-from .ledger import ClipEntry, Entry
-from ..process import Once
+from ..measure.distributed import reduce_shards
+from ..measure.history import History, group_key
+from ..execute.ledger import ClipEntry, Entry
+from ...process import Once
 from .replicas import Export, job_world
-from .rulestate import RuleState
-from .stats import combine, finish, resolve_counts
-from .updates import state_group_key
+from ..measure.rulestate import RuleState
+from ..measure.stats import combine, finish, resolve_counts
+from ..execute.updates import state_group_key
 from .writers import Writers
 
 __all__ = ["Readback", "StepReport"]

@@ -17,14 +17,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import environment
-from ..export.sinks import BudgetSpent, JsonLines, TensorWriter
-from ..export.tensorboard import Boards, histogram_tag
-from ..policy.model import Board, Capture, LogSink
+from ... import environment
+from ...export.sinks import BudgetSpent, JsonLines, TensorWriter
+from ...export.tensorboard import Boards, histogram_tag
+from ...policy.model import Board, Capture, LogSink
 from .alerts import alert_line
 from .decision import SinkHalts, StepReport
-from .ledger import Entry
-from .rulestate import RuleState
+from ..execute.ledger import Entry
+from ..measure.rulestate import RuleState
 
 __all__ = ["AlertStream", "MAX_ALERT_LINES", "Writers"]
 

@@ -58,7 +58,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from .. import process
+from ... import process
 
 __all__ = ["DISCOVERY", "STEP_TRACKING", "StepSubscriber", "Subscription", "subscribe"]
 

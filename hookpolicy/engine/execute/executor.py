@@ -15,12 +15,12 @@ from typing import Any, Optional
 
 import torch
 
-from ..plan.planner import Binding
-from ..process import Once
-from ..policy.model import Rule
+from ...plan.planner import Binding
+from ...process import Once
+from ...policy.model import Rule
 from .faults import Faults
 from .programs import Programs
-from .rulestate import RuleState
+from ..measure.rulestate import RuleState
 from .steps import Phase, recomputing
 from .structure import named_tensors, replace_tensors, selector
 

@@ -54,14 +54,14 @@ from typing import Any, Optional
 
 import torch
 
-from ..plan.planner import param as find_param
-from ..policy.model import LOSS, OPTIMIZER_STATE, UPDATE, Capture
+from ...plan.planner import param as find_param
+from ...policy.model import LOSS, OPTIMIZER_STATE, UPDATE, Capture
 from .agreement import job_loss_rule
 from .jobstats import reduced
-from ..process import Once
-from . import module_hooks
-from .distributed import wrappers_around
-from .rulestate import RuleState
+from ...process import Once
+from ..hooks import module_hooks
+from ..measure.distributed import wrappers_around
+from ..measure.rulestate import RuleState
 
 __all__ = ["Export", "Replicas", "job_rank", "job_world"]
 

@@ -16,13 +16,13 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from ..export.metrics import ALERT_FIRING, ALERTS, HOOK_ERRORS, REWINDS, SKIPPED_STEPS, ModelMetrics
-from ..plan.planner import Plan, build_plan
-from ..policy.model import Alert, Policy
-from ..process import Once
-from . import module_hooks
+from ...export.metrics import ALERT_FIRING, ALERTS, HOOK_ERRORS, REWINDS, SKIPPED_STEPS, ModelMetrics
+from ...plan.planner import Plan, build_plan
+from ...policy.model import Alert, Policy
+from ...process import Once
+from ..hooks import module_hooks
 from .installer import HookInstaller
-from .rulestate import RuleState, rebind
+from ..measure.rulestate import RuleState, rebind
 
 __all__ = ["Rebinding", "publish_rule_series"]
 

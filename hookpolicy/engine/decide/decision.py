@@ -6,10 +6,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from ..errors import Halt
-from .history import Observation
-from .ledger import Entry
-from .rulestate import MAX_ERRORS, RuleState
+from ...errors import Halt
+from ..measure.history import Observation
+from ..execute.ledger import Entry
+from ..measure.rulestate import MAX_ERRORS, RuleState
 
 if TYPE_CHECKING:
     from .alerts import Pending
