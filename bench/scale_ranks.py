@@ -49,7 +49,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import hookpolicy
 from hookpolicy.engine.decide import agreement
-from hookpolicy.engine.decide.decision import StepReport
+from hookpolicy.engine.decide.alerts import StepReport
 
 #: Linear layers of the MLP (each with weight and bias): per-module series scale with it.
 LAYERS = 8

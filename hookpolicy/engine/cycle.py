@@ -13,12 +13,12 @@ snapshot (a rewind) or take one -> count the step -> activate the next step's ru
 
 The parts below the cycle do one job each and return what they found; none calls the
 cycle back. `steps.StepTracker` tells where steps begin and end (and which parameters a
-step covers, `scopes`); `installer.HookInstaller` says which rules are active; the hook
+step covers, `scopes`); `executor.HookInstaller` says which rules are active; the hook
 bodies (`executor.Executor`, through `programs.Programs`) append to the step's `Ledger`,
 which the cycle owns; the read-back (`readback.Readback`) reads the ledger's entries and
 returns a decision (skip, halt, faults of sinks, time); `agreement.Agreement` makes that
 decision every rank's; `history.History.commit` keeps what a step that happened saw;
-`skipping.HiddenGrads` hides a skipped step's gradients from its optimizers; `healing.Healing`
+`steps.HiddenGrads` hides a skipped step's gradients from its optimizers; `healing.Healing`
 holds a cool-down's learning rate factor and a rewind's snapshots. The cycle
 also installs the root module's two hooks (the phase of each forward, backward passes)
 and has the rules re-bound when the model's tree changed (`rebinding`), at a step
@@ -43,14 +43,12 @@ from ..policy.model import AFTER_UPDATE, LOSS, Policy
 from .hooks import module_hooks, optimizer_hooks
 from .decide.agreement import Agreed, Agreement, job_loss_rule
 from .decide.jobstats import reduced
-from .decide.decision import StepReport
 from .measure.distributed import data_parallel
-from .execute.executor import Executor
-from .execute.programs import Programs
-from .execute.faults import Faults
+from .decide.alerts import StepReport
+from .execute.executor import Executor, HookInstaller, named_tensors
+from .execute.programs import Faults, Programs
 from .heal.healing import Healing
 from .measure.history import History
-from .execute.installer import HookInstaller
 from .execute.ledger import Ledger
 from .hooks.loss import LossTap
 from .execute.scopes import Scopes
@@ -58,9 +56,7 @@ from .decide.readback import Readback
 from .decide.replicas import Replicas
 from .execute.rebinding import Rebinding
 from .measure.rulestate import RuleState, rule_states
-from .execute.skipping import HiddenGrads
-from .execute.steps import Phase, StepTracker
-from .execute.structure import named_tensors
+from .execute.steps import HiddenGrads, Phase, StepTracker
 from .execute.updates import Updates
 
 __all__ = ["StepCycle", "Leftovers"]

@@ -1,7 +1,7 @@
 """The engine's decision at a step: the read-back, the alerts, and the agreement of every rank.
 
 Takes the step's record (`execute.ledger`); gives what the read-back published and decided
-(`readback`, `alerts`, `decision`), the output writers (`writers`), and the ranks' part: one
+(`readback`; `alerts`, with the `StepReport`), the output writers (`writers`), and the ranks' part: one
 agreement collective (`agreement`), `ranks: job` statistics (`jobstats`) and the series a job
 exports once (`replicas`). Imports `hooks`, `measure` and `execute` of the engine.
 """

@@ -76,7 +76,7 @@ import torch
 
 from ...errors import Halt
 from ...policy.model import LOSS, Alert, Policy, stats_of
-from .decision import StepReport
+from .alerts import StepReport
 from .jobstats import Layout
 from ..measure.rulestate import RuleState
 from ..measure.stats import combine, partials_for, tensor_partials

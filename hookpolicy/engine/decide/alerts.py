@@ -6,21 +6,28 @@ to the step's report; `render` writes its message, never claiming an effect (a s
 halt) that did not happen. What an alert's `then` did is known only once the step is decided
 (the ranks agreed on its skip or halt, the step chose among the healing alerts that fired:
 `healing`, a rewind wins over a cool-down): its record waits as a `Pending` until then.
+
+**The decision a read-back returns** (`StepReport`): skip the step, halt, or go on; and
+what the cycle still has to act on.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from ...errors import Halt
 from ...policy.expr import NO_PAST, Past, Template
 from ...policy.model import Alert
 from ..measure.history import History, Observation, Tracked
-from ..measure.rulestate import RuleState
+from ..execute.ledger import Entry
+from ..measure.rulestate import MAX_ERRORS, RuleState
 
-__all__ = ["Alerts", "MAX_RENDERED_CHARS", "Pending", "alert_line", "json_number", "not_taken", "outcome", "render"]
+__all__ = ["Alerts", "MAX_RENDERED_CHARS", "Pending", "SinkHalts", "StepReport", "alert_line", "json_number", "not_taken",
+           "outcome", "render"]
 
 
 class Alerts:
@@ -162,3 +169,51 @@ def json_number(value: float) -> Union[float, int]:
     if value.is_integer() and abs(value) < 2**53:
         return int(value)
     return value
+
+
+@dataclass
+class StepReport:
+    """What one read-back decided, for the step cycle to act on."""
+
+    skip: bool = False
+    #: the first rule whose alert skips the step (named to the other ranks, see agreement.py)
+    skip_rule: Optional[tuple[str, str]] = None
+    #: the rules whose alerts skip the step (each counts the step once, however many modules fired)
+    skip_by: list[tuple[str, str]] = field(default_factory=list)
+    #: the alerts with `then: cool_down` or `then: rewind` that fired in enforce mode: (rule key, action index)
+    heals: list[tuple[tuple[str, str], int]] = field(default_factory=list)
+    #: the one the step takes, agreed on by every rank: its place + 1 in `healing.heal_order`; 0 for none
+    heal: int = 0
+    #: the records of the alerts that fired, written once the step is decided (`Readback.settle`)
+    pending: list["Pending"] = field(default_factory=list)
+    #: the first alert with `then: halt` in enforce mode
+    halt: Optional[Halt] = None
+    #: sinks that could not write, in order: each is a fault of its rule, handled by `onError`
+    errors: list[tuple[RuleState, Exception]] = field(default_factory=list)
+    #: time spent per rule, for `hookpolicy_hook_seconds_total`
+    seconds: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    #: what was evaluated against a history, appended to it (`History.commit`) unless the step is skipped
+    observed: list[Observation] = field(default_factory=list)
+    #: entries the read-back was told to hold (`ranks: job` statistics), with their fetched rows, unpublished
+    held: list[tuple[Entry, list[list[float]]]] = field(default_factory=list)
+
+    def join(self, later: "StepReport", decisions: bool) -> None:
+        """Take in a later read-back of the same step (the job's loss): its skip, halt and heals when
+        `decisions`, what it observed always. Its errors and seconds are acted on apart."""
+        if decisions:
+            if later.skip and not self.skip:
+                self.skip, self.skip_rule = True, later.skip_rule
+            self.skip_by.extend(key for key in later.skip_by if key not in self.skip_by)
+            if self.halt is None:
+                self.halt = later.halt
+            self.heals.extend(heal for heal in later.heals if heal not in self.heals)
+        self.pending.extend(later.pending)
+        self.observed.extend(later.observed)
+
+    def off(self, rs: RuleState) -> bool:
+        """Whether `rs` is switched off, counting the errors this report still has to hand over."""
+        return rs.errors + sum(1 for r, _ in self.errors if r is rs) >= MAX_ERRORS
+
+
+class SinkHalts(Exception):
+    """A sink of a rule with `onError: halt` failed: the read-back stops there."""

@@ -27,8 +27,7 @@ from ...export.metrics import ALERT_FIRING, ALERTS, CLIPPED, ModelMetrics, Label
 from ...export.tensorboard import scalar_tag
 from ...policy.expr import NO_PAST
 from ...policy.model import OPTIMIZER_STATE, Capture, Clip, LogSink, Policy
-from .alerts import Alerts, Pending, json_number, not_taken, outcome, render
-from .decision import SinkHalts, StepReport
+from .alerts import Alerts, Pending, SinkHalts, StepReport, json_number, not_taken, outcome, render
 from ..measure.distributed import reduce_shards
 from ..measure.history import History, group_key
 from ..execute.ledger import ClipEntry, Entry

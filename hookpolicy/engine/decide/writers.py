@@ -21,8 +21,7 @@ from ... import environment
 from ...export.sinks import BudgetSpent, JsonLines, TensorWriter
 from ...export.tensorboard import Boards, histogram_tag
 from ...policy.model import Board, Capture, LogSink
-from .alerts import alert_line
-from .decision import SinkHalts, StepReport
+from .alerts import SinkHalts, StepReport, alert_line
 from ..execute.ledger import Entry
 from ..measure.rulestate import RuleState
 

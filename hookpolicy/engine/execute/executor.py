@@ -6,25 +6,44 @@ them tensor hooks on gradients and on identity views of inputs, for `grad_output
 `Programs.execute`, which records into the step's ledger and may return replacement
 tensors. A hook body runs under `Faults.guarded`: its exception is a fault of its rule,
 its time goes to the ledger.
+
+**Named tensors** (`named_tensors`, `replace_tensors`, `selector`): floating-point tensors
+inside the tuples, lists and dicts that modules take and return.
+
+A module's output may be a tensor, a tuple `(logits, hidden)`, a dict `{"logits": ...}`
+or any nesting of these. Every floating-point tensor in it is a target, named by its
+path: `""` for a bare tensor, `"0"`, `"1"` for positions, `"logits"` for keys, `"1.0"`
+for nesting. `select` keeps the tensors whose first path component is listed.
+
+**Installing module hooks per step** (`HookInstaller`): a module carries a hook only while
+one of its rules is active.
+
+At each step boundary `activate(step)` recomputes the set of active rules (their `every`
+and `steps` window, minus rules switched off by errors). If the set is unchanged nothing
+happens; otherwise every module hook is removed and re-registered for exactly the active
+rules, grouped per module: one forward pre-hook (`forward_pre` targets, and the identity
+views of `grad_input`) and one forward hook (`forward` and `backward` targets). A rule
+with `every: 100` therefore has no hook installed on 99 steps out of 100. The hooks go
+through `module_hooks`, so copies and saves of the model never carry them; `rebind(plan)`
+installs them anew for a model whose tree changed.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ...plan.planner import Binding
+from ...plan.planner import Binding, Plan
 from ...process import Once
 from ...policy.model import Rule
-from .faults import Faults
-from .programs import Programs
+from ..hooks import module_hooks
+from .programs import Faults, Programs
 from ..measure.rulestate import RuleState
 from .steps import Phase, recomputing
-from .structure import named_tensors, replace_tensors, selector
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "HookInstaller", "named_tensors", "replace_tensors", "selector"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -142,3 +161,112 @@ def _input_tensors(inputs: tuple[Any, Any], keep: Any) -> Named:
 def _replace_inputs(inputs: tuple[Any, Any], new: dict[str, torch.Tensor]) -> tuple[Any, Any]:
     args, kwargs = inputs
     return replace_tensors(args, new), replace_tensors(kwargs, new)
+
+
+Selector = Callable[[str], bool]
+
+
+def selector(select: Sequence[Union[int, str]]) -> Selector:
+    """A predicate on tensor names keeping those whose first component is in `select`."""
+    if not select:
+        return lambda name: True
+    wanted = frozenset(str(s) for s in select)
+    return lambda name: name == "" or name.split(".", 1)[0] in wanted
+
+
+def named_tensors(obj: Any, keep: Selector) -> list[tuple[str, torch.Tensor]]:
+    """Every non-empty floating-point tensor in `obj` with its path name, in order."""
+    return [(name, t) for name, t in _walk(obj, "") if keep(name)]
+
+
+def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.numel() > 0:
+            yield prefix, obj
+    elif isinstance(obj, (tuple, list)):
+        for i, item in enumerate(obj):
+            yield from _walk(item, _join(prefix, str(i)))
+    elif isinstance(obj, Mapping):
+        for key, item in obj.items():
+            yield from _walk(item, _join(prefix, str(key)))
+
+
+def _join(prefix: str, part: str) -> str:
+    return f"{prefix}.{part}" if prefix else part
+
+
+def replace_tensors(obj: Any, new: Mapping[str, torch.Tensor], prefix: str = "") -> Any:
+    """A copy of `obj` with the tensors named in `new` swapped in; containers keep their type."""
+    if isinstance(obj, torch.Tensor):
+        return new.get(prefix, obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(replace_tensors(v, new, _join(prefix, str(i))) for i, v in enumerate(obj)))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(replace_tensors(v, new, _join(prefix, str(i))) for i, v in enumerate(obj))
+    if isinstance(obj, dict):
+        out = obj.copy()
+        for key, value in obj.items():
+            out[key] = replace_tensors(value, new, _join(prefix, str(key)))
+        return out
+    return obj
+
+
+class HookInstaller:
+    """The module hooks of one attachment; their bodies are the executor's."""
+
+    def __init__(self, plan: Plan, rules: dict[tuple[str, str], RuleState], executor: Executor) -> None:
+        self._plan = plan
+        self._rules = rules
+        self._executor = executor
+        self._active: Optional[frozenset[tuple[str, str]]] = None
+        self._handles: list[module_hooks.OwnHandle] = []
+
+    def rebind(self, plan: Plan) -> None:
+        """Bind to `plan` (the model changed); the next `activate` installs its hooks whatever the set."""
+        self._plan = plan
+        self._active = None
+
+    def activate(self, step: int) -> None:
+        """Install hooks for the rules active at `step`; nothing changes if the set is the same."""
+        active = frozenset(
+            key for key, rs in self._rules.items()
+            if not rs.off and rs.rule.trigger.active_at(step)
+        )
+        if active == self._active:
+            return
+        self._active = active
+        self.remove()
+        by_module: dict[int, tuple[torch.nn.Module, list[Binding], list[Binding]]] = {}
+        for b in self._plan.bindings:
+            if b.key not in active or b.hook == "step":
+                continue
+            module, pre, post = by_module.setdefault(id(b.obj), (b.obj, [], []))
+            if b.hook == "forward_pre" or b.target == "grad_input":
+                pre.append(b)
+            if b.hook in ("forward", "backward"):
+                post.append(b)
+        run = self._executor
+        for module, pre, post in by_module.values():
+            if pre:
+                self._handles.append(module_hooks.forward_pre_hook(
+                    module, lambda m, a, k, pre=pre: run.pre_hook(pre, a, k), with_kwargs=True))
+            if post:
+                self._handles.append(module_hooks.forward_hook(
+                    module, lambda m, a, k, o, post=post: run.post_hook(post, m, a, k, o), with_kwargs=True))
+
+    def step_rules(self) -> list[RuleState]:
+        """The `step` rules active now and not switched off, in plan order."""
+        active = self._active or frozenset()
+        return [rs for key, rs in self._rules.items()
+                if rs.rule.trigger.at == "step" and key in active and not rs.off]
+
+    @property
+    def handles(self) -> list[module_hooks.OwnHandle]:
+        """The module hooks installed now (the list itself, kept up to date; they hold no module)."""
+        return self._handles
+
+    def remove(self) -> None:
+        """Take every module hook off (the active set is kept)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -7,7 +7,7 @@ binding, however many calls or micro-batches the step had) and the seconds spent
 (`hookpolicy_hook_seconds_total`). At the step boundary the cycle `close()`s it, hands the
 entries to the read-back (which only reads them and returns a decision) and counts the
 rest. Faults are not recorded here: a hook's fault is acted on where it happens
-(`faults.Faults`), since a rule switched off or an `onError: halt` cannot wait for the step's end.
+(`programs.Faults`), since a rule switched off or an `onError: halt` cannot wait for the step's end.
 """
 
 from __future__ import annotations

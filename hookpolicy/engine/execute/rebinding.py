@@ -21,7 +21,7 @@ from ...plan.planner import Plan, build_plan
 from ...policy.model import Alert, Policy
 from ...process import Once
 from ..hooks import module_hooks
-from .installer import HookInstaller
+from .executor import HookInstaller
 from ..measure.rulestate import RuleState, rebind
 
 __all__ = ["Rebinding", "publish_rule_series"]

@@ -14,7 +14,7 @@ Traps this module handles:
   evaluated. Its forward/backward statistics are dropped when the next forward finds the
   gradients reset (`zero_grad()`), so an overflow step raises no false alert.
 - `skip_step` cannot stop `optimizer.step()` from running: the step cycle hides the
-  gradients from it (`skipping.HiddenGrads`) and puts them back after the update.
+  gradients from it (`HiddenGrads`) and puts them back after the update.
 - The root module's two small hooks (installed by the step cycle, `cycle`) ask here:
   the pre-hook decides the phase (train/eval) once per forward (`Phase`), the post-hook
   marks backward passes with a tensor hook on each output. Both skip a forward that
@@ -22,6 +22,12 @@ Traps this module handles:
 
 `StepTracker` only answers and keeps count; it calls nothing back. The step cycle asks it
 at each event (`update_starts`, `backward_done`, ...) and does the step's work itself.
+
+**Skipping a step** (`HiddenGrads`): `skip_step` cannot stop `optimizer.step()` from
+running, so it hides the gradients.
+
+`p.grad = None` makes every torch optimizer leave a parameter alone without touching its
+state; `restore` puts the gradients back in the step post-hook.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -38,7 +44,7 @@ from ..hooks import heap
 from ..measure.rulestate import RuleState, refuse
 from .scopes import Scopes
 
-__all__ = ["Phase", "StepTracker", "recomputing"]
+__all__ = ["HiddenGrads", "Phase", "StepTracker", "recomputing"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -280,3 +286,36 @@ def _parameters_of(model: "weakref.ref[torch.nn.Module]") -> list[torch.nn.Param
     """The parameters of `model` while it lives, else none."""
     module = model()
     return [] if module is None else list(module.parameters())
+
+
+class HiddenGrads:
+    """The gradients (and optimizer state) hidden from the optimizers of a skipped step, per optimizer."""
+
+    def __init__(self) -> None:
+        self._stash: dict[int, tuple[list[Optional[torch.Tensor]], dict[Any, dict[str, Any]]]] = {}
+
+    def hide(self, optimizer: torch.optim.Optimizer) -> None:
+        """Skip the step: no gradient for the optimizer, and its state as it is now restored afterwards.
+
+        Every torch optimizer leaves a parameter without `.grad` alone, but not all of its
+        bookkeeping: LBFGS counts the closure evaluation (`func_evals`) after the closure
+        that hid them. A shallow copy of each parameter's state dict, taken only on a
+        skipped step, puts such counters back; the state tensors are not touched.
+        """
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        state = {p: dict(s) for p, s in optimizer.state.items()}
+        self._stash[id(optimizer)] = ([p.grad for p in params], state)
+        for p in params:
+            p.grad = None
+
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the update: the gradients hidden from `optimizer` and its state as it was, back (if hidden)."""
+        stash = self._stash.pop(id(optimizer), None)
+        if stash is not None:
+            grads, state = stash
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            for p in [p for p in optimizer.state if p not in state]:
+                del optimizer.state[p]
+            optimizer.state.update(state)

@@ -43,8 +43,7 @@ from ...errors import Halt
 from ...process import Once
 from ...export.metrics import REWINDS, ModelMetrics
 from ...policy.model import Alert, Policy
-from ..decide.alerts import not_taken, outcome
-from ..decide.decision import StepReport
+from ..decide.alerts import StepReport, not_taken, outcome
 from .snapshots import Snapshots, snapshots_of
 
 __all__ = ["Healing", "Healer", "heal_order"]

@@ -3,7 +3,7 @@
 Built once per attachment from the plan (`rule_states`), and bound anew to a new plan
 when the model's tree changes (`rebind`: a rule keeps its state); read by every part of
 the engine. Its one mutable field, `errors`, is written only by the executor's error
-containment (`faults.Faults.fail`), so "is this rule switched off?" has one answer.
+containment (`programs.Faults.fail`), so "is this rule switched off?" has one answer.
 """
 
 from __future__ import annotations
