@@ -28,8 +28,7 @@ from helpers.outputs import Said
 from helpers.policies import write_policy
 
 sys.path.insert(0, str(REPO / "examples"))
-sys.path.insert(0, str(REPO / "tests"))
-from dist_train import wrap  # noqa: E402
+from helpers.dist_train import wrap  # noqa: E402
 from train_mlp import build_model, make_data  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -47,7 +47,7 @@ from helpers.processes import Run, child_env, torchrun
 
 sys.path.insert(0, str(REPO / "examples"))
 from train_mlp import build_model, make_data  # noqa: E402
-from dist_train import wrap  # noqa: E402
+from helpers.dist_train import wrap  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -255,7 +255,7 @@ def test_a_rank_without_the_new_version_keeps_the_job_on_the_old_one(
 
 # -- end to end: hookpolicy apply --watch -- torchrun, files edited and SIGHUP ------------
 
-SCRIPT = str(REPO / "tests" / "dist_train.py")
+SCRIPT = str(REPO / "tests" / "helpers" / "dist_train.py")
 STEP_LINE = re.compile(r"rank (\d) step (\d+) loss \S+ params (\w+)")
 #: the two ranks share one stderr, so another rank's line may follow a version with no line break between
 RELOADED = re.compile(r"reloaded policies at step (\d+) of Sequential \(rank (\d)\): (\S+?)(?=hookpolicy:|\s|$)")

@@ -7,7 +7,7 @@ Two kinds of tests, all with 2 CPU ranks on gloo:
   (`DTensor.full_tensor()`, `vector_norm`, `std`, `clip_grad_norm_`); results come back as
   JSON files and are asserted here;
 - end to end, `hookpolicy apply -- torchrun`: the DDP and FSDP2 rows of the compatibility
-  matrix (tests/dist_train.py, which reads the gradients the optimizer used with an
+  matrix (tests/helpers/dist_train.py, which reads the gradients the optimizer used with an
   optimizer step pre-hook of its own).
 """
 
@@ -37,7 +37,7 @@ from train_mlp import build_model, make_data  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = str(REPO / "tests" / "dist_train.py")
+SCRIPT = str(REPO / "tests" / "helpers" / "dist_train.py")
 STATS = ["l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel"]
 
 

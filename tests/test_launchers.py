@@ -23,7 +23,7 @@ from helpers.processes import Run, scrape, torchrun, value, wait_metrics
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = str(REPO / "tests" / "dist_train.py")
+SCRIPT = str(REPO / "tests" / "helpers" / "dist_train.py")
 
 RULES = """\
 - name: norms

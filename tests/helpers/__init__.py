@@ -14,7 +14,8 @@ started and whatever its import mode.
 - `processes`: `hookpolicy apply` run for real (scraping its metrics, torchrun);
   `child_scripts`: code shared by the scripts tests run as child processes;
 - `references`: published algorithms written from their equations (AGC, ZClip), the
-  references that more than one test file checks hookpolicy against.
+  references that more than one test file checks hookpolicy against;
+- `dist_train`: the distributed tests' training script (run by torchrun, its `wrap` imported).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The distributed tests' training script: the MLP of examples/train_mlp.py under DDP or FSDP2, on gloo.
 
-    torchrun --standalone --nproc_per_node 2 tests/dist_train.py --wrap fsdp --steps 4
+    torchrun --standalone --nproc_per_node 2 tests/helpers/dist_train.py --wrap fsdp --steps 4
 
 No hookpolicy in it: the tests run it under `hookpolicy apply`. Each rank prints one line
 per step, written once (the ranks share stdout):
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 from train_ddp import leave  # noqa: E402
 from train_mlp import build_model, make_data  # noqa: E402
 
