@@ -82,6 +82,16 @@ def out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Files a policy writes land in a fresh folder."""
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(out))
+    return out
+
+
+@pytest.fixture
 def one_thread() -> Iterator[None]:
     """Tiny models run fastest on one intra-op thread, and a busy CI machine cannot slow them 10x."""
     threads = torch.get_num_threads()

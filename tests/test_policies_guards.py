@@ -1,0 +1,444 @@
+"""The guard policies of the library (`policies/`): nan-guard, explosion-guard, loss-spike-guard and
+recover, each checked against its header and against a reference hookpolicy did not compute.
+
+The model (helpers.models' `GPT`) uses the conventional GPT-2/nanoGPT names, so the library's
+patterns are tested against the names they are written for.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from prometheus_client import CollectorRegistry
+
+import hookpolicy
+from helpers.models import batch, make_model, train_step
+from helpers.library import alert_records, counter, load, lr_seen, opt_state, POLICIES, same_state, same_tensors, snapshot, stat
+
+
+def test_nan_guard_skips_the_step_bit_identically(workdir: Path) -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    reg = CollectorRegistry()
+    labels = {"policy": "nan-guard", "rule": "nonfinite-grads"}
+    with load("nan-guard.yaml").attach(model, registry=reg, rank=0):
+        for i in range(2):
+            train_step(model, opt, i)
+        params, state = snapshot(model), opt_state(opt)
+
+        def poison() -> None:
+            grad = model.transformer.h[1].mlp.c_fc.weight.grad
+            assert grad is not None
+            grad[0, 0] = float("nan")
+
+        train_step(model, opt, 2, before_step=poison)
+        after = snapshot(model)
+        assert all(torch.equal(params[n], after[n]) for n in params)
+        assert same_state(state, opt_state(opt))
+        assert counter(reg, "hookpolicy_skipped_steps_total", **labels) == 1
+        assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") >= 1
+        assert stat(reg, "hookpolicy_grad_nonfinite", **labels) == 1
+
+        train_step(model, opt, 3)  # a clean step is applied again
+        assert not torch.equal(params["transformer.h.1.mlp.c_fc.weight"], model.transformer.h[1].mlp.c_fc.weight)
+        assert counter(reg, "hookpolicy_skipped_steps_total", **labels) == 1
+        assert stat(reg, "hookpolicy_grad_nonfinite", **labels) == 0
+        assert counter(reg, "hookpolicy_steps_total") == 4
+
+
+def test_explosion_guard_halts_after_three_bad_steps(workdir: Path) -> None:
+    policies = load("explosion-guard.yaml")
+    model, reg = make_model(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    taken = 0
+    with pytest.raises(hookpolicy.Halt) as halted:
+        with policies.attach(model, registry=reg, rank=0):
+            for i in range(10):
+                train_step(model, opt, i, loss_scale=1e6)
+                taken += 1
+    assert taken == 2  # the third optimizer.step() raised
+    assert (halted.value.policy, halted.value.rule, halted.value.step) == ("explosion-guard", "global-grad-norm", 2)
+    assert halted.value.line().startswith("hookpolicy: halted by explosion-guard/global-grad-norm at step 2: gradient norm")
+    assert counter(reg, "hookpolicy_alerts_total", policy="explosion-guard", rule="global-grad-norm", severity="critical") == 1
+
+    # single spikes between normal steps never reach 3 in a row
+    model, reg = make_model(), CollectorRegistry()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with policies.attach(model, registry=reg, rank=0):
+        for i in range(8):
+            train_step(model, opt, i, loss_scale=1e6 if i % 3 != 2 else 1.0)
+        assert counter(reg, "hookpolicy_alerts_total", policy="explosion-guard", rule="global-grad-norm", severity="critical") == 0
+
+
+def test_explosion_guard_norm_is_the_global_grad_norm(workdir: Path) -> None:
+    model = make_model()
+    ref = copy.deepcopy(model)
+    reg = CollectorRegistry()
+    with load("explosion-guard.yaml").attach(model, registry=reg, rank=0):
+        idx, targets = batch(0)
+        for m in (model, ref):
+            loss = m(idx, targets)[1]
+            assert loss is not None
+            loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.0).step()
+        expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None])
+        assert stat(reg, "hookpolicy_grad_l2_norm", "explosion-guard", "global-grad-norm") == pytest.approx(expected.item(), rel=1e-5)
+
+
+def _loss_spike(loss: float, applied: list[float]) -> bool:
+    """loss-spike-guard.yaml's skip condition, from the losses of the steps that were applied:
+    the median and the median absolute deviation (statistics.median), scaled by 1.4826."""
+    if not math.isfinite(loss):
+        return True
+    if len(applied) < 20:  # count(loss) >= 20
+        return False
+    window = applied[-100:]
+    median = statistics.median(window)
+    mad = statistics.median([abs(x - median) for x in window])
+    z = (loss - median) / (1.4826 * mad) if mad else math.copysign(math.inf, loss - median)
+    return z > 4 and loss > 1.2 * median
+
+
+def _zscore_spike(loss: float, applied: list[float]) -> bool:
+    """The guard's old spike test (bench/policies/loss-spike-zscore.yaml): mean and std, 6 sigma."""
+    if len(applied) < 20:
+        return False
+    window = applied[-100:]
+    mean, std = statistics.fmean(window), statistics.pstdev(window)
+    return std > 0 and (loss - mean) / std > 6 and loss > 1.2 * mean
+
+
+@pytest.mark.slow
+def test_loss_spike_guard_skips_exactly_the_spikes_of_its_reference(workdir: Path) -> None:
+    """One batch learned by heart, so the loss falls, then settles; scrambled targets make
+    spikes, two smaller ones while the loss still falls and three once it settled. Each step
+    is skipped (parameters and AdamW state bit for bit) exactly when the policy's condition,
+    computed here from the losses the script saw, says so; the old z-score test missed the
+    early ones."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx, targets = batch(0)
+    scrambled = batch(1)[1]
+    half = torch.cat((scrambled[:2], targets[2:]))  # two of the four rows scrambled: a smaller spike
+    early, late = {40, 41}, {120, 121, 135}
+    spikes = early | late
+    applied: list[float] = []
+    skipped: list[int] = []
+    missed_by_zscore: list[int] = []
+    reg = CollectorRegistry()
+    with load("loss-spike-guard.yaml").attach(model, registry=reg, rank=0):
+        for step in range(140):
+            _, loss = model(idx, half if step in early else scrambled if step in late else targets)
+            assert loss is not None
+            loss.backward()
+            params, state = snapshot(model), opt_state(opt)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            unchanged = all(torch.equal(params[n], p) for n, p in model.named_parameters())
+            spike = _loss_spike(loss.item(), applied)
+            assert unchanged == spike, f"step {step}: loss {loss.item()}"
+            if step in spikes and not _zscore_spike(loss.item(), applied):
+                missed_by_zscore.append(step)
+            if spike:
+                assert same_state(state, opt_state(opt))
+                skipped.append(step)
+            else:
+                applied.append(loss.item())
+        labels = {"policy": "loss-spike-guard", "rule": "loss-spike"}
+        assert stat(reg, "hookpolicy_loss_mean", **labels) == pytest.approx(applied[-1], rel=1e-6)
+    assert skipped == sorted(spikes)
+    assert counter(reg, "hookpolicy_skipped_steps_total", **labels) == len(spikes)
+    assert missed_by_zscore == [40, 41]  # while the loss fell, its std hid them
+
+
+def test_loss_spike_guard_halts_when_the_loss_moved_for_good(workdir: Path) -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx, targets = batch(0)
+    scrambled = batch(1)[1]
+    with load("loss-spike-guard.yaml").attach(model, registry=CollectorRegistry(), rank=0):
+        for step in range(100):
+            train_loss = model(idx, targets)[1]
+            assert train_loss is not None
+            train_loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for spike in range(1, 21):  # from now on every batch is "a spike": 19 skipped, the 20th halts
+            loss = model(idx, scrambled)[1]
+            assert loss is not None
+            loss.backward()
+            if spike < 20:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                continue
+            with pytest.raises(hookpolicy.Halt, match="loss-spike-guard/loss-spike"):
+                opt.step()
+
+
+@pytest.mark.parametrize("clean", [0, 5, 40], ids=["from-the-first-step", "short-history", "settled"])
+def test_loss_spike_guard_halts_at_the_20th_step_of_a_loss_that_stays_nan(
+        workdir: Path, clean: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header: a NaN loss is never applied, from the first step on, and 20 steps in a row
+    that are spikes or not finite halt the run at the 20th. A NaN weight makes every later
+    loss NaN (a skipped step cannot repair it), after `clean` applied steps of history."""
+    monkeypatch.setenv("HOOKPOLICY_LOG_FORMAT", "json")  # every alert record (readable lines stop at 10)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx, targets = batch(0)
+    reg = CollectorRegistry()
+    with load("loss-spike-guard.yaml").attach(model, registry=reg, rank=0):
+        for _ in range(clean):
+            loss = model(idx, targets)[1]
+            assert loss is not None
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
+        for nan_step in range(1, 21):
+            loss = model(idx, targets)[1]
+            assert loss is not None and loss.isnan()
+            loss.backward()
+            params, state = snapshot(model), opt_state(opt)
+            if nan_step < 20:
+                opt.step()
+                assert same_tensors(params, snapshot(model)) and same_state(state, opt_state(opt)), nan_step
+                opt.zero_grad(set_to_none=True)
+                gauges = {k: stat(reg, f"hookpolicy_loss_{k}", "loss-spike-guard", "loss-spike")
+                          for k in ("mean", "max", "nonfinite")}
+                mean, largest, seen = gauges.pop("mean"), gauges.pop("max"), gauges
+                continue
+            with pytest.raises(hookpolicy.Halt) as halted:
+                opt.step()
+    assert (halted.value.policy, halted.value.rule, halted.value.step) == ("loss-spike-guard", "loss-spike", clean + 19)
+    assert halted.value.message == (f"the loss was not finite or a spike for 20 steps in a row (the last: nan at step "
+                                    f"{clean + 19}): it moved for good, stopping the run")
+    alerts = [json.loads(line) for line in capsys.readouterr().err.splitlines()
+              if line.startswith("{") and '"event": "alert"' in line]
+    skipped = [a["message"] for a in alerts if a["severity"] == "warning"]
+    assert skipped == [f"loss nan at step {clean + i} is not finite; step skipped" for i in range(20)]
+    # "Exported: hookpolicy_loss_mean / _max / _nonfinite, hookpolicy_skipped_steps_total, hookpolicy_alerts_total"
+    labels = {"policy": "loss-spike-guard", "rule": "loss-spike"}
+    assert seen == {"nonfinite": 1} and math.isnan(mean) and math.isnan(largest)  # the gauges at step clean + 18
+    assert counter(reg, "hookpolicy_skipped_steps_total", **labels) == 20  # the halting step's too
+    assert counter(reg, "hookpolicy_alerts_total", **labels, severity="warning") == 20
+    assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") == 1
+
+
+@pytest.mark.slow
+def test_recover_climbs_its_ladder_as_its_header_says(
+        workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """recover.yaml against its header, the spikes told by loss-spike-guard's reference
+    condition (`_loss_spike`) from the losses of the applied steps: a single spike skipped (bit
+    for bit); from the 3rd in a row the lr the optimizer uses (read by its own step pre-hook) is
+    0.1x for 100 steps; at the 6th the state is the test's own copy taken after step 149 (the
+    newest snapshot at least 10 steps older, snapshots after every 50 steps), the streaks start
+    again; the 4th rewind halts, and the rewind alerts' records say so."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    model = make_model()
+    lr = 1e-2
+    opt, used = lr_seen(torch.optim.AdamW(model.parameters(), lr=lr))
+    idx, targets = batch(0)
+    scrambled = batch(1)[1]
+    bad = {60, 80, 81, 82, *range(200, 206), *range(206, 212), *range(212, 218), *range(218, 224)}
+    applied: list[float] = []
+    streak, cool_until, rewinds, skipped = 0, 0, 0, 0
+    expected_lr: list[float] = []
+    copy_149: dict[str, Any] = {}
+    reg = CollectorRegistry()
+    with load("recover.yaml").attach(model, registry=reg, rank=0), pytest.raises(hookpolicy.Halt) as halted:
+        for step in range(230):
+            _, loss = model(idx, scrambled if step in bad else targets)
+            assert loss is not None
+            loss.backward()
+            params, state = snapshot(model), opt_state(opt)
+            spike = _loss_spike(loss.item(), applied)
+            skipped += spike  # every spike's step is a skipped one, a rewinding or halting step included
+            streak = streak + 1 if spike else 0
+            rewind = streak >= 6
+            if rewind and rewinds == 3:
+                expected_halt = step
+            if streak >= 3 and not rewind:
+                cool_until = max(cool_until, step + 100)
+            expected_lr.append(lr * 0.1 if step < cool_until else lr)
+            opt.step()
+            assert used[-1] == expected_lr[-1], step
+            if step == 149:
+                copy_149 = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+            if rewind:
+                rewinds += 1
+                streak = 0
+                assert all(torch.equal(p, copy_149["model"][n]) for n, p in model.state_dict().items()), step
+                assert same_state(opt_state(opt), [s for s in copy_149["opt"]["state"].values()]), step
+            elif spike:
+                assert all(torch.equal(params[n], p) for n, p in model.named_parameters()), step
+                assert same_state(state, opt_state(opt)), step
+            else:
+                applied.append(loss.item())
+            opt.zero_grad(set_to_none=True)
+    assert (halted.value.rule, halted.value.step) == ("recover", expected_halt)
+    assert rewinds == 3  # the fourth halted inside its optimizer.step()
+    labels = {"policy": "recover", "rule": "recover"}
+    assert counter(reg, "hookpolicy_rewinds_total", **labels, model="GPT") == 3
+    assert counter(reg, "hookpolicy_skipped_steps_total", **labels, model="GPT") == skipped
+    assert 0.1 * lr in expected_lr and expected_lr.count(0.1 * lr) >= 100
+    rewinding = [(a["step"], a["severity"], a["outcome"]) for a in alert_records(tmp_path / "alerts.jsonl")
+                 if a["then"] == "rewind"]
+    assert [outcome for *_, outcome in rewinding] == ["rewinding"] * 3 + ["not rewound (max_rewinds: 3 reached; halting)"]
+    assert rewinding[-1][:2] == (expected_halt, "critical")
+
+
+def test_explosion_guard_counts_a_non_finite_norm_as_beyond_the_limit(workdir: Path) -> None:
+    """explosion-guard.yaml: "a critical alert when it is above 1000 or contains NaN/Inf. After 3
+    consecutive such steps the run halts". Gradients of a normal size, one element poisoned by the
+    test: NaN, then Inf, then NaN; the third halts. A poisoned step between clean ones never does.
+    (The poisoned weight is left out of the optimizer, so lr 0 keeps every weight finite.)"""
+    policies = load("explosion-guard.yaml")
+    labels = {"policy": "explosion-guard", "rule": "global-grad-norm"}
+
+    def run(model: nn.Module, poison: dict[int, float], steps: int) -> int:
+        weight = model.transformer.h[0].attn.c_proj.weight
+        opt = torch.optim.SGD([p for p in model.parameters() if p is not weight], lr=0.0)
+        taken = 0
+        for step in range(steps):
+            loss = model(*batch(step))[1]
+            assert loss is not None
+            loss.backward()
+            assert weight.grad is not None and torch.linalg.vector_norm(weight.grad) < 1000  # no explosion by itself
+            if step in poison:
+                weight.grad[0, 0] = poison[step]
+            opt.step()
+            model.zero_grad(set_to_none=True)
+            taken += 1
+        return taken
+
+    model, reg = make_model(), CollectorRegistry()
+    with pytest.raises(hookpolicy.Halt) as halted:
+        with policies.attach(model, registry=reg, rank=0):
+            run(model, {2: float("nan"), 3: float("inf"), 4: float("nan")}, 8)
+    assert (halted.value.rule, halted.value.step) == ("global-grad-norm", 4)
+    assert "(non-finite: 1)" in halted.value.message
+    assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") == 1
+
+    model, reg = make_model(), CollectorRegistry()
+    with policies.attach(model, registry=reg, rank=0):
+        assert run(model, {s: float("nan") for s in range(9) if s % 3 != 2}, 9) == 9
+        assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") == 0
+        assert stat(reg, "hookpolicy_grad_nonfinite", **labels) == 0  # step 8 was clean
+
+
+def test_recover_takes_a_nan_loss_for_a_spike_up_its_ladder(
+        workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """recover.yaml: a loss that is "not finite" is a spike, from the first step on (before any
+    history), and climbs the ladder like any other: the script backpropagates `loss + nan` (the
+    gradients stay finite, so only the loss tells) at step 0, at step 5, and at the six steps 62-67;
+    a rewind at 67 goes back to the test's own copy taken after step 49 (the newest snapshot at least
+    10 steps older) and the counts in a row start again, so the NaN losses of 68 and 69 are single
+    skips. Each step's alert records (rung, severity, outcome: at the rewind's step the cool-down's
+    says it was not applied, the rewind took the step), the lr the optimizer's own pre-hook sees
+    and the parameters and AdamW state are checked against the ladder the test climbs itself."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    model = make_model()
+    lr = 1e-2
+    opt, used = lr_seen(torch.optim.AdamW(model.parameters(), lr=lr))
+    idx, targets = batch(0)
+    nan = {0, 5, *range(62, 68), 68, 69}
+    applied: list[float] = []
+    streak, cool_until = 0, 0
+    expected: list[tuple[int, str, str, str]] = []  # (step, then, severity, outcome) of each alert record
+    copy_49: dict[str, Any] = {}
+    reg = CollectorRegistry()
+    with load("recover.yaml").attach(model, registry=reg, rank=0):
+        for step in range(74):
+            loss = model(idx, targets)[1]
+            assert loss is not None
+            (loss + float("nan") if step in nan else loss).backward()
+            params, state = snapshot(model), opt_state(opt)
+            spike = step in nan or _loss_spike(loss.item(), applied)
+            assert spike == (step in nan), step  # the clean steps of a batch learned by heart hold no spike
+            streak = streak + 1 if spike else 0
+            rewind = streak >= 6
+            if spike:
+                expected.append((step, "skip_step", "warning", "step skipped"))
+            if streak >= 3:
+                # at a rewind's step the cool-down's alert fires too, and the rewind takes the step
+                expected.append((step, "cool_down", "warning", "cooling down" if not rewind else
+                                 "not cooled down (a rewind by recover/recover took the step)"))
+                if not rewind:
+                    cool_until = max(cool_until, step + 100)
+            if rewind:
+                expected.append((step, "rewind", "critical", "rewinding"))
+            opt.step()
+            assert used[-1] == (lr * 0.1 if step < cool_until else lr), step
+            seen = {k: stat(reg, f"hookpolicy_loss_{k}", "recover", "recover") for k in ("mean", "max", "nonfinite")}
+            assert seen["nonfinite"] == (step in nan), step
+            assert math.isnan(seen["mean"]) if step in nan else seen["mean"] == seen["max"] == pytest.approx(loss.item())
+            if step == 49:
+                copy_49 = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+            if rewind:
+                streak = 0
+                assert all(torch.equal(p, copy_49["model"][n]) for n, p in model.state_dict().items()), step
+                assert same_state(opt_state(opt), list(copy_49["opt"]["state"].values())), step
+            elif spike:
+                assert same_tensors(params, snapshot(model)) and same_state(state, opt_state(opt)), step
+            else:
+                applied.append(loss.item())
+            opt.zero_grad(set_to_none=True)
+    alerts = alert_records(tmp_path / "alerts.jsonl")
+    assert [(a["step"], a["then"], a["severity"], a["outcome"]) for a in alerts] == expected
+    assert all(a["stats"]["nonfinite"] == 1 for a in alerts)
+    labels = {"policy": "recover", "rule": "recover"}
+    for severity in ("warning", "critical"):
+        assert counter(reg, "hookpolicy_alerts_total", **labels, severity=severity) == sum(
+            e[2] == severity for e in expected)
+    assert counter(reg, "hookpolicy_skipped_steps_total", **labels, model="GPT") == len(nan)
+    assert counter(reg, "hookpolicy_rewinds_total", **labels, model="GPT") == 1
+
+
+def test_recover_says_what_its_snapshots_hold(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """recover.yaml: "Each snapshot holds the parameters and buffers plus the optimizer state (AdamW:
+    3x the parameters in all), in host memory; explain and the attach line print the size." The
+    sizes against the test's own sums of nbytes: explain on the charlm example, the attach line and
+    the first snapshot's line (after step 49, AdamW's moments in it) on the GPT."""
+    import logging
+
+    import examples.charlm
+    from click.testing import CliRunner
+    from hookpolicy.cli import cli
+
+    def size(n: int) -> str:
+        return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+    def own(model: nn.Module) -> int:  # parameters and buffers, a tied weight once
+        return sum(t.nbytes for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+
+    charlm = own(examples.charlm.build_model())
+    explained = CliRunner().invoke(cli, ["explain", str(POLICIES / "recover.yaml"), "--model",
+                                         "examples.charlm:build_model"], prog_name="hookpolicy")
+    assert explained.exit_code == 0, explained.output
+    assert (f"snapshots for then: rewind after every 50 steps, at most 2 in host memory, each {size(charlm)} of "
+            f"parameters and buffers plus the optimizer state (Adam: 2 x {size(charlm)} more): "
+            f"{size(2 * 3 * charlm)} with Adam") in explained.output
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with caplog.at_level(logging.INFO, "hookpolicy"), load("recover.yaml").attach(model, registry=CollectorRegistry(), rank=0):
+        for step in range(50):
+            train_step(model, opt, step)
+    state = sum(v.nbytes for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    params = own(model)
+    assert 3 * params <= params + state <= 3 * params + 4 * len(list(model.parameters()))  # + AdamW's step counts
+    said = [r.getMessage() for r in caplog.records]
+    assert f"GPT: snapshots for then: rewind after every 50 steps, at most 2 in host memory, each {size(params)} " \
+           f"of parameters and buffers plus the optimizer state (Adam: 2 x {size(params)} more): " \
+           f"{size(2 * 3 * params)} with Adam" in said
+    assert f"GPT: first snapshot for then: rewind after step 49: {size(params + state)} (x 2 kept at most); " \
+           "0 LR schedulers, 0 GradScalers with it" in said
