@@ -16,6 +16,7 @@ started and whatever its import mode.
 - `references`: published algorithms written from their equations (AGC, ZClip), the
   references that more than one test file checks hookpolicy against;
 - `dist_train`: the distributed tests' training script (run by torchrun, its `wrap` imported).
+- `library`: the policy library's files and what the tests of `policies/` read back (tests/test_policies*.py).
 """
 
 from __future__ import annotations
