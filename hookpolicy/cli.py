@@ -120,8 +120,8 @@ def explain(policies: tuple[str, ...], model_spec: str, fmt: str, strict: bool) 
     from dataclasses import replace
 
     from .api import PolicySet
-    from .engine.history import bounds as history_bounds
-    from .engine.snapshots import config as snapshot_config, describe as describe_snapshots
+    from .engine.measure.history import bounds as history_bounds
+    from .engine.heal.snapshots import config as snapshot_config, describe as describe_snapshots
 
     loaded = PolicySet(_load(_sources(policies)))
     model = _resolve_model(model_spec)

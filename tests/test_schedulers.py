@@ -1,4 +1,4 @@
-"""`engine.schedulers`: every LR scheduler and GradScaler alive, known from their construction.
+"""`engine.hooks.schedulers`: every LR scheduler and GradScaler alive, known from their construction.
 
 The reference is the heap itself (`gc.get_objects()` after a full collection): what
 `alive()` lists is exactly what is alive there, made before the watch or after it, by

@@ -1,4 +1,4 @@
-"""The statistics of `engine.stats` and `clip_norm`, against float64 PyTorch references.
+"""The statistics of `engine.measure.stats` and `clip_norm`, against float64 PyTorch references.
 
 The speed-ups in stats.py (dot products, the `1 + 0 * x` count of finite elements, the
 scratch buffer and its chunks, deferred counts) change how statistics are computed, not
