@@ -145,6 +145,39 @@ def test_the_readme_gives_no_stale_numbers_of_tests() -> None:
     assert not re.search(r"[\d,]+ tests|about \d+ slow|\(about \d+, among them", text)
 
 
+def test_the_language_summary_names_the_whole_language_and_points_to_its_contract() -> None:
+    """Every target, `then` and statistic of the JSON Schema, and every history function the
+    expression parser knows, is in the README's summary, which sends the reader to
+    docs/policy-language.md (a file the repository has) for the rest; no unnamed "spec"."""
+    from hookpolicy.policy.expr import FUNCTIONS
+
+    text = (REPO / "README.md").read_text("utf-8")
+    summary = text.split("- **match**:", 1)[1].split("`hookpolicy check policy.yaml`", 1)[0]
+    schema = json.loads((REPO / "schemas" / "hookpolicy-v1.schema.json").read_text("utf-8"))
+    enums: list[list[str]] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("enum"), list):
+                enums.append([str(v) for v in node["enum"]])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    (targets,) = [e for e in enums if "grad_output" in e]
+    (thens,) = [e for e in enums if "skip_step" in e]
+    flat = " ".join(summary.split())
+    for word in [*targets, *thens]:
+        assert f"`{word}`" in flat or re.search(rf"[`|] ?{word} ?[|`]", flat), word
+    for func in FUNCTIONS:
+        assert re.search(rf"\b{func}[(/]", flat) or re.search(rf"/{func}[/(]", flat), func
+    assert "(docs/policy-language.md)" in flat and (REPO / "docs" / "policy-language.md").is_file()
+    assert "project spec" not in text
+
+
 @pytest.mark.parametrize("name", QUICK_STARTS)
 def test_every_bench_command_names_options_its_script_has(name: str) -> None:
     benches = [c for block, c in commands(name) if is_bench(block, c)]
@@ -299,3 +332,82 @@ def test_the_readme_policy_checks_and_runs(checkout: Path) -> None:
                          "&& hookpolicy apply --strict runs/readme-policy.yaml -- python -m examples.charlm --steps 20")
     assert done.returncode == 0, done.stderr[-3000:]
     assert (checkout / "runs" / "activations.jsonl").is_file()
+
+
+# -- what the README says a feature costs, measured --------------------------------------
+
+
+AGREEING_POLICY = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {name: guard}
+spec:
+  rules:
+    - name: nan
+      match: {modules: ["**"]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - alert: {if: "nonfinite > 0", per: rule, then: skip_step}
+"""
+
+
+def gathered(rank: int, policy: str) -> list[list[int]]:
+    """DDP under a skip rule on 2 gloo ranks: per step, the size of every collective hookpolicy issued
+    (torch.distributed's own all_gather_single and all_reduce, wrapped), in int64 per rank."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from train_mlp import build_model, make_data
+
+    import hookpolicy
+
+    issued: list[tuple[str, int]] = []
+    originals = {name: getattr(dist, name) for name in ("all_gather_single", "all_reduce", "all_gather")}
+
+    def counting(name: str) -> object:
+        def wrapper(*args: object, **kwargs: object) -> object:
+            tensor = args[1] if name == "all_gather_single" else args[0]
+            if isinstance(tensor, torch.Tensor):
+                issued.append((name, tensor.numel() if tensor.dtype == torch.int64 else -1))
+            return originals[name](*args, **kwargs)
+        return wrapper
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(build_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = make_data(rank)
+    steps: list[list[int]] = []
+    with hookpolicy.load(policy).attach(model, rank=rank):
+        for step in range(3):
+            torch.nn.functional.mse_loss(model(x[:16]), y[:16]).backward()
+            for name in originals:
+                setattr(dist, name, counting(name))
+            try:
+                optimizer.step()
+            finally:
+                for name, original in originals.items():
+                    setattr(dist, name, original)
+            steps.append([n for name, n in issued if name == "all_gather_single"] + [
+                -2 for name, _ in issued if name != "all_gather_single"])
+            issued.clear()
+            optimizer.zero_grad()
+    return steps
+
+
+@pytest.mark.slow
+def test_the_agreement_costs_what_the_readme_says(tmp_path: Path, free_port: int) -> None:
+    """'one `all_gather` of N int64 per rank': the one collective of an enforced skip rule's step, as
+    torch.distributed's own call received it on 2 gloo ranks, and nothing else."""
+    from helpers.distributed import spawn
+
+    readme = " ".join((REPO / "README.md").read_text("utf-8").split())
+    said = re.search(r"costs one `all_gather` of (\d+) int64 per rank", readme)
+    assert said, "the README says what a step of the agreement costs"
+    (tmp_path / "guard.yaml").write_text(AGREEING_POLICY)
+    ranks = spawn(gathered, tmp_path, free_port, str(tmp_path / "guard.yaml"))
+    for steps in ranks:
+        assert steps == [[int(said.group(1))]] * 3, steps
