@@ -115,7 +115,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_sigterm_with_dataloader_workers_prints_no_traceback(tmp_path: Path, context: str) -> None:
     script = tmp_path / "train.py"
     script.write_text(LOADER)

@@ -183,11 +183,19 @@ def _expect_workers_to_die() -> None:
     PyTorch's SIGCHLD handler raises "DataLoader worker ... is killed by signal" when a
     worker dies of a signal; raised while the script unwinds, it printed a 21-line
     traceback from `DataLoader.__del__` on every SIGTERM (without hookpolicy the process
-    died at once and printed nothing). Only PyTorch's handler is put back to the default.
+    died at once and printed nothing). Only PyTorch's handler is replaced, and by a Python
+    handler that does nothing, not by SIG_DFL: a SIGCHLD that arrived while PyTorch's was in
+    place and that Python has not run yet would find no Python handler and print "OSError:
+    Signal 17 ignored due to race condition" (2 runs in 3 with `forkserver` workers, whose
+    server also dies of the SIGTERM).
     """
     handler = signal.getsignal(signal.SIGCHLD)
     if getattr(handler, "__module__", None) == _DATALOADER_SIGNALS:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, _no_error)
+
+
+def _no_error(signum: int, frame: Optional[FrameType]) -> None:
+    """SIGCHLD while the script unwinds: a worker died of the same signal, as expected."""
 
 
 #: The module of PyTorch's SIGCHLD handler for DataLoader workers.
