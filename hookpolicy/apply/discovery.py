@@ -7,7 +7,12 @@ trains, without a line of the script changed:
 1. A module called through `__call__` while grad mode is on, that has parameters
    requiring grad and is not inside an already governed model, is governed at that call,
    before its forward runs, so the first step is governed too. Modules called from its
-   forward are inside it and are skipped with one dict lookup.
+   forward are inside it and are skipped with one dict lookup. With grad mode off (an
+   evaluation under `torch.no_grad()`, a script that only evaluates, nanoGPT's
+   `estimate_loss` before its first step), a module with parameters is governed only when
+   it fits the policies: a rule that fires outside training (`phase: eval` or `any`) binds
+   something on it. A policy of training rules alone waits for the first forward with
+   grad on, as before, at the cost of one check of grad mode per module call.
 2. If optimizers exist at that moment, one of them must hold one of its parameters (a
    target network run with grad on but never stepped is left alone). With no optimizer
    yet (manual SGD, or an optimizer made after a first forward) the module is governed.
@@ -85,6 +90,9 @@ class Discovery:
         self._covered: dict[int, int] = {}  # id of every parameter of a governed model -> id of its root
         self._plain: dict[int, "weakref.ref[torch.nn.Module]"] = {}  # modules without parameters
         self._rejected: dict[int, "weakref.ref[torch.nn.Module]"] = {}  # not stepped by any optimizer
+        #: modules an evaluation (grad off) called that no evaluating rule binds, per policy generation
+        self._unfit: dict[int, "weakref.ref[torch.nn.Module]"] = {}
+        self._evaluating: Optional[tuple[int, bool]] = None  # (generation, whether a rule fires outside training)
         self._pending: list["weakref.ref[torch.nn.Module]"] = []  # found at a step, governed at the next call
         self._checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
         self._said_orphans = Once()
@@ -207,7 +215,10 @@ class Discovery:
             self._govern_pending()
             if id(module) in self._inside:
                 return None
-        if not torch.is_grad_enabled() or _known(self._plain, module) or _known(self._rejected, module):
+        grad = torch.is_grad_enabled()
+        if not grad and not self._policies_evaluate():
+            return None
+        if _known(self._plain, module) or _known(self._rejected, module):
             return None
         trainable = False
         has_params = False
@@ -219,7 +230,9 @@ class Discovery:
         if not has_params:
             self._plain[id(module)] = weakref.ref(module)
             return None
-        if not trainable:
+        if grad and not trainable:
+            return None
+        if not grad and (_known(self._unfit, module) or not self._fits(module)):
             return None
         optimizers, held = _held()
         if optimizers and not any(id(p) in held for p in module.parameters()):
@@ -229,8 +242,32 @@ class Discovery:
             if optimizers and not any(id(p) in held for p in module.parameters()):
                 self._rejected[id(module)] = weakref.ref(module)
                 return None
-        self.govern(_trained_root(module, held) if optimizers else module)
+        model = _trained_root(module, held) if optimizers else module
+        attached = self.govern(model)
+        if attached is not None and model is module:
+            attached.entered(args)  # its own pre-hook came too late for this call
         return None
+
+    def _policies_evaluate(self) -> bool:
+        """Whether a rule of the current policies fires outside training (`phase: eval` or `any`)."""
+        policies, generation = self.swaps.current()
+        if self._evaluating is None or self._evaluating[0] != generation:
+            self._unfit.clear()
+            self._evaluating = (generation, any(rule.trigger.phase != "train"
+                                                for policy in policies.policies for rule in policy.rules))
+        return self._evaluating[1]
+
+    def _fits(self, module: torch.nn.Module) -> bool:
+        """Whether a rule that fires outside training binds something on `module` (its plan, built once)."""
+        policies, _ = self.swaps.current()
+        try:
+            plan = policies.plan(module)
+        except Exception:  # a plan that cannot be built is said at attach, at the first forward with grad on
+            plan = None
+        if plan is not None and any(b.rule.trigger.phase != "train" for b in plan.bindings):
+            return True
+        self._unfit[id(module)] = weakref.ref(module)
+        return False
 
     def _govern_pending(self) -> None:
         pending, self._pending = self._pending, []

@@ -129,7 +129,8 @@ def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, s
         if status == 0 and not any(n.startswith("governed-") for n in os.listdir(run_dir)):
             say(
                 "warning: no model was governed: COMMAND trained no model that hookpolicy "
-                "could see (see 'Discovery' in the README for what it looks for)"
+                "could see, and evaluated none that a rule with phase: eval or any binds (see "
+                "'Discovery' in the README for what it looks for)"
             )
         return status
     finally:

@@ -306,6 +306,10 @@ class StepCycle:
             self._loss.set_active(any(rs.rule.target == LOSS for rs in self.installer.step_rules()))
 
     # -- the root's forward and backward passes ---------------------------------------------
+    def entered(self, args: Any) -> None:
+        """The root's call under way when it was attached (`Attached.entered`): its pre-hook, run now."""
+        self._root_pre(self.model, args)
+
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
         if not self._steps.forward_starts(module):
             return

@@ -13,7 +13,7 @@ import logging
 import os
 import weakref
 from dataclasses import replace
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -129,6 +129,17 @@ class Attached:
     @property
     def removed(self) -> bool:
         return self._removed
+
+    def entered(self, args: Any) -> None:
+        """The model's own call is under way: attached from a hook that ran before the model's own pre-hooks.
+
+        PyTorch takes the list of forward pre-hooks before it runs the first, so the root's
+        pre-hook, installed from a global one (`apply`'s discovery), misses the call it was
+        installed in while the forward hook after it runs. This runs the pre-hook for it,
+        so that call's end is an evaluation's or a training forward's, as for any later call.
+        """
+        if not self._removed:
+            self._cycle.entered(args)
 
     @property
     def step(self) -> int:
