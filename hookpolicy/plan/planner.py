@@ -23,7 +23,7 @@ from ..policy.model import (
     AFTER_UPDATE, LOSS, OPTIMIZER_STATE, PARAM_TARGETS, UPDATE, Action, Alert, Capture, Clip, Policy, Rule, Scale,
 )
 
-__all__ = ["LOSS_SOURCE", "Binding", "Plan", "build_plan", "describe_action", "param"]
+__all__ = ["LOSS_SOURCE", "STATE_KEYS", "Binding", "Plan", "build_plan", "describe_action", "param"]
 
 #: what `target: loss` is (engine/hooks/loss.py takes it there)
 LOSS_SOURCE = ("the tensor the script calls backward() on (loss.backward(), torch.autograd.backward), at each "
@@ -401,13 +401,36 @@ def _ancestors(names: Iterable[str]) -> set[str]:
     return out
 
 
+#: what torch.optim's optimizers keep per parameter after a step (the `explain` note and the
+#: line said when an `optimizer_state` rule finds nothing); read from torch 2.13's optimizers
+STATE_KEYS: dict[str, str] = {
+    "SGD": "SGD keeps momentum_buffer only with momentum > 0, else no state",
+    "Adam": "Adam keeps exp_avg, exp_avg_sq (max_exp_avg_sq with amsgrad) and a step count",
+    "AdamW": "AdamW keeps exp_avg, exp_avg_sq (max_exp_avg_sq with amsgrad) and a step count",
+    "NAdam": "NAdam keeps exp_avg, exp_avg_sq, and step and mu_product counts",
+    "RAdam": "RAdam keeps exp_avg, exp_avg_sq and a step count",
+    "Adamax": "Adamax keeps exp_avg, exp_inf and a step count",
+    "Adagrad": "Adagrad keeps sum and a step count",
+    "Adadelta": "Adadelta keeps square_avg, acc_delta and a step count",
+    "RMSprop": "RMSprop keeps square_avg (momentum_buffer with momentum, grad_avg when centered) and a step count",
+    "Rprop": "Rprop keeps prev, step_size and a step count",
+    "ASGD": "ASGD keeps ax and the scalars eta, mu and step",
+    "Adafactor": "Adafactor keeps row_var and col_var (factored: not shaped like the parameter; name them in "
+                 "match.state) and a step count",
+    "LBFGS": "LBFGS keeps its state for all its parameters together, under the first one (flat d, "
+             "prev_flat_grad, histories), none per parameter",
+}
+
+
 def _after_update_note(rule: Rule, bound: Sequence[Binding]) -> str:
     """What an `update` or `optimizer_state` rule measures, when, and what it costs (for `explain`)."""
     when = ("measured after the optimizer applied the step and read back with the next step's statistics "
             "(a step a skip or GradScaler kept from updating has none)")
     if rule.target == OPTIMIZER_STATE:
         keys = ", ".join(rule.match.state) if rule.match.state else "every state tensor shaped like its parameter"
-        return f"{OPTIMIZER_STATE} is the optimizer's state of each parameter ({keys}), {when}"
+        return (f"{OPTIMIZER_STATE} is the optimizer's state of each parameter ({keys}), {when}; an optimizer that "
+                "keeps none is said at the first step. What torch's optimizers keep: "
+                + "; ".join(STATE_KEYS.values()))
     params = [param(b.obj, path) for b in bound for path in b.paths()]
     size = sum(p.numel() * p.element_size() for p in params)
     shown = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"

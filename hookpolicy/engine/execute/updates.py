@@ -36,6 +36,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ...plan.planner import param as find_param
+from ...plan.planner import STATE_KEYS
 from ...policy.model import AFTER_UPDATE, OPTIMIZER_STATE, UPDATE
 from ...process import Once
 from ...policy.patterns import NamePattern, compile_glob
@@ -142,8 +143,11 @@ class Updates:
     def _state(self, rs: RuleState, optimizer: torch.optim.Optimizer, stepped: set[int], step: int) -> None:
         rows: list[tuple[str, str]] = []
         tensors: list[torch.Tensor] = []
-        for (module, name), p in zip(*_parameters(rs, stepped)):
+        names, params = _parameters(rs, stepped)
+        held: set[str] = set()  # the state keys the optimizer holds for these parameters
+        for (module, name), p in zip(names, params):
             for key, value in optimizer.state.get(p, {}).items():
+                held.add(str(key))
                 if not isinstance(key, str) or not isinstance(value, torch.Tensor) or not value.is_floating_point():
                     continue
                 wanted = self._names(rs.rule.match.state, key) if rs.rule.match.state else value.shape == p.shape
@@ -152,6 +156,18 @@ class Updates:
                     tensors.append(value.detach())
         if tensors:
             self._programs.execute(rs, OPTIMIZER_STATE, rows, tensors, False, step=step)
+        elif params and self._said((rs.key, type(optimizer).__name__)):
+            self._say_stateless(rs, optimizer, sorted(held))
+
+    def _say_stateless(self, rs: RuleState, optimizer: torch.optim.Optimizer, held: list[str]) -> None:
+        """An `optimizer_state` rule whose optimizer keeps nothing it can measure: said at the first step, once."""
+        kind = type(optimizer).__name__
+        wanted = (f"named {', '.join(rs.rule.match.state)}" if rs.rule.match.state
+                  else "shaped like its parameter")
+        has = f"it holds {', '.join(held)}" if held else "it holds none for them"
+        log.warning("%s: %s keeps no state tensor %s for the parameters this rule binds (%s), so the rule measures "
+                    "nothing and its alerts never evaluate; %s (said once)", "/".join(rs.key), kind, wanted, has,
+                    STATE_KEYS.get(kind, "see `hookpolicy explain` for what torch's optimizers keep"))
 
     def _names(self, globs: tuple[str, ...], key: str) -> bool:
         """Whether one of `globs` (a rule's `match.state`) names the state key `key` (matched once per key)."""
