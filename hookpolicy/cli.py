@@ -323,7 +323,7 @@ def _dash_dash_hint(args: Sequence[str]) -> Optional[str]:
     COMMAND is taken to start at the first argument that is neither an option of ours nor
     a policy (an existing folder, or a name ending in .yaml/.yml).
     """
-    ours = {"--metrics-port", "--metrics-addr"}
+    ours = {"--metrics-port", "--metrics-addr", "--push-gateway", "--push-job"}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -355,10 +355,16 @@ def _dash_dash_hint(args: Sequence[str]) -> Optional[str]:
 @click.option("--log-format", type=click.Choice(LOG_FORMATS), default=None,
               help="Alerts on stderr as one readable 'hookpolicy:' line each (text, the default) or as JSON records "
                    "(json, what HOOKPOLICY_LOG_FORMAT says when not given).")
+@click.option("--push-gateway", default=None, metavar="URL",
+              help="At exit (a halt and SIGTERM included) each process pushes its final series to this Prometheus "
+                   "Pushgateway, grouped by job, rank and run, so a job shorter than a scrape interval still shows.")
+@click.option("--push-job", default=environment.DEFAULT_PUSH_JOB, show_default=True, metavar="NAME",
+              help="The job label of those pushes.")
 @click.pass_context
 def apply(
     ctx: click.Context, policies: tuple[str, ...], metrics_port: Optional[int], metrics_addr: str,
     audit: bool, watch: bool, strict: bool, report_page: Optional[str], log_format: Optional[str],
+    push_gateway: Optional[str], push_job: str,
 ) -> None:
     """Run COMMAND with the policies on every model it trains, unmodified.
 
@@ -393,7 +399,7 @@ def apply(
         sources=tuple(os.path.abspath(s) for s in sources), metrics_port=metrics_port,
         metrics_addr=metrics_addr, audit=audit, watch=watch, strict=strict,
         report=None if report_page is None else os.path.abspath(report_page), report_logs=logs,
-        log_format=log_format,
+        log_format=log_format, push_gateway=push_gateway, push_job=push_job,
     )
     ctx.exit(run(launch, command))
 

@@ -11,7 +11,8 @@ Three parties set them:
 - `hookpolicy apply`, for every process of its COMMAND (`apply_variables` writes them,
   `ChildConfig.from_env` reads them back in the child): `HOOKPOLICY_BOOTSTRAP`,
   `HOOKPOLICY_POLICIES`, `HOOKPOLICY_AUDIT`, `HOOKPOLICY_STRICT`, `HOOKPOLICY_WATCH`,
-  `HOOKPOLICY_METRICS_PORT`, `HOOKPOLICY_METRICS_ADDR`, `HOOKPOLICY_RUN_DIR`; and, set by each
+  `HOOKPOLICY_METRICS_PORT`, `HOOKPOLICY_METRICS_ADDR`, `HOOKPOLICY_PUSH_GATEWAY`, `HOOKPOLICY_PUSH_JOB`,
+  `HOOKPOLICY_RUN_DIR`; and, set by each
   process of COMMAND that imports torch, for the processes it starts: `HOOKPOLICY_PARENT`;
 - the launcher (torchrun, Lightning, accelerate): `RANK` and `LOCAL_RANK`, read by the
   one rank rule here (`rank`), which both `attach` and the `apply` child use.
@@ -34,8 +35,8 @@ from typing import Mapping, Optional, Sequence
 
 __all__ = [
     "ENV_POLICY_DIRS", "ENV_OUTPUT_DIR", "ENV_WATCH_INTERVAL", "ENV_BOOTSTRAP", "ENV_POLICIES",
-    "ENV_AUDIT", "ENV_STRICT", "ENV_WATCH", "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_RUN_DIR", "ENV_PARENT", "ENV_RANK",
-    "ENV_LOCAL_RANK", "ENV_LOG_FORMAT", "ENV_ALERT_LOG", "ENV_RUN_ID", "DEFAULT_METRICS_ADDR", "LOG_FORMATS", "ChildConfig",
+    "ENV_AUDIT", "ENV_STRICT", "ENV_WATCH", "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_PUSH_GATEWAY", "ENV_PUSH_JOB", "ENV_RUN_DIR", "ENV_PARENT", "ENV_RANK",
+    "ENV_LOCAL_RANK", "ENV_LOG_FORMAT", "ENV_ALERT_LOG", "ENV_RUN_ID", "DEFAULT_METRICS_ADDR", "DEFAULT_PUSH_JOB", "LOG_FORMATS", "ChildConfig",
     "alert_log", "apply_variables", "local_rank", "log_format", "new_run_id", "output_dir", "policy_dirs", "rank",
     "rank_identity", "run_id",
 ]
@@ -75,6 +76,10 @@ ENV_WATCH = "HOOKPOLICY_WATCH"
 ENV_METRICS_PORT = "HOOKPOLICY_METRICS_PORT"
 #: Address the metrics endpoint listens on (`--metrics-addr`, default 127.0.0.1).
 ENV_METRICS_ADDR = "HOOKPOLICY_METRICS_ADDR"
+#: A Pushgateway every process pushes its final series to at exit (`--push-gateway`).
+ENV_PUSH_GATEWAY = "HOOKPOLICY_PUSH_GATEWAY"
+#: The `job` of those pushes (`--push-job`, default hookpolicy).
+ENV_PUSH_JOB = "HOOKPOLICY_PUSH_JOB"
 #: A folder private to one `apply` run: `halt` (the halt line), `reload` (bumped on
 #: SIGHUP), `governed-<pid>` (one per process that governs a model).
 ENV_RUN_DIR = "HOOKPOLICY_RUN_DIR"
@@ -90,6 +95,7 @@ ENV_RANK = "RANK"
 ENV_LOCAL_RANK = "LOCAL_RANK"
 
 DEFAULT_METRICS_ADDR = "127.0.0.1"
+DEFAULT_PUSH_JOB = "hookpolicy"
 _DEFAULT_INTERVAL = 1.0
 _MIN_INTERVAL = 0.05
 _MAX_INTERVAL = 3600.0  # threading's waits refuse some larger timeouts (OverflowError)
@@ -190,7 +196,7 @@ def _sources(environ: Mapping[str, str]) -> tuple[str, ...]:
 def apply_variables(
     sources: Sequence[str], run_dir: str, *, audit: bool, watch: bool,
     metrics_port: Optional[int], metrics_addr: str, strict: bool = False, log_format: Optional[str] = None,
-    alert_log: Optional[str] = None,
+    alert_log: Optional[str] = None, push_gateway: Optional[str] = None, push_job: str = DEFAULT_PUSH_JOB,
 ) -> dict[str, Optional[str]]:
     """What `hookpolicy apply` sets for its COMMAND; None means "remove it if inherited".
 
@@ -205,6 +211,8 @@ def apply_variables(
         ENV_WATCH: "1" if watch else "",
         ENV_METRICS_ADDR: metrics_addr,
         ENV_METRICS_PORT: None if metrics_port is None else str(metrics_port),
+        ENV_PUSH_GATEWAY: push_gateway,
+        ENV_PUSH_JOB: None if push_gateway is None else push_job,
     }
     for name, value in ((ENV_LOG_FORMAT, log_format), (ENV_ALERT_LOG, alert_log)):
         if value is not None:
@@ -224,6 +232,8 @@ class ChildConfig:
     metrics_port: Optional[int] = None
     metrics_addr: str = DEFAULT_METRICS_ADDR
     run_dir: Optional[str] = None
+    push_gateway: Optional[str] = None
+    push_job: str = DEFAULT_PUSH_JOB
     rank: int = 0
     local_rank: int = 0
 
@@ -238,6 +248,8 @@ class ChildConfig:
             metrics_port=_count(environ, ENV_METRICS_PORT),
             metrics_addr=environ.get(ENV_METRICS_ADDR) or DEFAULT_METRICS_ADDR,
             run_dir=environ.get(ENV_RUN_DIR) or None,
+            push_gateway=environ.get(ENV_PUSH_GATEWAY) or None,
+            push_job=environ.get(ENV_PUSH_JOB) or DEFAULT_PUSH_JOB,
             rank=rank(environ),
             local_rank=local_rank(environ),
         )

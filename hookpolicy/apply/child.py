@@ -29,10 +29,11 @@ from prometheus_client import CollectorRegistry
 from ..api import PolicySet
 from ..say import LOGGER, say
 from .discovery import Discovery
-from ..environment import ENV_LOCAL_RANK, ENV_PARENT, ChildConfig, rank_identity
+from ..environment import ENV_LOCAL_RANK, ENV_PARENT, ChildConfig, rank_identity, run_id
 from ..errors import Halt, PolicyError
 from ..export.exporter import metrics_url, serve
 from ..export.metrics import store_for
+from ..export.push import push_final
 from ..export.sinks import output_root
 from ..export.summary import summary_lines
 from ..policy.sources import load_sources
@@ -74,8 +75,13 @@ class _Session:
                 signal.signal(signal.SIGHUP, lambda signum, frame: self.reloader.request())
 
     def close(self) -> None:
-        """At exit (normal, Ctrl-C, SIGTERM, halt): detach everything, which flushes the logs; say the summary."""
+        """At exit (normal, Ctrl-C, SIGTERM, halt): push the final series (`--push-gateway`), detach
+        everything, which flushes the logs; say the summary."""
         self.reloader.stop()
+        if self._started and self.config.push_gateway is not None:
+            said = push_final(self.registry, self.config.push_gateway, job=self.config.push_job,
+                              rank=self.discovery.rank, run=run_id(os.environ))
+            say(said)
         self.discovery.remove()
         if self._started and self.discovery.rank == 0:
             self._summary()

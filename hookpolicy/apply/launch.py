@@ -36,7 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Mapping, Optional, Sequence
 
-from ..environment import DEFAULT_METRICS_ADDR, ENV_RUN_ID, alert_log, apply_variables, new_run_id
+from ..environment import DEFAULT_METRICS_ADDR, DEFAULT_PUSH_JOB, ENV_RUN_ID, alert_log, apply_variables, new_run_id
 from ..say import say
 
 __all__ = ["BOOTSTRAP_DIR", "HALT_STATUS", "Launch", "child_environment", "resolve_command", "run"]
@@ -66,6 +66,9 @@ class Launch:
     report_logs: tuple[str, ...] = ()
     #: `--log-format`: None leaves HOOKPOLICY_LOG_FORMAT as inherited
     log_format: Optional[str] = None
+    #: `--push-gateway`, `--push-job`: where each process pushes its final series at exit
+    push_gateway: Optional[str] = None
+    push_job: str = DEFAULT_PUSH_JOB
 
 
 def resolve_command(command: Sequence[str]) -> list[str]:
@@ -90,6 +93,7 @@ def child_environment(launch: Launch, run_dir: str, environ: Mapping[str, str]) 
         launch.sources, run_dir, audit=launch.audit, watch=launch.watch,
         metrics_port=launch.metrics_port, metrics_addr=launch.metrics_addr, strict=launch.strict,
         log_format=launch.log_format, alert_log=_alert_file(launch, run_dir, environ),
+        push_gateway=launch.push_gateway, push_job=launch.push_job,
     )
     for name, value in variables.items():
         if value is None:

@@ -29,6 +29,12 @@ count twice. Each alert therefore becomes one of two shapes:
   a minute later (at least two evaluations at Prometheus' default 1m interval), so a
   state that clears within one scrape never pages.
 
+A process's final series pushed to a Pushgateway at exit (`apply --push-gateway`) carry
+the `run` label of their group. The counters' clauses see them as the new series they are;
+the rules on states (a firing gauge, the last step's time, the reload gauge) read only
+series without `run` (`{run=""}`), the live ones: a pushed final state stays in the
+Pushgateway, and a finished run is not a stalled one.
+
 Alerts of one rule that share a severity share their series (the labels are policy,
 rule and severity), so they become one alerting rule whose annotations list each of them.
 
@@ -254,7 +260,7 @@ def _alerting_rule(group: _AlertGroup, several_severities: bool) -> dict[str, An
         duration = "0s"
         when = f"fired within the last {ALERT_WINDOW}"
     else:
-        expr = f"{_selector('hookpolicy_alert_firing', **labels)} == 1"
+        expr = f"{_selector('hookpolicy_alert_firing', **labels, run='')} == 1"  # live, not a pushed final value
         duration = CONDITION_FOR
         when = "is firing"
     summary = "; ".join(dict.fromkeys(_summary(a, policy, rule) for a in group.alerts))
@@ -320,7 +326,7 @@ def _engine_group(stall_seconds: int) -> dict[str, Any]:
     return {"name": "hookpolicy.engine", "rules": [
         {
             "alert": "HookpolicyTrainingStalled",
-            "expr": f"time() - hookpolicy_last_step_timestamp_seconds > {stall_seconds}",
+            "expr": f"time() - hookpolicy_last_step_timestamp_seconds{{run=\"\"}} > {stall_seconds}",
             "for": "0s",
             "labels": {"severity": "warning"},
             "annotations": {
@@ -335,7 +341,7 @@ def _engine_group(stall_seconds: int) -> dict[str, Any]:
         },
         {
             "alert": "HookpolicyReloadFailed",
-            "expr": "hookpolicy_config_last_reload_successful == 0",
+            "expr": 'hookpolicy_config_last_reload_successful{run=""} == 0',
             "for": "0s",
             "labels": {"severity": "warning"},
             "annotations": {
