@@ -141,7 +141,7 @@ def test_rules_cover_every_alert_with_a_group_per_policy() -> None:
         assert any("hookpolicy_hook_errors_total" in r["expr"] for r in group)
         assert any("hookpolicy_series_dropped_total" in r["expr"] for r in group)
     engine = [r["expr"] for r in by_group["hookpolicy.engine"]]
-    assert any(e.startswith("time() - hookpolicy_last_step_timestamp_seconds > ") for e in engine)
+    assert any(e.startswith('time() - hookpolicy_last_step_timestamp_seconds{run=""} > ') for e in engine)
 
 
 def test_rules_name_only_exported_families() -> None:
