@@ -655,6 +655,7 @@ def test_failing_rule_is_contained_then_switched_off(tmp_path: Path, monkeypatch
         raise RuntimeError("kaboom")
 
     monkeypatch.setattr(programs, "tensor_partials", explode)
+    monkeypatch.setattr(programs, "host_partials", explode)  # the CPU path (stats.host_partials)
     model, opt = fresh()
     reg = CollectorRegistry()
     with pol.attach(model, registry=reg):
@@ -675,6 +676,7 @@ def test_on_error_halt_stops_training(tmp_path: Path, monkeypatch: pytest.Monkey
     from hookpolicy.engine.execute import programs
 
     monkeypatch.setattr(programs, "tensor_partials", lambda *a: 1 / 0)
+    monkeypatch.setattr(programs, "host_partials", lambda *a: 1 / 0)  # the CPU path (stats.host_partials)
     model, opt = fresh()
     with pol.attach(model), pytest.raises(Halt, match="ZeroDivisionError"):
         train(model, opt, batches(2))
@@ -706,6 +708,8 @@ def test_hooks_removed_after_exception_and_remove_twice(tmp_path: Path) -> None:
 
 
 def test_no_host_sync_inside_hooks(tmp_path: Path) -> None:
+    """The CUDA rule: no hook reads a value back (`no_host_sync` has CPU tensors take CUDA's path; on CPU
+    the hooks read their partials at once: `test_cpu_hooks_read_their_partials_at_once`)."""
     pol = load_policy(tmp_path, """
         - name: fwd
           match: {types: [Linear]}
@@ -728,6 +732,22 @@ def test_no_host_sync_inside_hooks(tmp_path: Path) -> None:
         # that no hook failed, or this test could not fail.
         for rule in ("fwd", "bwd"):
             assert sample(reg, "hookpolicy_hook_errors_total", rule=rule) == 0
+
+
+def test_cpu_hooks_read_their_partials_at_once(tmp_path: Path) -> None:
+    """The CPU rule: a hook reads its partials (no sync on CPU), so the readback has nothing to fetch."""
+    pol = load_policy(tmp_path, """
+        - name: fwd
+          match: {types: [Linear]}
+          trigger: {at: forward}
+          actions: [{capture: {stats: [l2_norm, abs_max, nonfinite]}}]
+    """)
+    model, _ = fresh()
+    with pol.attach(model) as attached:
+        x, y = batches(1)[0]
+        nn.functional.mse_loss(model(x), y).backward()
+        entries = attached._cycle.ledger.entries
+        assert entries and all(isinstance(getattr(e, "matrix", None), list) for e in entries)
 
 
 def test_step_nonfinite_count_is_exact(tmp_path: Path) -> None:

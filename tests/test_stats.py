@@ -22,7 +22,8 @@ from hookpolicy.engine.measure.stats import combine, finish, partials_for, resol
 
 ALL = ("l2_norm", "mean", "std", "min", "max", "abs_max", "rms", "zero_fraction", "nonfinite", "numel")
 SETS = (ALL, ("l2_norm", "abs_max", "nonfinite"), ("nonfinite",), ("std",), ("mean",), ("l2_norm", "nonfinite"),
-        ("abs_max",), ("zero_fraction", "numel"))
+        ("abs_max",), ("zero_fraction", "numel"), ("std", "nonfinite"), ("mean", "nonfinite"), ("max", "nonfinite"),
+        ("min", "max", "nonfinite"))
 
 
 def reference(tensors: list[torch.Tensor]) -> dict[str, float]:
@@ -96,8 +97,15 @@ def chunked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return bool(request.param)
 
 
+@pytest.fixture(params=[False, True], ids=["counted", "proved"])
+def proved(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both ways to the count of finite elements on CPU: always counted, or proved by the other partials first."""
+    monkeypatch.setattr(stats, "_HOST_MIN", 0 if request.param else 1 << 62)
+    return bool(request.param)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_every_statistic_matches_float64(case: str, chunked: bool) -> None:
+def test_every_statistic_matches_float64(case: str, chunked: bool, proved: bool) -> None:
     tensors = CASES[case]
     want = reference(tensors)
     rel = 1e-5 if tensors[0].dtype in (torch.float32, torch.float64) else 1e-2
@@ -120,6 +128,34 @@ def test_the_chunked_path_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stats, "_SCRATCH_MIN", 10)
     computed(CASES["float32-300x257"], ALL)
     assert calls
+
+
+@pytest.mark.parametrize(("wanted", "bad", "counts"), [
+    (("l2_norm", "abs_max", "nonfinite"), False, 0), (("l2_norm", "abs_max", "nonfinite"), True, 1),
+    (("nonfinite",), False, 0), (("max", "nonfinite"), True, 1), (("std", "nonfinite"), False, 0),
+    (("mean", "nonfinite"), True, 1),
+])
+def test_cpu_counts_only_what_the_partials_do_not_prove(
+    monkeypatch: pytest.MonkeyPatch, wanted: tuple[str, ...], bad: bool, counts: int,
+) -> None:
+    """On CPU a finite min and max (or sum of squares, m2, sum) proves the count: no pass is spent on it."""
+    t = torch.randn(1 << 15)
+    if bad:
+        t[5] = -float("inf")
+    calls: list[int] = []
+    finite = stats._finite
+    monkeypatch.setattr(stats, "_finite", lambda x: (calls.append(x.numel()), finite(x))[1])
+    got = computed([t], wanted)
+    assert len(calls) == counts
+    assert got["nonfinite"] == (1.0 if bad else 0.0)
+
+
+def test_a_sum_of_squares_that_overflows_is_counted_not_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finite elements whose squares overflow float32: the proof fails, the count says 0, exactly."""
+    monkeypatch.setattr(stats, "_HOST_MIN", 0)
+    t = torch.full((100,), 3e30)
+    assert computed([t], ("l2_norm", "nonfinite"))["nonfinite"] == 0.0
+    assert computed([t], ("nonfinite",))["nonfinite"] == 0.0
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["counted", "deferred"])

@@ -50,15 +50,20 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int_
 
 @contextlib.contextmanager
 def no_host_sync() -> Iterator[None]:
-    """Inside, reading a tensor's value on the host raises, as no hookpolicy hook may do.
+    """Inside, reading a tensor's value on the host raises, as no hookpolicy hook may do on CUDA.
 
     A hook that did would raise inside the hook, where onError contains it: a test using
-    this also checks that no hook error was counted, or it could not fail.
+    this also checks that no hook error was counted, or it could not fail. On CPU a read is
+    no sync and the hooks read their statistics at once (`engine/measure/stats.py`, the rule per
+    device), so inside, CPU tensors take CUDA's path: what is checked is the CUDA rule.
     """
+    from hookpolicy.engine.measure import stats
+
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("host sync inside a hook")
 
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stats, "_READ_ON_CPU", False)
         for name in HOST_READS:
             patch.setattr(torch.Tensor, name, forbidden)
         yield

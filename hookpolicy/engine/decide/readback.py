@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union, cast
 
 import torch
 
@@ -168,16 +168,21 @@ class Readback:
         boarded: dict[int, list[tuple[str, float]]] = defaultdict(list)
         for index, action in p.op.actions:
             whose = self.exported(rs, action) if isinstance(action, Capture) else Export.RANK
+            families = [(s, stat_family(p.target, s)) for s in action.stats] if isinstance(action, Capture) else []
             for (module, tensor), stats in p.statistics(action.per):
+                if isinstance(action, Capture):
+                    labels = (*rs.key, module, tensor)
+                    for stat, family in families:
+                        key = (family, labels)
+                        published[key] = stats[stat]
+                        if whose is not Export.RANK:
+                            jobs[key] = whose
+                    if action.log is None and action.tensorboard is None:
+                        continue
                 base = {"time": now, "step": p.step, "rank": self.rank, "model": self.store.model,
                         "policy": rs.policy.name,
                         "rule": rs.rule.name, "module": module, "target": p.target, "tensor": tensor}
                 if isinstance(action, Capture):
-                    for stat in action.stats:
-                        key = (stat_family(p.target, stat), (*rs.key, module, tensor))
-                        published[key] = stats[stat]
-                        if whose is not Export.RANK:
-                            jobs[key] = whose
                     if action.log is not None:
                         shown = {s: json_number(stats[s]) for s in action.stats}
                         logged[(index, action.log)].append({**base, "stats": shown})
@@ -270,12 +275,13 @@ class Readback:
             self.store.inc(CLIPPED, (*rs.key, module, rs.mode), count)
 
 
-def _full_matrices(entries: Sequence[Entry]) -> list[torch.Tensor]:
+def _full_matrices(entries: Sequence[Entry]) -> list[Union[torch.Tensor, list[list[float]]]]:
     """Every entry's matrix, sharded rows reduced to the full tensors' partials (collectives on their meshes)."""
     matrices = [e.matrix for e in entries]
     sharded = [i for i, e in enumerate(entries) if e.shards is not None]
     if sharded:
-        reduced = reduce_shards([(e.matrix, e.op.kinds, e.shards, e.numels) for e in entries if e.shards is not None])
+        reduced = reduce_shards([(cast(torch.Tensor, e.matrix), e.op.kinds, e.shards, e.numels)
+                                 for e in entries if e.shards is not None])
         for i, matrix in zip(sharded, reduced):
             matrices[i] = matrix
     return matrices
@@ -289,17 +295,20 @@ def _drop_shards(entries: list[Entry]) -> list[Entry]:
     return kept
 
 
-def _fetch(matrices: Sequence[torch.Tensor]) -> list[list[list[float]]]:
-    """Every matrix as nested lists, with one device-to-host transfer per device."""
+def _fetch(matrices: Sequence[Union[torch.Tensor, list[list[float]]]]) -> list[list[list[float]]]:
+    """Every matrix as nested lists, with one device-to-host transfer per device (rows read already are kept)."""
     out: list[list[list[float]]] = [[] for _ in matrices]
-    by_device: dict[torch.device, list[int]] = defaultdict(list)
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = defaultdict(list)
     for i, m in enumerate(matrices):
-        by_device[m.device].append(i)
-    for indices in by_device.values():
-        flat = torch.cat([matrices[i].reshape(-1) for i in indices]).tolist()
+        if isinstance(m, list):
+            out[i] = m
+        else:
+            by_device[m.device].append((i, m))
+    for pairs in by_device.values():
+        flat = torch.cat([m.reshape(-1) for _, m in pairs]).tolist()
         pos = 0
-        for i in indices:
-            rows, cols = matrices[i].shape
+        for i, m in pairs:
+            rows, cols = m.shape
             out[i] = [flat[pos + r * cols: pos + (r + 1) * cols] for r in range(rows)]
             pos += rows * cols
     return out

@@ -34,7 +34,8 @@ class Entry:
     target: str
     rows: list[tuple[str, str]]  # (module, tensor) per matrix row
     numels: list[int]
-    matrix: torch.Tensor
+    #: `[rows, kinds]` partials: on the device (float64), or read already (CPU tensors, `stats.host_partials`)
+    matrix: Union[torch.Tensor, list[list[float]]]
     copies: list[tuple[int, str, str, torch.Tensor]]  # (action index, module, tensor, copy)
     #: step targets whose `finite` counts wait for the readback (stats.resolve_counts)
     deferred: Optional[list[torch.Tensor]] = None
@@ -77,6 +78,10 @@ class Ledger:
     ran: set[Ran] = field(default_factory=set)
     #: seconds spent per rule (policy, rule) this step
     seconds: defaultdict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+
+    def empty(self) -> bool:
+        """Nothing recorded since the last close: no entry, no action that ran, no time spent."""
+        return not (self.entries or self.ran or self.seconds)
 
     def close(self) -> "Ledger":
         """What was recorded since the last close, as a ledger of its own; this one starts empty."""

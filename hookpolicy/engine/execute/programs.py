@@ -22,7 +22,7 @@ import logging
 import math
 import time
 import traceback
-from typing import Any, Callable, Mapping, Optional, Sequence, cast
+from typing import Any, Callable, Mapping, Optional, Sequence, Union, cast
 
 import torch
 
@@ -37,7 +37,7 @@ from ..measure.distributed import Shards, local_shards, shard_name, shard_partia
 from ..measure.history import History, group_key
 from .ledger import ClipEntry, Entry, Ledger
 from ..measure.rulestate import MAX_ERRORS, RuleState
-from ..measure.stats import tensor_partials
+from ..measure.stats import host_partials, reads_at_once, tensor_partials
 
 __all__ = ["Faults", "Programs"]
 
@@ -143,9 +143,13 @@ class Programs:
             if isinstance(op, StatsOp):
                 sharded = local_shards(tensors)
                 copies = _copies(op, rows, tensors, sharded) if op.tensors else []
-                deferred = defer and "finite" in op.kinds and sharded is None
+                on_host = sharded is None and reads_at_once(tensors)  # CPU: read in the hook (stats, the rule per device)
+                deferred = defer and "finite" in op.kinds and sharded is None and not on_host
+                matrix: Union[torch.Tensor, list[list[float]]]
                 if sharded is not None:
                     matrix = shard_partials(sharded[0], op.kinds, references)
+                elif on_host:
+                    matrix = host_partials(tensors, op.kinds, references)
                 elif deferred:
                     matrix = tensor_partials(tensors, op.kinds, defer_counts=True)
                 elif references is not None:

@@ -31,6 +31,19 @@ The passes, chosen by measurement (`bench/run.py`; numbers in docs/benchmarks.md
   its `nansum` counts the finite elements, and `nonfinite = numel - finite` on the host.
   The sum is exact: float32 up to 2**24 elements, float64 beyond.
 
+**The rule per device.** On CUDA a hook never reads a value back (a read is a host-device
+sync, which stalls the training thread until the GPU catches up): every partial, the
+count of finite elements included, stays on the device until the readback. On CPU a read
+is not a sync (the values are in memory when the operator returns), so the hook takes the
+path with the fewest passes: it reads the partials it has computed anyway and counts the
+finite elements only when they do not prove the count. A finite `min` and `max` prove that
+no element is NaN or +-Inf (both propagate NaN, and an infinite element is one of them),
+exactly; so does a finite sum, sum of squares or `m2` (a NaN or infinite element makes them
+NaN or infinite). Only where the proof fails (a non-finite element, or a sum of squares that
+overflowed) is the count taken, so the result is the same count, exactly, with one pass
+less in a normal step (two kernels on CPU: the costliest statistic of all). A `step` rule
+defers its count to the readback on either device (`defer_counts`).
+
 Conventions: `std` is the unbiased standard deviation (`torch.std`'s default); every
 statistic but `nonfinite` and `numel` propagates NaN and Inf, as torch's reductions do.
 """
@@ -43,7 +56,10 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-__all__ = ["PARTIALS", "partials_for", "tensor_partials", "sums_of_squares", "resolve_counts", "combine", "finish"]
+__all__ = [
+    "PARTIALS", "partials_for", "tensor_partials", "host_partials", "reads_at_once", "sums_of_squares",
+    "resolve_counts", "combine", "finish",
+]
 
 #: The partials a hook computes, in column order.
 PARTIALS: tuple[str, ...] = ("sumsq", "sum", "m2", "min", "max", "nonzero", "finite", "ref_sumsq")
@@ -102,10 +118,14 @@ def tensor_partials(
     n = len(tensors)
     if not kinds:
         return torch.empty((n, 0), dtype=torch.float64, device=tensors[0].device)
+    compute = _partials
+    if ("finite" in kinds and not defer_counts and reads_at_once(tensors)
+            and sum(t.numel() for t in tensors) >= _HOST_MIN):
+        compute = _counted_on_host  # CPU: a read is not a sync (see the module docstring)
     if any(t.requires_grad for t in tensors):  # forward targets: no graph for the statistics
         with torch.no_grad():
-            return _partials(tensors, kinds, defer_counts, references)
-    return _partials(tensors, kinds, defer_counts, references)
+            return compute(tensors, kinds, defer_counts, references)
+    return compute(tensors, kinds, defer_counts, references)
 
 
 def sums_of_squares(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -152,11 +172,79 @@ def _partials(
             col = [_finite(t) for t in tensors]
         columns.append(col)
     n = len(tensors)
-    cells = [col[0] for col in columns] if n == 1 else [c for row in zip(*columns) for c in row]
-    matrix = torch.stack(cells).view(n, len(columns)).to(torch.float64)
+    if n == 1:
+        matrix = torch.stack([col[0] for col in columns]).view(1, len(columns)).to(torch.float64)
+    else:  # one column after the other: no Python loop over the cells of many small tensors
+        matrix = torch.stack([c for col in columns for c in col]).to(torch.float64).view(len(columns), n).t()
     if norms >= 0:
         matrix[:, norms].square_()  # squared in float64, which never overflows
     return matrix
+
+
+#: Below this many elements (in all) the count (two small kernels) costs less than reading the
+#: partials back and building the matrix anew on the host (measured: about 5 us either way at 16k).
+_HOST_MIN = 1 << 14
+#: Partials whose finite value proves every element finite, best first (see the module docstring).
+_PROOFS: tuple[tuple[str, ...], ...] = (("min", "max"), ("sumsq",), ("m2",), ("sum",))
+
+
+def _counted_on_host(
+    tensors: Sequence[torch.Tensor], kinds: Sequence[str], defer_counts: bool, references: Optional[torch.Tensor],
+) -> torch.Tensor:
+    return torch.tensor(_host_rows(tensors, kinds, references), dtype=torch.float64)
+
+
+#: The per-device rule (module docstring): CPU tensors are read inside the hook. False makes CPU
+#: tensors take CUDA's path (nothing read before the readback); the tests use it to check that path.
+_READ_ON_CPU = True
+
+
+def reads_at_once(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a hook may read the partials of `tensors` at once: on CPU (no sync there), never on CUDA."""
+    return _READ_ON_CPU and all(t.is_cpu for t in tensors)
+
+
+def host_partials(
+    tensors: Sequence[torch.Tensor], kinds: Sequence[str], references: Optional[torch.Tensor] = None,
+) -> list[list[float]]:
+    """`tensor_partials` of CPU tensors, read at once: the rows as host floats (on CPU a read is no sync).
+
+    The count of finite elements is taken only where the other partials do not prove it
+    (see the module docstring); the rows are what `tensor_partials(...).tolist()` gives.
+    """
+    if not kinds:
+        return [[] for _ in tensors]
+    if any(t.requires_grad for t in tensors):
+        with torch.no_grad():
+            return _host_rows(tensors, kinds, references)
+    return _host_rows(tensors, kinds, references)
+
+
+def _host_rows(
+    tensors: Sequence[torch.Tensor], kinds: Sequence[str], references: Optional[torch.Tensor],
+) -> list[list[float]]:
+    """The partial rows of CPU tensors, the finite count taken only where the other partials do not prove it.
+
+    The other partials are computed and read first; a row whose proof (`_PROOFS`: min and
+    max, else a sum of squares, m2 or sum; a sum of squares, one `dot`, is added when none
+    is asked for) is finite counts `numel` finite elements, any other row is counted. The
+    count is exact either way.
+    """
+    if "finite" not in kinds:
+        return _partials(tensors, kinds, False, references).tolist()
+    others = [k for k in kinds if k != "finite"]
+    proof = next((p for p in _PROOFS if all(k in others for k in p)), None)
+    measured = others if proof is not None else [*others, "sumsq"]
+    at = [measured.index(k) for k in (proof or ("sumsq",))]
+    col, last = list(kinds).index("finite"), len(kinds) - 1
+    matrix = _partials(tensors, measured, False, references)
+    rows = matrix.tolist()
+    every = len(rows) > 1 and bool(torch.isfinite(matrix[:, at]).all())  # many tensors: one check for all
+    for row, t in zip(rows, tensors):
+        finite = float(t.numel()) if every or all(math.isfinite(row[i]) for i in at) else float(_finite(t))
+        del row[last:]  # the added sum of squares, if any
+        row.insert(col, finite)
+    return rows
 
 
 def resolve_counts(rows: list[list[float]], tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> None:
