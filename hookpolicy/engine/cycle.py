@@ -192,6 +192,8 @@ class StepCycle:
         the same on every rank, so their decisions are every rank's as they are.
         A sink that failed is a fault of its rule (`Faults.fail`: counted, maybe a Halt).
         """
+        if decide and not job and loss is None and self.ledger.empty() and not self.agreement.active():
+            return False  # an inactive step: nothing measured, nothing to report, agree on or decide
         layout = self.agreement.layout
         held = layout.slots and self.agreement.active()  # `ranks: job` statistics wait for the agreement
         decision = self._report(final, hold=reduced if held else None)
@@ -328,7 +330,11 @@ class StepCycle:
             if self.ledger.entries:
                 self._read_back()  # an evaluation loop steps no optimizer: read back per batch
         elif training:
-            for _, t in named_tensors(output, lambda name: True):
+            if isinstance(output, torch.Tensor):  # the usual root output: no walk
+                if output.requires_grad and output.is_floating_point() and output.numel() > 0:
+                    output.register_hook(self._output_grad)  # type: ignore[no-untyped-call]
+                return
+            for _, t in named_tensors(output, _ALL):
                 if t.requires_grad:
                     t.register_hook(self._output_grad)  # type: ignore[no-untyped-call]
 
@@ -354,6 +360,10 @@ class StepCycle:
             if self._evaluate(frozenset()):
                 self._steps.zero_grads()
             self._end_step()
+
+
+def _ALL(name: str) -> bool:
+    return True
 
 
 class Leftovers:
