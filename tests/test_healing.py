@@ -194,8 +194,9 @@ def test_a_rewind_restores_the_snapshot_and_then_equals_the_run_without_those_ba
 
 
 def test_a_rewind_goes_back_far_enough_and_drops_the_newer_snapshots(tmp_path: Path) -> None:
-    # snapshots after 4, 8, 12 updates, keep 3; at step 12, back: 5 -> 4 (12 - 8 < 5): steps 4..12 dropped;
-    # a second rewind at step 13 finds 4 again (8 and 12 were dropped with the first)
+    # snapshots after steps 3, 7, 11, keep 3; at step 12, back: 5 -> the one after step 7 (12 - 7 = 5 steps
+    # older; the one after 11 is 1 step older): steps 8..12 dropped; a second rewind at step 13 finds the one
+    # after step 7 again (13 - 7 >= 5; the one after 11 was dropped with the first)
     pol = load_policy(tmp_path, fires_at(12, 13, "rewind", ", rewind: {back: 5}"),
                       spec="snapshots: {every: 4, keep: 3}\n")
     data = batches(16)
@@ -203,7 +204,89 @@ def test_a_rewind_goes_back_far_enough_and_drops_the_newer_snapshots(tmp_path: P
     with pol.attach(model, registry=CollectorRegistry()):
         train(model, optimizer, scheduler, data)
     ref_model, ref_optimizer, ref_scheduler = setup("lambda")
-    train(ref_model, ref_optimizer, ref_scheduler, data[:4] + data[14:])
+    train(ref_model, ref_optimizer, ref_scheduler, data[:8] + data[14:])
+    assert_same(model, ref_model)
+
+
+@pytest.mark.parametrize(("back", "after"), [(6, 19), (7, 14)])
+def test_back_is_how_many_steps_older_than_the_rewinding_step_the_snapshot_is(
+    tmp_path: Path, back: int, after: int,
+) -> None:
+    """The boundary: snapshots taken after steps 4, 9, 14, 19, 24; at step 25, `back: 6` takes the one after step
+    19 (25 - 19 = 6 steps older: steps 20..25 dropped), `back: 7` the one after step 14."""
+    pol = load_policy(tmp_path, fires_at(25, 25, "rewind", f", rewind: {{back: {back}}}"),
+                      spec="snapshots: {every: 5, keep: 5}\n")
+    data = batches(28)
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=CollectorRegistry()):
+        train(model, optimizer, scheduler, data)
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    train(ref_model, ref_optimizer, ref_scheduler, data[:after + 1] + data[26:])
+    assert_same(model, ref_model)
+
+
+def test_the_ring_keeps_exactly_keep_snapshots(tmp_path: Path) -> None:
+    """keep: 2, every: 2: after steps 1, 3, 5, 7 the ring holds those after 5 and 7; at step 8 `back: 6` finds
+    none old enough and takes the oldest kept, the one after step 5 (a ring of 3 would hold the one after 3)."""
+    pol = load_policy(tmp_path, fires_at(8, 8, "rewind", ", rewind: {back: 6}"), spec="snapshots: {every: 2, keep: 2}\n")
+    data = batches()
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=CollectorRegistry()):
+        train(model, optimizer, scheduler, data)
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    train(ref_model, ref_optimizer, ref_scheduler, data[:6] + data[9:])
+    assert_same(model, ref_model)
+
+
+def test_remove_frees_the_snapshots(tmp_path: Path) -> None:
+    """A handle kept after its `with` block (as the README's example keeps it) holds no snapshot."""
+    pol = load_policy(tmp_path, fires_at(30, 30, "rewind"), spec="snapshots: {every: 2, keep: 2}\n")
+    model, optimizer, scheduler = setup("lambda")
+    import hookpolicy.engine.heal.snapshots as snapshots_module
+    held: list[weakref.ref[torch.Tensor]] = []
+    original = snapshots_module._host_copy
+
+    def noted(t: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
+        copied = original(t, into)
+        held.append(weakref.ref(copied))
+        return copied
+
+    snapshots_module._host_copy = noted  # type: ignore[assignment]
+    try:
+        with pol.attach(model, registry=CollectorRegistry()) as attached:
+            train(model, optimizer, scheduler, batches(6))
+    finally:
+        snapshots_module._host_copy = original  # type: ignore[assignment]
+    assert held and attached.removed
+    gc.collect()
+    assert [r for r in held if r() is not None] == []
+
+
+def test_overlapping_cool_downs_take_the_smaller_factor(tmp_path: Path) -> None:
+    """x0.1 for 6 steps from step 2, then x0.5 for 6 steps from step 4: x0.1 from step 2 to step 9 (the later end)."""
+    rules = (fires_at(2, 2, "cool_down", ", cool_down: {factor: 0.1, steps: 6}")
+             + fires_at(4, 4, "cool_down", ", cool_down: {factor: 0.5, steps: 6}").replace("name: heal", "name: mild"))
+    pol = load_policy(tmp_path, rules)
+    data = batches()
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=CollectorRegistry()):
+        train(model, optimizer, scheduler, data)
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    train(ref_model, ref_optimizer, ref_scheduler, data, by_hand=lambda i: 0.1 if 2 <= i <= 9 else 1.0)
+    assert_same(model, ref_model)
+
+
+def test_cool_downs_at_one_step_take_the_strongest(tmp_path: Path) -> None:
+    """x0.5 and x0.1, both for 3 steps, fire at step 4 (x0.5 declared last): x0.1 for steps 4..6."""
+    rules = (fires_at(4, 4, "cool_down", ", cool_down: {factor: 0.1, steps: 3}")
+             + fires_at(4, 4, "cool_down", ", cool_down: {factor: 0.5, steps: 3}").replace("name: heal", "name: mild"))
+    pol = load_policy(tmp_path, rules)
+    data = batches()
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=CollectorRegistry()):
+        train(model, optimizer, scheduler, data)
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    train(ref_model, ref_optimizer, ref_scheduler, data, by_hand=lambda i: 0.1 if 4 <= i <= 6 else 1.0)
     assert_same(model, ref_model)
 
 

@@ -96,12 +96,14 @@ class StepCycle:
         self._hidden = HiddenGrads()
         self.updates = Updates(self.programs)
         #: `then: cool_down` and `then: rewind`, and the snapshots a rewind goes back to
-        self.healing = Healing(model, policies, store)
+        self.healing = Healing(model, policies, store, lambda key, exc: self._faults.fail(self.rules[key], exc))
         self._loss: Optional[LossTap] = None
         if any(rule.target == LOSS for policy in policies for rule in policy.rules):
             self._loss = LossTap(store.model, _WeakReached(self._steps.scopes))
+            self._loss.owner = _WeakFaults(self, loss_only=True)
         self._rebinding = Rebinding(model, policies, plan, self.rules, store, audit,
                                     (self.executor, self.programs, self.agreement), self.installer, self._steps)
+        self._rebinding.fault = _WeakFaults(self).fault
         self._forwarded = False  # a training forward ran in this step
         self._checked_parallel = False  # whether the model showed data parallelism was looked at (job's loss)
         self._removed = False
@@ -111,8 +113,8 @@ class StepCycle:
         """Subscribe to optimizer steps, hook the root, watch the tree; activate the first step's rules."""
         self._handles = [
             optimizer_hooks.subscribe(_WeakSteps(self), optimizer_hooks.STEP_TRACKING),
-            module_hooks.forward_pre_hook(self.model, self._root_pre),
-            module_hooks.forward_hook(self.model, self._root_post, always_call=True),
+            module_hooks.forward_pre_hook(self.model, self._pre_hook),
+            module_hooks.forward_hook(self.model, self._post_hook, always_call=True),
         ]
         self._rebinding.start()
         self.replicas.start(self.rules)
@@ -127,6 +129,8 @@ class StepCycle:
         self._handles.clear()
         self.replicas.handles.clear()
         self.healing.handles.clear()
+        if self.healing.snapshots is not None:  # a handle kept after remove() holds no copy of the model
+            self.healing.snapshots.release()
         self._steps.remove()
         self.installer.remove()
         if self._loss is not None:
@@ -307,10 +311,57 @@ class StepCycle:
         if self._loss is not None:
             self._loss.set_active(any(rs.rule.target == LOSS for rs in self.installer.step_rules()))
 
+    def fault(self, where: str, exc: Exception, loss_only: bool = False) -> None:
+        """A fault of hookpolicy's own part at `where` (a patch of torch, `hooks.contain`), done for this model's
+        rules (its loss rules: `loss_only`): their containment (`Faults.fail_all`); a `Halt` under `onError: halt`."""
+        rules = [rs for rs in self.rules.values() if not loss_only or rs.rule.target == LOSS]
+        self._faults.fail_all(rules, where, exc)
+
     # -- the root's forward and backward passes ---------------------------------------------
     def entered(self, args: Any) -> None:
         """The root's call under way when it was attached (`Attached.entered`): its pre-hook, run now."""
-        self._root_pre(self.model, args)
+        self._pre_hook(self.model, args)
+
+    # Each hook torch calls is contained: a fault of the cycle's own is `fault`, never the script's exception.
+    def _pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        try:
+            self._root_pre(module, args)
+        except Halt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: contained
+            self.fault("the model's forward pre-hook", exc)
+
+    def _post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        try:
+            self._root_post(module, args, output)
+        except Halt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: contained
+            self.fault("the model's forward hook", exc)
+
+    def _grad_hook(self, grad: torch.Tensor) -> None:
+        try:
+            self._output_grad(grad)
+        except Halt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: contained
+            self.fault("the backward marker on the model's output", exc)
+
+    def _pass_ends(self) -> None:
+        try:
+            self._after_the_pass()
+        except Halt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: contained
+            self.fault("the end of the backward pass", exc)
+
+    def _pass_ended(self) -> None:
+        try:
+            self._backward_done()
+        except Halt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: contained
+            self.fault("the end of the backward pass", exc)
 
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
         if not self._steps.forward_starts(module):
@@ -332,16 +383,16 @@ class StepCycle:
         elif training:
             if isinstance(output, torch.Tensor):  # the usual root output: no walk
                 if output.requires_grad and output.is_floating_point() and output.numel() > 0:
-                    output.register_hook(self._output_grad)  # type: ignore[no-untyped-call]
+                    output.register_hook(self._grad_hook)  # type: ignore[no-untyped-call]
                 return
             for _, t in named_tensors(output, _ALL):
                 if t.requires_grad:
-                    t.register_hook(self._output_grad)  # type: ignore[no-untyped-call]
+                    t.register_hook(self._grad_hook)  # type: ignore[no-untyped-call]
 
     def _output_grad(self, grad: torch.Tensor) -> None:
         """On the root's outputs: the first one to fire marks a backward pass."""
         if self._steps.backward_starts():
-            torch.autograd.Variable._execution_engine.queue_callback(self._after_the_pass)
+            torch.autograd.Variable._execution_engine.queue_callback(self._pass_ends)
 
     def _after_the_pass(self) -> None:
         """Queue the end of the backward pass again, behind the callbacks queued during the pass.
@@ -352,7 +403,7 @@ class StepCycle:
         its last bucket is ready, after this cycle's first callback: queued from here, the
         step of a script that steps no optimizer reads the gradients DDP averaged.
         """
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        torch.autograd.Variable._execution_engine.queue_callback(self._pass_ended)
 
     def _backward_done(self) -> None:
         if self._steps.backward_done():  # no optimizer steps this model: the backward pass is the step
@@ -413,6 +464,24 @@ class _WeakSteps:
         cycle = self._cycle()
         if cycle is not None:
             cycle.after_update(optimizer)
+
+    def fault(self, where: str, exc: Exception) -> None:
+        cycle = self._cycle()
+        if cycle is not None:
+            cycle.fault(where, exc)
+
+
+class _WeakFaults:
+    """The cycle (or its loss rules) as the owner of a fault of a process-wide patch (`hooks.contain.Owner`): weakly."""
+
+    def __init__(self, cycle: StepCycle, loss_only: bool = False) -> None:
+        self._cycle = weakref.ref(cycle)
+        self._loss_only = loss_only
+
+    def fault(self, where: str, exc: Exception) -> None:
+        cycle = self._cycle()
+        if cycle is not None:
+            cycle.fault(where, exc, self._loss_only)
 
 
 class _WeakReached:

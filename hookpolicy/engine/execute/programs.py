@@ -307,6 +307,7 @@ class Faults:
         self._step = step
         self.halting = halting
         self._ledger = ledger
+        self._said_own = Once()  # a fault of hookpolicy's own part (`fail_all`): its traceback once
 
     def step(self) -> int:
         return self._step()
@@ -342,3 +343,34 @@ class Faults:
         if rs.errors == MAX_ERRORS:
             self._store.switch_off(rs.key, f"after {MAX_ERRORS} errors")
             log.error("hookpolicy: %s/%s switched off after %d errors", *rs.key, MAX_ERRORS)
+
+    def fail_all(self, rules: Sequence[RuleState], where: str, exc: BaseException) -> None:
+        """A fault of hookpolicy's own part at `where` (a patch of torch, `hooks.contain`), done for `rules`.
+
+        The same containment as a hook body's, for every rule in force among `rules` at
+        once: each counts an error (`hookpolicy_hook_errors_total`) and is switched off after
+        `MAX_ERRORS`; with `onError: halt` on any of them it is a `Halt` (that rule's); the
+        traceback is said once per attachment.
+        """
+        live = [rs for rs in rules if not rs.off]
+        if not live:
+            return
+        step = self._step()
+        for rs in live:
+            rs.errors += 1
+            self._store.inc(HOOK_ERRORS, rs.key)
+        halting = next((rs for rs in live if rs.policy.on_error == "halt"), None)
+        if halting is not None:
+            raise self.halting(Halt(halting.policy.name, halting.rule.name, step,
+                                    f"hookpolicy's own fault in {where}: {type(exc).__name__}: {exc}")) from exc
+        if self._said_own():
+            log.error("hookpolicy: %s raised at step %d (hookpolicy's own fault, done for %s; the call it wraps went on "
+                      "untouched; logged once; those rules are switched off after %d errors):\n%s", where, step,
+                      ", ".join("/".join(rs.key) for rs in live), MAX_ERRORS,
+                      "".join(traceback.format_exception(exc)).rstrip())
+        off = [rs for rs in live if rs.errors == MAX_ERRORS]
+        for rs in off:
+            self._store.switch_off(rs.key, f"after {MAX_ERRORS} errors")
+        if off:
+            log.error("hookpolicy: %s switched off after %d errors", ", ".join("/".join(rs.key) for rs in off),
+                      MAX_ERRORS)

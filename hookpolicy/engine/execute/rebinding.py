@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -61,6 +61,8 @@ class Rebinding:
         #: the model's tree changed since the plan was built
         self.stale = False
         self._watching: Optional[module_hooks.Watching] = None
+        #: where a fault of `tree_changed` goes (the cycle's rules, `hooks.contain.Owner`); set by the cycle
+        self.fault: Optional[Callable[[str, Exception], None]] = None
 
     def start(self) -> None:
         """Watch the model's tree (a `module_hooks.watch` subscriber)."""
@@ -148,3 +150,11 @@ class _WeakTree:
         rebinding = self._rebinding()
         if rebinding is not None:
             rebinding.tree_changed(parent, name, value)
+
+    def fault(self, where: str, exc: Exception) -> None:
+        """A fault of `tree_changed` (`hooks.contain.Owner`): the cycle's rules'; said once as the process's without."""
+        rebinding = self._rebinding()
+        fault = None if rebinding is None else rebinding.fault
+        if fault is None:
+            raise exc
+        fault(where, exc)

@@ -33,9 +33,10 @@ skips the step instead, said in one line.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -85,15 +86,21 @@ _A = {"cool_down": "a cool-down", "rewind": "a rewind"}
 class Healing:
     """The cool-down in force, the rewinds taken, and the snapshots of one attached model."""
 
-    def __init__(self, model: torch.nn.Module, policies: Sequence[Policy], store: ModelMetrics) -> None:
+    def __init__(self, model: torch.nn.Module, policies: Sequence[Policy], store: ModelMetrics,
+                 fail: Optional[Callable[[tuple[str, str], Exception], None]] = None) -> None:
         self.order = heal_order(policies)
         self._store = store
+        #: a fault of a rule (a snapshot that cannot be taken or put back): its containment (`Faults.fail`)
+        self._fail = fail
         self.snapshots: Optional[Snapshots] = snapshots_of(model, policies, store.model)
         #: what the cycle removes with the model (the snapshots' watch on LR schedulers and GradScalers)
         self.handles: list[Any] = [] if self.snapshots is None else self.snapshots.handles
         self._factor = 1.0
         self._until = 0  # the cool-down lasts while step < _until
-        self._lowered: dict[int, list[Any]] = {}  # id(optimizer) -> the lr of each group before the factor
+        #: per alert whose cool-down is in force (policy, rule, index): its factor and end (for a reload)
+        self._cooling: dict[tuple[str, str, int], tuple[float, int]] = {}
+        #: id(optimizer) -> (the optimizer, weakly; per group: the group, its lr before the factor, the lr written)
+        self._lowered: dict[int, tuple["weakref.ref[torch.optim.Optimizer]", list[tuple[dict[str, Any], Any, Any]]]] = {}
         self._rewinds: dict[tuple[str, str, int], int] = defaultdict(int)
         self._rewinding: Optional[tuple[Healer, int]] = None  # restore at this step's end
         self._said = Once()
@@ -144,6 +151,11 @@ class Healing:
         cool = healer.alert.cool_down
         if cool is not None:
             starts = step >= self._until
+            if starts:
+                self._cooling.clear()
+            name = (healer.policy, healer.rule, healer.index)
+            factor, until = self._cooling.get(name, (cool.factor, 0))
+            self._cooling[name] = (min(factor, cool.factor), max(until, step + cool.steps))
             self._factor = cool.factor if starts else min(self._factor, cool.factor)
             self._until = max(self._until, step + cool.steps)
             if starts:  # an extension is not said again: it fires at every step of a streak
@@ -160,12 +172,16 @@ class Healing:
             return not_taken("rewind", f"max_rewinds: {rewind.max_rewinds} reached; halting")
         report.skip = True  # the update is not applied; the snapshot comes back at the step's end
         target = None if self.snapshots is None else self.snapshots.pick(step, rewind.back)
-        if target is None:
-            why = "no snapshot is taken of this model" if self.snapshots is None else self.snapshots.missing()
+        changed = [] if target is None or self.snapshots is None else self.snapshots.changed(target)
+        if target is None or changed:
+            why = ("no snapshot is taken of this model" if self.snapshots is None else
+                   f"the model changed since the snapshot taken after step {target - 1} "
+                   f"({'; '.join(changed[:6])}{'; ...' if len(changed) > 6 else ''})" if target is not None and changed
+                   else self.snapshots.missing())
             if healer.key not in report.skip_by:  # a skip like any other: hookpolicy_skipped_steps_total counts it
                 report.skip_by.append(healer.key)
                 report.skip_rule = report.skip_rule or healer.key
-            if self._said(("cannot rewind", name)):
+            if self._said(("cannot rewind", name, why if changed else "")):
                 log.warning("%s/%s: cannot rewind at step %d (%s): step skipped instead (said once; each such "
                             "step is counted in hookpolicy_skipped_steps_total)", healer.policy, healer.rule, step, why)
             return not_taken("rewind", f"{why}: step skipped instead")
@@ -174,35 +190,78 @@ class Healing:
         return outcome("rewind", True, "enforce")
 
     def before(self, optimizer: torch.optim.Optimizer, step: int) -> None:
-        """Before `optimizer` updates at `step`: the snapshot's copies are done; a cool-down lowers its lr."""
+        """Before `optimizer` updates at `step`: the snapshot's copies are done; a cool-down lowers its lr.
+
+        The lr is lowered in whichever optimizer steps the model now (one the script made
+        again included). What was lowered for an update whose post-hook never ran (the step
+        raised after the pre-hooks: torch runs no post-hook then) is put back first, where
+        nobody wrote the group's lr since.
+        """
         if self.snapshots is not None:
             self.snapshots.before_update(optimizer)
-        if step < self._until and id(optimizer) not in self._lowered:
-            self._lowered[id(optimizer)] = [group["lr"] for group in optimizer.param_groups]
+        stale = self._lowered.pop(id(optimizer), None)
+        if stale is not None:
+            _put_back(stale[1])
+        if step < self._until:
+            groups = []
             for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * self._factor
+                lr = group["lr"]
+                group["lr"] = lr * self._factor
+                groups.append((group, lr, group["lr"]))
+            self._lowered[id(optimizer)] = (weakref.ref(optimizer), groups)
 
     def after(self, optimizer: torch.optim.Optimizer) -> None:
-        """After `optimizer`'s update: its groups' lr as they were before the cool-down's factor."""
+        """After `optimizer`'s update: its groups' lr as they were before the cool-down's factor (the same object)."""
         lowered = self._lowered.pop(id(optimizer), None)
-        if lowered is not None:
-            for group, lr in zip(optimizer.param_groups, lowered):
-                group["lr"] = lr
+        if lowered is not None and lowered[0]() is optimizer:
+            _put_back(lowered[1])
 
     def step_ended(self, step: int) -> bool:
-        """At the end of `step`: restore the snapshot of a rewind (True), or take one when it is due."""
+        """At the end of `step`: restore the snapshot of a rewind (True), or take one when it is due.
+
+        Never raises into the step: a snapshot that cannot be taken or put back (no host
+        memory) is a fault of the rules that rewind (`fail`), and the step stays skipped.
+        """
         if self.snapshots is None:
             return False
         if self._rewinding is not None:
             healer, target = self._rewinding
             self._rewinding = None
-            restored = self.snapshots.restore(target)
-            self._store.inc(REWINDS, healer.key)
+            try:
+                restored, not_back = self.snapshots.restore(target)
+            except Exception as exc:  # noqa: BLE001 - a fault of the rule, not of the script
+                self._failed([healer.key], exc)
+                return False
             rewind = healer.alert.rewind
+            if not_back and not_back[0].startswith("the model changed"):
+                if self._said(("not restored", not_back[0])):
+                    log.warning("%s/%s: cannot rewind at step %d: %s; the step is skipped instead",
+                                healer.policy, healer.rule, step, not_back[0])
+                return False
+            self._store.inc(REWINDS, healer.key)
             count = self._rewinds[(healer.policy, healer.rule, healer.index)]
             log.warning("%s/%s: rewound at step %d to the snapshot taken after step %d: the %d steps %d..%d are "
                         "dropped (rewind %d of %d)", healer.policy, healer.rule, step, restored - 1,
                         step - restored + 1, restored, step, count, 0 if rewind is None else rewind.max_rewinds)
+            for line in not_back:
+                if self._said(("not restored", line)):
+                    log.warning("%s/%s: rewind at step %d: %s (said once)", healer.policy, healer.rule, step, line)
             return True
-        self.snapshots.take_if_due(step)
+        try:
+            self.snapshots.take_if_due(step)
+        except Exception as exc:  # noqa: BLE001 - a fault of the rules that rewind, not of the script
+            self._failed([h.key for h in self.order if h.alert.then == "rewind"], exc)
         return False
+
+    def _failed(self, keys: Sequence[tuple[str, str]], exc: Exception) -> None:
+        if self._fail is None:
+            raise exc
+        for key in dict.fromkeys(keys):
+            self._fail(key, exc)
+
+
+def _put_back(groups: Sequence[tuple[dict[str, Any], Any, Any]]) -> None:
+    """Each group's lr as it was before the factor, where the group's lr is still the one the factor wrote."""
+    for group, lr, written in groups:
+        if group.get("lr") is written:
+            group["lr"] = lr

@@ -89,6 +89,12 @@ def mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
+#: a tensor as a snapshot knows it: its name in the model (module path and name), shape, dtype
+Identity = tuple[str, tuple[int, ...], torch.dtype]
+#: an optimizer's parameter groups as a snapshot knows them: per group, each parameter's identity
+Groups = list[list[Identity]]
+
+
 @dataclass
 class Snapshot:
     """The state after `step` updates (the step a restore resumes at), in host memory."""
@@ -101,6 +107,10 @@ class Snapshot:
     schedulers: list[tuple["weakref.ref[Any]", dict[str, Any]]] = field(default_factory=list)
     #: (the GradScaler, weakly; its scale; its growth tracker)
     scalers: list[tuple["weakref.ref[Any]", torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: what `model` holds, in order: each tensor's name in the model (module path and name), shape, dtype
+    names: list[Identity] = field(default_factory=list)
+    #: per optimizer of `optimizers`: (the optimizer, weakly; its class; its groups' parameters, by identity)
+    held: list[tuple["weakref.ref[torch.optim.Optimizer]", type, Groups]] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -132,7 +142,7 @@ class Snapshots:
             self._watched = True
             self.handles.append(schedulers.watch())
         if optimizer not in self._optimizers:
-            self._optimizers.add(optimizer)
+            self._optimizers.add(optimizer)  # the optimizers of this step (a script may make its optimizer again)
             if len(self._optimizers) > 1 and not self._several:
                 self._several = True
                 self.kept.clear()
@@ -147,57 +157,105 @@ class Snapshots:
         return f"no snapshot yet: the first is taken after {self.every} steps"
 
     def pick(self, step: int, back: int) -> Optional[int]:
-        """The step of the snapshot a rewind at `step` goes back to: the newest at least `back` older, else the oldest."""
+        """The step of the snapshot a rewind at `step` goes back to: the newest at least `back` older, else the oldest.
+
+        A snapshot's `step` counts updates: the one taken after step `t` has `step == t + 1`
+        and is `step - t` steps older than `step` (`back: 6` at step 25 takes the one taken
+        after step 19, dropping the 6 steps 20..25).
+        """
         if not self.kept:
             return None
-        old_enough = [s.step for s in self.kept if step - s.step >= back]
+        old_enough = [s.step for s in self.kept if step - (s.step - 1) >= back]
         return old_enough[-1] if old_enough else self.kept[0].step
 
     def take_if_due(self, step: int) -> None:
         """At the end of `step`: a snapshot if `step + 1` updates are a multiple of `every`."""
+        stepping, self._optimizers = self._ordered(), weakref.WeakSet()
         if (step + 1) % self.every or self._several:
             return
         model = self._model()
-        if model is None or not self._optimizers:
+        if model is None or not stepping:
             return
         slot = self.kept.pop(0) if len(self.kept) == self.keep else None
-        snapshot = self._take(model, step + 1, slot)
+        snapshot = self._take(model, step + 1, slot, stepping)
         self.kept.append(snapshot)
         if self._said_size():
             log.info("%s: first snapshot for then: rewind after step %d: %s (x %d kept at most); %d LR schedulers, "
                      "%d GradScalers with it", self._name, step, mib(snapshot.nbytes), self.keep,
                      len(snapshot.schedulers), len(snapshot.scalers))
 
-    def restore(self, step: int) -> int:
-        """Put back the snapshot taken after `step` updates; newer ones are dropped. Returns `step`."""
+    def release(self) -> None:
+        """Drop every snapshot (at `remove()`: a handle kept after it holds no copy of the model)."""
+        self.kept = []
+        self._pending = None
+
+    def changed(self, step: int) -> list[str]:
+        """What no longer matches in the model since the snapshot taken after `step` updates (empty: it all does).
+
+        A snapshot is put back as `nn.Module.load_state_dict` would, by name: each tensor
+        of the model as it is now must be one the snapshot holds, of the same shape and
+        dtype (a device move is fine: the values are copied to where the tensor is now).
+        """
+        snapshot = next(s for s in self.kept if s.step == step)
+        model = self._model()
+        if model is None:
+            return ["the model is gone"]
+        return _differences(snapshot.names, [name for name, _ in _identities(model)])
+
+    def restore(self, step: int) -> tuple[int, list[str]]:
+        """Put back the snapshot taken after `step` updates, what still matches; newer ones are dropped.
+
+        Returns `step` and what was not put back, in words. The model is put back whole or
+        not at all (`changed`: then nothing is written); each optimizer's state only into an
+        optimizer of the same class with the same parameter groups (by name and shape), as
+        `Optimizer.load_state_dict` requires; each LR scheduler only while its optimizer still
+        steps the model; a GradScaler only while it is enabled.
+        """
         snapshot = next(s for s in self.kept if s.step == step)
         self.kept = [s for s in self.kept if s.step <= step]
         model = self._model()
         self._wait()
+        stepping = self._ordered()
+        self._optimizers = weakref.WeakSet()
+        refused = self.changed(step)
+        if model is None or refused:
+            return step, [f"the model changed since the snapshot ({'; '.join(refused[:6])}): nothing put back"]
+        not_back: list[str] = []
+        names = names_of(model)
         with torch.no_grad():
-            if model is not None:
-                for live, saved in zip(_model_tensors(model), snapshot.model):
-                    _local(live).copy_(saved, non_blocking=True)
-            for optimizer, (states, groups) in zip(self._ordered(), snapshot.optimizers):
-                _restore_optimizer(optimizer, states, groups)
+            for live, saved in zip(_model_tensors(model), snapshot.model):
+                _local(live).copy_(saved, non_blocking=True)
+            for optimizer in stepping:
+                found = _saved_for(optimizer, snapshot, _groups(optimizer, names))
+                if isinstance(found, str):
+                    not_back.append(found)
+                    continue
+                _restore_optimizer(optimizer, *found)
+        live_ids = {id(o) for o in stepping}
         for ref, state in snapshot.schedulers:
             scheduler = ref()
-            if scheduler is not None:
-                scheduler.load_state_dict(copy.deepcopy(state))
+            if scheduler is None:
+                continue
+            if id(getattr(scheduler, "optimizer", None)) not in live_ids:
+                not_back.append(f"{type(scheduler).__name__}: its optimizer no longer steps the model, state not "
+                                "restored")
+                continue
+            scheduler.load_state_dict(copy.deepcopy(state))
         for ref, scale, tracker in snapshot.scalers:
             scaler = ref()
-            if scaler is not None:
-                scaler._scale.copy_(scale)
-                scaler._growth_tracker.copy_(tracker)
-        return step
+            now, growth = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+            if scaler is None or not isinstance(now, torch.Tensor) or not isinstance(growth, torch.Tensor):
+                continue
+            now.copy_(scale)
+            growth.copy_(tracker)
+        return step, not_back
 
     # -- taking one ----------------------------------------------------------------------------
     def _ordered(self) -> list[torch.optim.Optimizer]:
         return sorted(self._optimizers, key=id)
 
     def _take(self, model: torch.nn.Module, step: int,
-              slot: Optional[Snapshot]) -> Snapshot:
-        optimizers = self._ordered()
+              slot: Optional[Snapshot], optimizers: list[torch.optim.Optimizer]) -> Snapshot:
         side = self._side_stream(model)
         with torch.no_grad(), (torch.cuda.stream(side) if side is not None else _nothing()):
             tensors = [_local(t) for t in _model_tensors(model)]
@@ -216,10 +274,14 @@ class Snapshots:
         found = schedulers.alive()  # no heap scan: known from their construction
         lrs = [(weakref.ref(s), copy.deepcopy(s.state_dict())) for s in found
                if issubclass(type(s), scheduler) and id(getattr(s, "optimizer", None)) in held]
+        # a disabled GradScaler (nanoGPT's on a CPU or a bf16 GPU) never sets _scale: nothing of it to keep
         scales = [(weakref.ref(s), s._scale.clone(), s._growth_tracker.clone()) for s in found
-                  if issubclass(type(s), scaler) and s._scale is not None and s._growth_tracker is not None
-                  and any(i in held for i in s._per_optimizer_states)]
-        return Snapshot(step, copies, states, lrs, scales)
+                  if issubclass(type(s), scaler) and isinstance(getattr(s, "_scale", None), torch.Tensor)
+                  and isinstance(getattr(s, "_growth_tracker", None), torch.Tensor)
+                  and any(i in held for i in getattr(s, "_per_optimizer_states", ()))]
+        names = _identities(model)
+        held_by = [(weakref.ref(o), type(o), _groups(o, names_of(model))) for o in optimizers]
+        return Snapshot(step, copies, states, lrs, scales, [name for name, _ in names], held_by)
 
     def _side_stream(self, model: torch.nn.Module) -> Optional[Any]:
         """A CUDA stream for the copies, waiting for the update that made them; None off CUDA."""
@@ -310,3 +372,62 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, states: dict[int, dict[
     for group, settings in zip(optimizer.param_groups, groups):
         for k, v in settings.items():
             group[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+
+
+def _identities(model: torch.nn.Module) -> list[tuple[Identity, torch.Tensor]]:
+    """Each tensor a snapshot copies (`_model_tensors`' order), with its identity."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return [((name, tuple(_local(t).shape), t.dtype), t) for name, t in named]
+
+
+def names_of(model: torch.nn.Module) -> dict[int, Identity]:
+    """id of each parameter of `model` -> its identity (for an optimizer's groups)."""
+    return {id(t): identity for identity, t in _identities(model)}
+
+
+def _groups(optimizer: torch.optim.Optimizer, names: dict[int, Identity]) -> Groups:
+    """Each group's parameters by identity; one outside the model by its shape and dtype only."""
+    return [[names.get(id(p), ("(not in the model)", tuple(_local(p).shape), p.dtype)) for p in group["params"]]
+            for group in optimizer.param_groups]
+
+
+def _differences(saved: Sequence[Identity], live: Sequence[Identity]) -> list[str]:
+    """What differs between the identities a snapshot holds and the model's now, in words."""
+    if list(saved) == list(live):
+        return []
+    before = {name: (shape, dtype) for name, shape, dtype in saved}
+    now = {name: (shape, dtype) for name, shape, dtype in live}
+    said: list[str] = []
+    for name, (shape, dtype) in now.items():
+        old = before.get(name)
+        if old is None:
+            said.append(f"{name} is new")
+        elif old[0] != shape:
+            said.append(f"{name} is {_dims(shape)} now, {_dims(old[0])} in the snapshot")
+        elif old[1] != dtype:
+            said.append(f"{name} is {str(dtype).removeprefix('torch.')} now, "
+                        f"{str(old[1]).removeprefix('torch.')} in the snapshot")
+    said += [f"{name} is gone" for name in before if name not in now]
+    return said or ["its tensors are in another order"]
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "x".join(str(n) for n in shape) or "a scalar"
+
+
+def _saved_for(optimizer: torch.optim.Optimizer, snapshot: Snapshot, groups: Groups
+               ) -> "tuple[dict[int, dict[str, Any]], list[dict[str, Any]]] | str":
+    """The saved state to put into `optimizer`: the same one's, else one of the same class over the same groups;
+    else why none is (in words)."""
+    entries = list(zip(snapshot.held, snapshot.optimizers))
+    same = [saved for (ref, _, _), saved in entries if ref() is optimizer]
+    alike = [saved for (_, cls, held), saved in entries if cls is type(optimizer) and held == groups]
+    name = type(optimizer).__name__
+    if same and any(held == groups for (ref, _, held), _ in entries if ref() is optimizer):
+        return same[0]
+    if alike:
+        return alike[0]
+    if same or any(cls is type(optimizer) for _, cls, _ in snapshot.held):
+        return f"{name}'s state not restored: its parameter groups changed since the snapshot"
+    was = ", ".join(sorted({cls.__name__ for _, cls, _ in snapshot.held})) or "no optimizer"
+    return f"{name}'s state not restored: the snapshot holds the state of {was}, another class"

@@ -47,6 +47,8 @@ from torch.amp.grad_scaler import GradScaler
 from torch.autograd.graph import GradientEdge
 
 from ... import process
+from ...errors import Halt
+from .contain import Part, fault_of
 
 __all__ = ["LossTap", "Reached"]
 
@@ -75,6 +77,8 @@ class LossTap:
         self.active = False
         self._joined = False
         self._said_none = process.Once()  # "no loss seen", said once per tap
+        #: where a fault of hookpolicy's part of the patches goes: the loss rules' containment (`contain.Owner`)
+        self.owner: object = None
 
     def set_active(self, active: bool) -> None:
         """At a step boundary (or a re-plan): whether a loss rule is evaluated on this step."""
@@ -85,6 +89,10 @@ class LossTap:
             self._joined = True
             _ROOTS.join(self)
         self.active = active
+
+    def fault(self, where: str, exc: Exception) -> None:
+        """A fault of hookpolicy's part of a patch, done for this tap: its loss rules' (`contain.Owner`)."""
+        fault_of(self.owner, where, exc, _PART)
 
     # -- called by the owner of the patch, around one backward call ------------------------
     def backward_starts(self, values: list[torch.Tensor]) -> None:
@@ -195,35 +203,79 @@ class _Roots:
         """A class's `scale(self, outputs)` that notes the scale tensor each returned tensor was multiplied by."""
         def scale(scaler: GradScaler, outputs: Any) -> Any:
             scaled = original(scaler, outputs)
-            factor = scaler._scale
-            if scaler._enabled and factor is not None:
-                for t in _tensors(scaled):
-                    self._remember(t, factor)
+            taps = self._active()
+            if not taps:  # no loss rule is evaluated on this step: nothing to note
+                return scaled
+            try:  # a disabled scaler (nanoGPT's on a CPU or a bf16 GPU) has no _scale: it returned outputs as they are
+                factor = getattr(scaler, "_scale", None)
+                if getattr(scaler, "_enabled", False) and isinstance(factor, torch.Tensor):
+                    for t in _tensors(scaled):
+                        self._remember(t, factor)
+            except Exception as exc:  # noqa: BLE001 - hookpolicy's part of the patch: contained
+                self._failed(taps, "GradScaler.scale", exc)
             return scaled
         return scale
 
     # -- the wrappers ----------------------------------------------------------------------
     def _wrapped_backward(self, tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """torch.autograd.backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, ...)."""
+        """torch.autograd.backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, ...).
+
+        The original is called exactly as the script called it; what hookpolicy does around
+        it (the roots' values before, the taps told after) is contained (`contain`): a
+        fault of it goes to the taps' loss rules, and a `Halt` it makes is raised after the
+        original returned.
+        """
         original = self._backward
         assert original is not None
-        taps = [tap for tap in self._taps if tap.active]
         depth = getattr(self._local, "depth", 0)
-        if not taps or depth or torch._C._current_graph_task_id() != -1:
-            return original(tensors, grad_tensors, *args, **kwargs)
-        values = self._values(tensors, kwargs.get("grad_variables", grad_tensors))
-        for tap in taps:
-            tap.backward_starts(values)
+        taps: list[LossTap] = []
+        halt: Optional[Halt] = None
+        try:
+            active = self._active()
+            if active and not depth and torch._C._current_graph_task_id() == -1:
+                taps = active
+                values = self._values(tensors, kwargs.get("grad_variables", grad_tensors))
+                for tap in taps:
+                    tap.backward_starts(values)
+        except Exception as exc:  # noqa: BLE001 - hookpolicy's part of the patch: contained
+            halt = self._failed(taps, "torch.autograd.backward (before the call)", exc, hold=True)
+            taps = []
+        if not taps:
+            result = original(tensors, grad_tensors, *args, **kwargs)
+            if halt is not None:
+                raise halt
+            return result
         self._local.depth = depth + 1
         completed = False
         try:
             result = original(tensors, grad_tensors, *args, **kwargs)
             completed = True
-            return result
         finally:
             self._local.depth = depth
             for tap in taps:
-                tap.backward_ends(completed)
+                try:
+                    tap.backward_ends(completed)
+                except Exception as exc:  # noqa: BLE001 - hookpolicy's part of the patch: contained
+                    halt = halt or self._failed([tap], "torch.autograd.backward (after the call)", exc, hold=True)
+        if halt is not None:
+            raise halt
+        return result
+
+    def _active(self) -> list[LossTap]:
+        return [tap for tap in self._taps if tap.active] if not _PART.off else []
+
+    def _failed(self, taps: Sequence[LossTap], where: str, exc: Exception, hold: bool = False) -> Optional[Halt]:
+        """Hand a fault of hookpolicy's part to each tap's loss rules (or `_PART`); a `Halt` is returned with `hold`."""
+        if not taps:
+            _PART.failed(exc)
+        for tap in taps:
+            try:
+                tap.fault(where, exc)
+            except Halt as halt:
+                if not hold:
+                    raise
+                return halt
+        return None
 
     def _remember(self, t: torch.Tensor, factor: torch.Tensor) -> None:
         if len(self._scaled) > 64:  # scaled outputs never backpropagated: forget the dead ones
@@ -261,4 +313,6 @@ def _tensors(scaled: Any) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor)]
 
 
+#: the patches' own part where no tap owns the fault
+_PART = Part("the loss tap's part of torch.autograd.backward and GradScaler.scale (target: loss)")
 _ROOTS = _Roots()

@@ -61,6 +61,8 @@ from torch.nn.modules.module import (
 from torch.utils.hooks import RemovableHandle
 
 from ... import process
+from ...errors import Halt
+from .contain import Part, fault_of
 
 __all__ = [
     "OwnHandle", "TreeSubscriber", "Watching", "reduces_itself", "forward_hook", "forward_pre_hook",
@@ -121,6 +123,7 @@ class _CallHandle(RemovableHandle):
         super().__init__(OrderedDict())
         self.calls, self.hook = calls, hook
         self.sort_key = (priority, self.id)
+        self.part = Part(f"the hook before every module call ({getattr(hook, '__qualname__', 'a subscriber')})")
 
     def remove(self) -> None:
         self.calls.discard(self)
@@ -129,10 +132,10 @@ class _CallHandle(RemovableHandle):
 class _Calls:
     """The process-wide module call hook: one PyTorch forward pre-hook, calling its subscribers in order.
 
-    Order: by `priority` (lower first), then by subscription. With one subscriber, that
-    subscriber's own function is registered with PyTorch (no dispatch on every module call
-    of the process); with several, one function that calls them in turn, each seeing the
-    arguments the previous one returned, as PyTorch chains its own hooks.
+    Order: by `priority` (lower first), then by subscription. One function calls them in
+    turn, each seeing the arguments the previous one returned, as PyTorch chains its own
+    hooks; each is contained (a fault of it is said once, and after 3 it is not called
+    again: the module is called as the script called it).
     """
 
     def __init__(self) -> None:
@@ -161,16 +164,24 @@ class _Calls:
         if self._torch is not None:
             self._torch.remove()
             self._torch = None
-        hooks = tuple(h.hook for h in self._subscribers)
-        if hooks:
-            self._torch = register_module_forward_pre_hook(hooks[0] if len(hooks) == 1 else _chain(hooks))
+        if self._subscribers:
+            self._torch = register_module_forward_pre_hook(_chain(self._subscribers))
 
 
-def _chain(hooks: tuple[Callable[..., Any], ...]) -> Callable[..., Any]:
+def _chain(handles: tuple[_CallHandle, ...]) -> Callable[..., Any]:
+    """One forward pre-hook calling each subscriber in turn, each contained (`contain.Part`: off after 3 faults)."""
     def pre(module: torch.nn.Module, args: Any) -> Any:
         changed = False
-        for hook in hooks:
-            result = hook(module, args)
+        for handle in handles:
+            if handle.part.off:
+                continue
+            try:
+                result = handle.hook(module, args)
+            except Halt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - hookpolicy's part: the module is called as it was
+                handle.part.failed(exc)
+                continue
             if result is not None:
                 args, changed = (result if isinstance(result, tuple) else (result,)), True
         return args if changed else None
@@ -244,16 +255,35 @@ def _reduce_ex(self: torch.nn.Module, protocol: Any) -> Any:
     """`object.__reduce_ex__` (or what was there before), minus hookpolicy's hooks in the state."""
     previous = _saved[0] if _saved and _saved[0] is not None else object.__reduce_ex__
     reduced = previous(self, protocol)
+    if not _REDUCE_PART.off:
+        try:
+            return _filtered(reduced, lambda key, hook: key in _ours)
+        except Exception as exc:  # noqa: BLE001 - hookpolicy's part: contained
+            _REDUCE_PART.failed(exc)
+    # the ids failed us: hookpolicy's hooks told by where their code lives, so a copy still carries none of them
+    return _filtered(reduced, lambda key, hook: _defined_here(hook))
+
+
+_REDUCE_PART = Part("the filter of nn.Module.__reduce_ex__ (copies and saves of a governed model)")
+
+
+def _defined_here(hook: Any) -> bool:
+    """Whether `hook` is a function or bound method of hookpolicy's own code."""
+    function = getattr(hook, "__func__", hook)
+    return str(getattr(function, "__module__", "") or "").startswith("hookpolicy.")
+
+
+def _filtered(reduced: Any, ours: Callable[[Any, Any], bool]) -> Any:
+    """`reduced` with the entries `ours(key, hook)` left out of the module's hook dicts."""
     if not (isinstance(reduced, tuple) and len(reduced) > 2 and isinstance(reduced[2], dict)):
         return reduced
     state = reduced[2]
-    ours = _ours
-    dirty = [name for name in _HOOK_DICTS if state.get(name) and not ours.isdisjoint(state[name])]
+    dirty = [name for name in _HOOK_DICTS if state.get(name) and any(ours(k, v) for k, v in state[name].items())]
     if not dirty:
         return reduced
     state = dict(state)  # a __getstate__ may hand out the live __dict__: never edit it
     for name in dirty:
-        state[name] = OrderedDict((k, v) for k, v in state[name].items() if k not in ours)
+        state[name] = OrderedDict((k, v) for k, v in state[name].items() if not ours(k, v))
     return (*reduced[:2], state, *reduced[3:])
 
 
@@ -301,10 +331,16 @@ class _Watch:
         if entry is None or entry[0]() is not parent:
             return None
         for subscriber in list(entry[1]):
-            subscriber.tree_changed(parent, name, value)
+            try:
+                subscriber.tree_changed(parent, name, value)
+            except Halt:
+                raise
+            except Exception as exc:  # noqa: BLE001 - hookpolicy's part: the assignment lands as the script made it
+                fault_of(subscriber, "the tree watch (module/parameter registration hook)", exc, _WATCH_PART)
         return None
 
 
+_WATCH_PART = Part("the tree watch (module/parameter registration hook)")
 _WATCH = _Watch()
 
 

@@ -33,8 +33,12 @@ The subscriber contract, as a literal signature:
   return before it moves. Later evaluations inside the same step are not seen; this is
   reported once per optimizer class as a `hookpolicy:` warning.
 
-An exception from a subscriber propagates out of `optimizer.step()` (a `Halt` does so
-on purpose); the subscribers after it are not called for that event.
+A `Halt` from a subscriber propagates out of `optimizer.step()` (on purpose); the
+subscribers after it are not called for that event. Any other exception is hookpolicy's own
+fault, contained (`contain`): it goes to the subscriber's `fault(where, exc)` (the step
+cycle's: its rules' containment, a `Halt` under `onError: halt`) or, for one without, is
+said once; after `contain.MAX_FAULTS` faults the subscriber is not called again. The step
+itself goes on as the script called it.
 
 The one rule for unsubscribing: `Subscription.remove()` may be called at any time, from
 any thread, also from inside a subscriber or any other optimizer hook; from that moment
@@ -59,6 +63,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.hooks import RemovableHandle
 
 from ... import process
+from ...errors import Halt
+from .contain import MAX_FAULTS, Part, fault_of
 
 __all__ = ["DISCOVERY", "STEP_TRACKING", "StepSubscriber", "Subscription", "subscribe"]
 
@@ -87,6 +93,7 @@ class Subscription:
         self.subscriber = subscriber
         self.sort_key = (priority, order)
         self.removed = False
+        self.faults = 0
 
     def remove(self) -> None:
         _OWNER.remove(self)
@@ -137,27 +144,47 @@ class _Owner:
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Optional[tuple[Any, Any]]:
         """hook(optimizer, args, kwargs) -> None or (args, kwargs): `args[0]` is the optimizer itself."""
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if not callable(closure):
-            self.before_update(optimizer)
+        try:
+            closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+            if callable(closure):
+                wrapped = _ClosureThenUpdate(self, optimizer, closure)
+                if "closure" in kwargs:
+                    return args, {**kwargs, "closure": wrapped}
+                return (args[0], wrapped, *args[2:]), kwargs
+        except Exception as exc:  # noqa: BLE001 - hookpolicy's part: the step goes on with the script's own arguments
+            _PART.failed(exc)
             return None
-        wrapped = _ClosureThenUpdate(self, optimizer, closure)
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": wrapped}
-        return (args[0], wrapped, *args[2:]), kwargs
+        self.before_update(optimizer)
+        return None
 
     def before_update(self, optimizer: torch.optim.Optimizer) -> None:
         for subscription in self._subscriptions:
             if not subscription.removed:
-                subscription.subscriber.before_update(optimizer)
+                self._call(subscription, "before_update", optimizer)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         wrapped = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if isinstance(wrapped, _ClosureThenUpdate):
-            wrapped.report()
+            try:
+                wrapped.report()
+            except Exception as exc:  # noqa: BLE001 - hookpolicy's part: contained
+                _PART.failed(exc)
         for subscription in self._subscriptions:
             if not subscription.removed:
-                subscription.subscriber.after_update(optimizer)
+                self._call(subscription, "after_update", optimizer)
+
+    def _call(self, subscription: Subscription, method: str, optimizer: torch.optim.Optimizer) -> None:
+        """One subscriber's `method`, contained: a `Halt` propagates, any other fault goes to its `fault`."""
+        if subscription.faults >= MAX_FAULTS:
+            return
+        try:
+            getattr(subscription.subscriber, method)(optimizer)
+        except Halt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: never out of optimizer.step()
+            subscription.faults += 1
+            fault_of(subscription.subscriber, f"the optimizer step {'pre' if method == 'before_update' else 'post'}"
+                     f"-hook ({method})", exc, _PART)
 
 
 class _ClosureThenUpdate:
@@ -173,7 +200,7 @@ class _ClosureThenUpdate:
         loss = self.closure(*args, **kwargs)
         self.calls += 1
         if self.calls == 1:
-            self.owner.before_update(self.optimizer)
+            self.owner.before_update(self.optimizer)  # each subscriber contained
         return loss
 
     def report(self) -> None:
@@ -221,4 +248,6 @@ def _runs_a_step(frame: Optional[FrameType]) -> bool:
     return False
 
 
+#: the owner's own part (the closure's wrapper): said once, off after 3 faults
+_PART = Part("the optimizer step hooks' part (the closure's wrapper)")
 _OWNER = _Owner()

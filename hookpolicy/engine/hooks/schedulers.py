@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ... import process
+from .contain import Part
 from .heap import live_of
 
 __all__ = ["Watch", "alive", "kinds", "watch"]
@@ -148,7 +149,12 @@ class _Made:
         @functools.wraps(init)
         def __init__(made: Any, *args: Any, **kwargs: Any) -> None:
             init(made, *args, **kwargs)
-            note(made)
+            if _PART.off:
+                return
+            try:
+                note(made)
+            except Exception as exc:  # noqa: BLE001 - hookpolicy's part: the object is made as the script made it
+                _PART.failed(exc)
         return __init__
 
     def _hook_subclasses(self, root: type) -> None:
@@ -161,11 +167,18 @@ class _Made:
                 theirs.__get__(None, cls)(**kwargs)
             else:
                 super(root, cls).__init_subclass__(**kwargs)  # type: ignore[arg-type]
-            wrap(cls)
+            if _PART.off:
+                return
+            try:
+                wrap(cls)
+            except Exception as exc:  # noqa: BLE001 - hookpolicy's part: the class is defined as without it
+                _PART.failed(exc)
 
         ours: Any = classmethod(__init_subclass__)
         self._subclassing.append((root, theirs, ours))
         setattr(root, "__init_subclass__", ours)
 
 
+#: the wrappers' own part (noting an object made, wrapping a class defined): said once, off after 3 faults
+_PART = Part("the note of LR schedulers and GradScalers being made (then: rewind)")
 _MADE = _Made()

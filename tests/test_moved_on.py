@@ -1,0 +1,250 @@
+"""A rewind or a cool-down after the run moved on: the script changed its model, optimizer or scheduler.
+
+A snapshot records what it holds (each tensor's module path and name, shape, dtype; each
+optimizer's class and parameter groups; the schedulers); a restore writes back only what
+still matches, and refuses the rest out loud. The reference for every case is the same
+script run without hookpolicy, doing by hand what the case must come to: the step not
+applied (a refused rewind skips instead), the model's `state_dict()` deep-copied by the
+test at the snapshot step and loaded back (`nn.Module.load_state_dict`, which matches by
+name), the optimizer's too where it still matches (`Optimizer.load_state_dict`), the lr
+multiplied around `optimizer.step()` for a cool-down. Every comparison is bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from torch import nn
+
+from helpers.outputs import metric
+from helpers.policies import load_policy
+
+STEPS = 10
+SNAP = 5  # snapshots every 2 steps: taken after steps 1, 3, 5; the rewind at REWIND goes back to the one after 5
+CHANGE = 6
+REWIND = 7
+
+
+def build() -> nn.Sequential:
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)) for _ in range(STEPS)]
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+#: change(model, optimizer) -> the optimizer from then on; the model is changed in place
+Change = Callable[[nn.Sequential, torch.optim.Optimizer], torch.optim.Optimizer]
+
+
+def inserted(model: nn.Sequential, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A layer inserted (the names under model.2 move), the optimizer made again for the new parameters."""
+    torch.manual_seed(9)
+    model[2] = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    return sgd(model)
+
+
+def reshaped(model: nn.Sequential, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Two layers of other shapes under the same names."""
+    torch.manual_seed(9)
+    model[2] = nn.Linear(8, 16)
+    model[4] = nn.Linear(16, 2)
+    return sgd(model)
+
+
+def removed(model: nn.Sequential, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    model[2] = nn.Identity()
+    return sgd(model)
+
+
+def to_double(model: nn.Sequential, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    model.double()
+    return sgd(model)
+
+
+def adam(model: nn.Sequential, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer made again, of another class: SGD with momentum, then Adam."""
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def same_again(model: nn.Sequential, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer made again, of the same class, over the same parameters."""
+    return sgd(model)
+
+
+def grouped(model: nn.Sequential, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A parameter group added: the head's bias moves into a group of its own."""
+    head = model[4].bias
+    fresh = torch.optim.SGD([p for n, p in model.named_parameters() if n != "4.bias"], lr=0.05, momentum=0.9)
+    fresh.add_param_group({"params": [head], "lr": 0.01})
+    return fresh
+
+
+def replaced_head(model: nn.Sequential, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A new head of the same shape (a re-initialised classifier): the same names, other tensors; the optimizer
+    keeps stepping the old head's parameters (the script did not tell it)."""
+    torch.manual_seed(9)
+    model[4] = nn.Linear(8, 2)
+    return optimizer
+
+
+def script(change: Optional[Change], *, by_hand: Optional[Callable[[nn.Module, torch.optim.Optimizer, dict[str, Any]],
+                                                                  None]] = None,
+           lr_factor: Callable[[int], float] = lambda i: 1.0, model: Optional[nn.Sequential] = None,
+           ) -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    """The training script; `by_hand` replaces `optimizer.step()` at REWIND (the test's reference)."""
+    model = build() if model is None else model
+    optimizer = sgd(model)
+    saved: dict[str, Any] = {}
+    for i, (x, y) in enumerate(data()):
+        if change is not None and i == CHANGE:
+            optimizer = change(model, optimizer)
+        x, y = x.to(next(model.parameters()).dtype), y.to(next(model.parameters()).dtype)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        kept = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = g["lr"] * lr_factor(i)
+        if by_hand is not None and i == REWIND:
+            by_hand(model, optimizer, saved)
+        else:
+            optimizer.step()
+        for g, lr in zip(optimizer.param_groups, kept):
+            g["lr"] = lr
+        if i == SNAP:
+            saved["model"] = copy.deepcopy(model.state_dict())
+            saved["optimizer"] = copy.deepcopy(optimizer.state_dict())
+    return model, optimizer
+
+
+def skipped(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """A refused rewind: the step is skipped instead."""
+
+
+def model_back(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    model.load_state_dict(saved["model"])
+
+
+def both_back(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+
+
+REWINDS = f"""
+- name: heal
+  match: {{modules: ["**"]}}
+  trigger: {{at: step, steps: {{from: {REWIND}, until: {REWIND + 1}}}}}
+  target: grad
+  actions: [{{alert: {{if: "l2_norm >= 0", per: rule, then: rewind, rewind: {{back: 1, max_rewinds: 3}}}}}}]
+"""
+
+#: (the change, what the rewind must come to, words the warning must hold)
+CASES: list[tuple[Change, Callable[..., None], list[str]]] = [
+    (inserted, skipped, ["2.weight", "2.0.weight"]),
+    (reshaped, skipped, ["2.weight is 16x8 now, 8x8 in the snapshot"]),
+    (removed, skipped, ["2.weight"]),
+    (to_double, skipped, ["float64"]),
+    (adam, model_back, ["Adam", "SGD", "not restored"]),
+    (same_again, both_back, []),
+    (grouped, model_back, ["group", "not restored"]),
+    (replaced_head, model_back, ["not restored"]),
+]
+
+
+@pytest.mark.parametrize("change,reference,words", CASES, ids=[c[0].__name__ for c in CASES])
+def test_a_rewind_after_the_run_moved_on_restores_what_matches_and_refuses_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, change: Change, reference: Callable[..., None],
+    words: list[str],
+) -> None:
+    pol = load_policy(tmp_path, REWINDS, spec="snapshots: {every: 2, keep: 2}\n")
+    model = build()
+    registry = CollectorRegistry()
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"):
+        with pol.attach(model, registry=registry):
+            model, _ = script(change, model=model)
+    expected, _ = script(change, by_hand=reference)
+    for (name, p), q in zip(model.state_dict().items(), expected.state_dict().values()):
+        assert torch.equal(p, q), name
+    said = " ".join(r.getMessage() for r in caplog.records)
+    for word in words:
+        assert word in said, (word, said)
+    errors = metric(registry, "hookpolicy_hook_errors_total", {"policy": "p", "rule": "heal"})
+    assert not errors
+    if reference is skipped:
+        assert metric(registry, "hookpolicy_skipped_steps_total", {"policy": "p", "rule": "heal"}) == 1
+        assert not metric(registry, "hookpolicy_rewinds_total", {"policy": "p", "rule": "heal"})
+
+
+COOLS = """
+- name: cool
+  match: {modules: ["**"]}
+  trigger: {at: step, steps: {from: 3, until: 4}}
+  target: grad
+  actions: [{alert: {if: "l2_norm >= 0", per: rule, then: cool_down, cool_down: {factor: 0.1, steps: 6}}}]
+"""
+
+
+@pytest.mark.parametrize("change", [adam, same_again, grouped, inserted], ids=lambda c: c.__name__)
+def test_a_cool_down_follows_the_optimizer_the_script_made_again(tmp_path: Path, change: Change) -> None:
+    """The cool-down (steps 3..8) lowers the lr of whichever optimizer steps the model, the new one too."""
+    pol = load_policy(tmp_path, COOLS)
+    model = build()
+    with pol.attach(model, registry=CollectorRegistry()):
+        model, optimizer = script(change, model=model)
+    expected, expected_optimizer = script(change, lr_factor=lambda i: 0.1 if 3 <= i <= 8 else 1.0)
+    for (name, p), q in zip(model.state_dict().items(), expected.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert [g["lr"] for g in optimizer.param_groups] == [g["lr"] for g in expected_optimizer.param_groups]
+
+
+def test_a_cool_down_survives_a_step_that_raised_before_its_post_hook(tmp_path: Path) -> None:
+    """A step pre-hook of the script's raised at step 4 (caught by the script): torch ran no post-hook, so the
+    lr the cool-down lowered was not put back then; the next steps are still cooled, by the factor once. A step
+    that raised before its update is no step: the 6 steps of the cool-down are the updates at 3 and 5..9."""
+    def run(attach: bool) -> nn.Module:
+        model = build()
+        optimizer = sgd(model)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+
+        def refuse(opt: Any, args: Any, kwargs: Any) -> None:
+            if state["i"] == 4:
+                raise ValueError("the script's own pre-hook refused this step")
+
+        state = {"i": 0}
+        optimizer.register_step_pre_hook(refuse)
+        context = load_policy(tmp_path, COOLS).attach(model, registry=CollectorRegistry()) if attach else None
+        for i, (x, y) in enumerate(data()):
+            state["i"] = i
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            kept = [g["lr"] for g in optimizer.param_groups]
+            if not attach:
+                for g in optimizer.param_groups:
+                    g["lr"] = g["lr"] * (0.1 if 3 <= i <= 9 else 1.0)
+            try:
+                optimizer.step()
+            except ValueError:
+                pass
+            if not attach:
+                for g, lr in zip(optimizer.param_groups, kept):
+                    g["lr"] = lr
+            scheduler.step()
+        if context is not None:
+            context.remove()
+        return model
+
+    got, expected = run(True), run(False)
+    for (name, p), q in zip(got.state_dict().items(), expected.state_dict().values()):
+        assert torch.equal(p, q), name
