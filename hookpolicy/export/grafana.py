@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from .metrics import stat_family
 from .rules import STALL_SECONDS, promql_string, stat_families
-from ..policy.model import PARAM_TARGETS, STATS, TARGETS, Capture, Policy, Rule
+from ..policy.model import PARAM_TARGETS, STATS, TARGETS, Alert, Capture, Clip, Policy, Rule
 
 __all__ = ["grafana_dashboard"]
 
@@ -31,9 +31,11 @@ def _regex_alternatives(values: Iterable[str]) -> str:
     return "|".join(escaped)
 
 
-def _filters(policy_regex: str | None = None, per_model: bool = True) -> str:
-    """The dashboard's variables as a selector; `per_model`: the family has a `model` label."""
-    parts = ['job=~"$job"', 'rank=~"$rank"'] + (['model=~"$model"'] if per_model else [])
+def _filters(policy_regex: str | None = None, per_model: bool = True, per_rank: bool = True) -> str:
+    """The dashboard's variables as a selector; `per_model`: the family has a `model` label;
+    `per_rank`: its series differ by rank (a once-per-job series is rank 0's alone, and a
+    rank filter would empty it)."""
+    parts = ['job=~"$job"'] + (['rank=~"$rank"'] if per_rank else []) + (['model=~"$model"'] if per_model else [])
     if policy_regex is not None:
         parts.append(f"policy=~{promql_string(policy_regex)}")
     return ", ".join(parts)
@@ -99,23 +101,45 @@ def _timeseries(
     }
 
 
-#: Engine counters shown as their increase per interval: title, description, metric, sum by, legend.
-_COUNTER_PANELS: tuple[tuple[str, str, str, str, str], ...] = (
+def _alerts(policies: Sequence[Policy]) -> list[Alert]:
+    return [a for p in policies for r in p.rules for a in r.actions if isinstance(a, Alert)]
+
+
+def _has_alert(then: str) -> Callable[[Sequence[Policy]], bool]:
+    return lambda policies: any(a.then == then for a in _alerts(policies))
+
+
+def _has(kind: type) -> Callable[[Sequence[Policy]], bool]:
+    return lambda policies: any(isinstance(a, kind) for p in policies for r in p.rules for a in r.actions)
+
+
+#: Engine counters shown as their increase per interval: title, description, metric, sum by, legend, and
+#: whether the policies can count anything in it (a panel that cannot is left out).
+_COUNTER_PANELS: tuple[tuple[str, str, str, str, str, Callable[[Sequence[Policy]], bool]], ...] = (
     ("Alert evaluations that fired",
      "increase(hookpolicy_alerts_total) per interval, by rule and severity.",
-     "hookpolicy_alerts_total", "model, policy, rule, severity", "{{model}} {{policy}}/{{rule}} {{severity}}"),
+     "hookpolicy_alerts_total", "model, policy, rule, severity", "{{model}} {{policy}}/{{rule}} {{severity}}",
+     lambda policies: bool(_alerts(policies))),
     ("Skipped steps",
      "Optimizer steps not applied because of a skip_step alert.",
-     "hookpolicy_skipped_steps_total", "model, policy, rule, rank", "{{model}} {{policy}}/{{rule}} rank {{rank}}"),
+     "hookpolicy_skipped_steps_total", "model, policy, rule, rank", "{{model}} {{policy}}/{{rule}} rank {{rank}}",
+     _has_alert("skip_step")),
+    ("Rewinds",
+     "Rewinds to an in-memory snapshot by a then: rewind alert.",
+     "hookpolicy_rewinds_total", "model, policy, rule, rank", "{{model}} {{policy}}/{{rule}} rank {{rank}}",
+     _has_alert("rewind")),
     ("Clipped groups",
      "Groups (per: rule, module or tensor) a norm clip scaled down per interval; mode=audit: would have, nothing changed.",
-     "hookpolicy_clipped_total", "model, policy, rule, mode", "{{model}} {{policy}}/{{rule}} {{mode}}"),
+     "hookpolicy_clipped_total", "model, policy, rule, mode", "{{model}} {{policy}}/{{rule}} {{mode}}",
+     _has(Clip)),
     ("Hook errors",
      "Errors raised inside hookpolicy's hooks; a rule is switched off after 3 (onError: continue).",
-     "hookpolicy_hook_errors_total", "model, policy, rule, rank", "{{model}} {{policy}}/{{rule}} rank {{rank}}"),
+     "hookpolicy_hook_errors_total", "model, policy, rule, rank", "{{model}} {{policy}}/{{rule}} rank {{rank}}",
+     lambda policies: True),
     ("Series dropped (maxSeries, maxJobSeries)",
      "Statistic series not exported because spec.limits.maxSeries or maxJobSeries was reached: each counted once.",
-     "hookpolicy_series_dropped_total", "policy, rank", "{{policy}} rank {{rank}}"),
+     "hookpolicy_series_dropped_total", "policy, rank", "{{policy}} rank {{rank}}",
+     _has(Capture)),
 )
 
 
@@ -127,6 +151,12 @@ def _increase_panel(title: str, description: str, metric: str, by: str, legend: 
 
 #: family name -> (target, statistic): split by exact name, never by suffix (`abs_max` ends in `max`).
 _SPLIT = {stat_family(t, s): (t, s) for t in TARGETS for s in STATS}
+
+
+def _once_per_job(rule: Rule, capture: Capture) -> bool:
+    """Whether the capture's series can be exported once per job, by rank 0 alone (`engine` replicas)."""
+    return capture.series == "job" and ((rule.trigger.at == "step" and rule.target in PARAM_TARGETS)
+                                        or (rule.target == "loss" and rule.ranks == "job"))
 
 
 def _stat_panel(family: str, feeds: list[tuple[Policy, Rule, Capture]]) -> dict[str, Any]:
@@ -144,19 +174,25 @@ def _stat_panel(family: str, feeds: list[tuple[Policy, Rule, Capture]]) -> dict[
         legend.append("{{rule}}")
     legend.append("rank {{rank}}")
     legend.insert(0, "{{model}}")
-    policies = _regex_alternatives(dict.fromkeys(p.name for p, _, _ in feeds))
-    rules = _regex_alternatives(dict.fromkeys(r.name for _, r, _ in feeds))
-    expr = f"{family}{{{_filters(policies)}, rule=~{promql_string(rules)}}}"
+    targets: list[dict[str, Any]] = []
+    for per_rank in (False, True):  # once-per-job rules ignore the rank variable: their series are rank 0's
+        mine = [(p, r) for p, r, c in feeds if _once_per_job(r, c) != per_rank]
+        if not mine:
+            continue
+        policies = _regex_alternatives(dict.fromkeys(p.name for p, _ in mine))
+        rules = _regex_alternatives(dict.fromkeys(r.name for _, r in mine))
+        expr = f"{family}{{{_filters(policies, per_rank=per_rank)}, rule=~{promql_string(rules)}}}"
+        targets.append(_target(expr, " ".join(legend), ref="AB"[len(targets)]))
     where = ", ".join(f"{p}/{r}" for p, r in keys)
     description = (
         f"{stat} of the {target} tensors selected by {where}, read once per evaluated step "
         f"(per {', '.join(sorted(pers))}); the module label is \"\" for per: rule."
     )
-    if any(c.series == "job" and ((r.trigger.at == "step" and r.target in PARAM_TARGETS)
-                                  or (r.target == "loss" and r.ranks == "job")) for _, r, c in feeds):
+    if len(targets) > 1 or "rank=~" not in targets[0]["expr"]:
         description += (" In a process group, statistics that are the same on every rank (after DDP's all-reduce, "
-                        "FSDP2 full tensors, the job's loss) are exported by rank 0 alone: pick rank 0 or All.")
-    return _timeseries(family, description, [_target(expr, " ".join(legend))], unit=_UNITS.get(stat, "short"))
+                        "FSDP2 full tensors, the job's loss) are exported by rank 0 alone: their lines ignore the "
+                        "rank variable.")
+    return _timeseries(family, description, targets, unit=_UNITS.get(stat, "short"))
 
 
 def _variable(name: str, label: str, query: str) -> dict[str, Any]:
@@ -173,9 +209,11 @@ def grafana_dashboard(policies: Sequence[Policy]) -> str:
 
     Template variables: `DS_PROMETHEUS` (the data source; also an `__inputs` entry, so
     the import dialog asks for it), `job` and `rank`. Panels: the training engine (step
-    rate, seconds since the last step, hookpolicy's own time per step), alerts (firing,
-    skipped steps, hook errors, dropped series), then one timeseries per exported
-    statistic family. Every `expr` names only families in `exported_families(policies)`.
+    rate, seconds since the last step, hookpolicy's own time per step), alerts (firing, from
+    the counter; skipped steps, rewinds, clips, hook errors, dropped series; a panel the
+    policies cannot fill is left out), then one timeseries per exported statistic family
+    (once-per-job rules ignore the rank variable). Every `expr` names only families in
+    `exported_families(policies)`.
     """
     names = [p.name for p in policies]
     mine = _regex_alternatives(names) if names else "$^"
@@ -209,23 +247,11 @@ def grafana_dashboard(policies: Sequence[Policy]) -> str:
         unit="short", min_zero=True))
 
     layout.row("Alerts")
-    layout.add({
-        "type": "state-timeline", "title": "Alerts firing",
-        "description": "hookpolicy_alert_firing: 1 while an alert's condition holds (after its for: count).",
-        "datasource": dict(_DATASOURCE),
-        "targets": [_target(f"max by (model, policy, rule, severity, rank) (hookpolicy_alert_firing{{{f_mine}}})",
-                            "{{model}} {{policy}}/{{rule}} {{severity}} rank {{rank}}")],
-        "fieldConfig": {"defaults": {
-            "min": 0, "max": 1, "unit": "none",
-            "color": {"mode": "thresholds"},
-            "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "red", "value": 1}]},
-            "mappings": [{"type": "value", "options": {"0": {"text": "ok", "index": 0}, "1": {"text": "firing", "index": 1}}}],
-        }, "overrides": []},
-        "options": {"showValue": "never", "mergeValues": True, "rowHeight": 0.9,
-                    "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True}},
-    })
-    for title, description, metric, by, legend in _COUNTER_PANELS:
-        layout.add(_increase_panel(title, description, metric, by, legend, f_mine if "model" in by else f_process))
+    if _alerts(policies):
+        layout.add(_alerts_firing(f_mine))
+    for title, description, metric, by, legend, shown in _COUNTER_PANELS:
+        if shown(policies):
+            layout.add(_increase_panel(title, description, metric, by, legend, f_mine if "model" in by else f_process))
     layout.add({
         "type": "table", "title": "Applied policies",
         "description": "hookpolicy_policy_info: the live revision (content hash) of each policy, and whether a reload failed.",
@@ -247,7 +273,33 @@ def grafana_dashboard(policies: Sequence[Policy]) -> str:
         layout.row(f"Statistics: {target}")
         for family in members:
             layout.add(_stat_panel(family, families[family]))
+    return _dashboard(names, policies, layout)
 
+
+def _alerts_firing(filters: str) -> dict[str, Any]:
+    """A state timeline of the intervals in which each alert fired, from the counter: an event alert's
+    gauge clears at the next step, before any scrape, so only the counter shows it."""
+    return {
+        "type": "state-timeline", "title": "Alerts firing",
+        "description": ("1 in an interval in which the alert fired (hookpolicy_alerts_total rose): events that clear "
+                        "at the next step (skip_step, halt) show as well as conditions that hold."),
+        "datasource": dict(_DATASOURCE),
+        "targets": [_target(
+            f"clamp_max(sum by (model, policy, rule, severity, rank) "
+            f"(increase(hookpolicy_alerts_total{{{filters}}}[$__rate_interval])), 1)",
+            "{{model}} {{policy}}/{{rule}} {{severity}} rank {{rank}}")],
+        "fieldConfig": {"defaults": {
+            "min": 0, "max": 1, "unit": "none",
+            "color": {"mode": "thresholds"},
+            "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "red", "value": 1}]},
+            "mappings": [{"type": "value", "options": {"0": {"text": "ok", "index": 0}, "1": {"text": "firing", "index": 1}}}],
+        }, "overrides": []},
+        "options": {"showValue": "never", "mergeValues": True, "rowHeight": 0.9,
+                    "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True}},
+    }
+
+
+def _dashboard(names: list[str], policies: Sequence[Policy], layout: _Layout) -> str:
     digest = hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()[:12]
     dashboard: dict[str, Any] = {
         "__inputs": [{
