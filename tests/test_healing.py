@@ -330,7 +330,7 @@ def test_a_rewind_before_the_first_snapshot_skips_the_step_and_says_so(
     assert metric(reg, "hookpolicy_skipped_steps_total", {"policy": "p"}) == 1
     assert not metric(reg, "hookpolicy_rewinds_total", {"policy": "p"})
     assert [r["outcome"] for r in json_lines(tmp_path / "alerts.jsonl")] == [
-        "not rewound (no snapshot yet: the first is taken after 4 steps: step skipped instead)"]
+        "not rewound (no snapshot yet: the first is taken after 4 steps: step skipped instead (1 of max_rewinds 3))"]
     ref_model, ref_optimizer, ref_scheduler = setup("lambda")  # a skipped step: no update, the scheduler steps on
     for i, (x, y) in enumerate(data):
         if i != 2:
@@ -625,4 +625,85 @@ def test_a_cool_down_without_an_optimizer_is_recorded_as_not_taken(
     assert_same(model, reference)
     assert [(r["step"], r["outcome"]) for r in json_lines(tmp_path / "alerts.jsonl")] == [
         (2, "not cooled down (no optimizer steps this model)")]
-    assert any("then: cool_down acts on optimizer steps" in r.getMessage() for r in caplog.records)
+    assert any("cannot cool down at step 2 (no optimizer steps this model); not taken" in r.getMessage()
+               for r in caplog.records)
+
+
+LADDER = """
+    - name: heal
+      match: {modules: ["**"]}
+      trigger: {at: step, steps: {from: 2}}
+      target: grad
+      actions:
+        - alert: {if: "l2_norm >= 0", per: rule, then: cool_down, cool_down: {factor: 0.1, steps: 5}}
+        - alert: {if: "l2_norm >= 0", for: 3, per: rule, then: rewind, rewind: {max_rewinds: 2}}
+"""
+
+
+def test_a_ladder_whose_rungs_cannot_act_climbs_to_its_halt_by_hand(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Weights updated by hand (no optimizer): the cool-down cannot act, so its rule's rewind takes the
+    step; the rewind cannot act either (nothing to restore into), so each such step is skipped and spends
+    one of its max_rewinds, and the firing past them halts: the ladder climbs instead of stalling on skips.
+    The reference is the same loop by hand with the skipped steps' updates left out."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    pol = load_policy(tmp_path, LADDER, spec=SNAPSHOTS)
+
+    def by_hand(model: nn.Module, skipped: set[int]) -> None:
+        for i, (x, y) in enumerate(batches(8)):
+            nn.functional.mse_loss(model(x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    assert p.grad is not None
+                    if i not in skipped:
+                        p -= 0.05 * p.grad
+                    p.grad = None
+
+    model, reference = tiny(seed=3), tiny(seed=3)
+    with pol.attach(model, registry=CollectorRegistry()), pytest.raises(Halt) as info:
+        by_hand(model, set())
+    assert (info.value.rule, info.value.step) == ("heal", 4)
+    assert "past max_rewinds: 2" in info.value.line()
+    by_hand_steps = 4  # steps 0..3 ran their update code (2 and 3 with zeroed gradients); 4 halted in its backward
+    for i, (x, y) in enumerate(batches(by_hand_steps)):
+        nn.functional.mse_loss(reference(x), y).backward()
+        with torch.no_grad():
+            for p in reference.parameters():
+                assert p.grad is not None
+                if i < 2:
+                    p -= 0.05 * p.grad
+                p.grad = None
+    assert_same(model, reference)
+    records = [(r["step"], r["outcome"]) for r in json_lines(tmp_path / "alerts.jsonl")]
+    assert records[:2] == [
+        (2, "not cooled down (no optimizer steps this model: its rewind took the step, not rewound "
+            "(no optimizer steps this model: step skipped instead (1 of max_rewinds 2)))"),
+        (3, "not cooled down (no optimizer steps this model: its rewind took the step, not rewound "
+            "(no optimizer steps this model: step skipped instead (2 of max_rewinds 2)))"),
+    ]
+
+
+def test_a_rewind_that_cannot_act_is_not_said_to_have_taken_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cool-down beside a rewind that fell back to a skip: its record names the rewind as chosen and
+    says that it could not act, never that "a rewind took the step"."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    both = """
+    - name: heal
+      match: {modules: ["**"]}
+      trigger: {at: step, steps: {from: 1, until: 2}}
+      target: grad
+      actions:
+        - alert: {if: "l2_norm >= 0", per: rule, then: cool_down, cool_down: {factor: 0.5, steps: 2}}
+        - alert: {if: "l2_norm >= 0", per: rule, then: rewind}
+    """
+    pol = load_policy(tmp_path, both, spec=SNAPSHOTS)  # the first snapshot is taken after 4 steps
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=CollectorRegistry()):
+        train(model, optimizer, scheduler, batches(3))
+    outcomes = {r["then"]: r["outcome"] for r in json_lines(tmp_path / "alerts.jsonl")}
+    assert outcomes["rewind"].startswith("not rewound (no snapshot yet")
+    assert outcomes["cool_down"] == ("not cooled down (the step went to a rewind by p/heal, which could not act: "
+                                     "step skipped)")

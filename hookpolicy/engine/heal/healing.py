@@ -25,9 +25,12 @@ The script's code after `optimizer.step()` (the scheduler's step, the scaler's u
 `zero_grad()`) then runs on the restored state exactly as it ran after the snapshot was
 taken, so the run goes on as if the batches of the steps in between had never been seen.
 Every alert's `for:` count starts again from 0 (the steps that made it were dropped). After
-`max_rewinds` rewinds by one alert, its next firing halts the run. A rewind that has
-no snapshot to go back to (none taken yet, or the model's steps cannot be snapshotted)
-skips the step instead, said in one line.
+`max_rewinds` rewinds by one alert, its next firing halts the run.
+
+**A rung that cannot act climbs.** A rewind with no snapshot to go back to (none taken yet,
+or the model's steps cannot be snapshotted) or no optimizer to restore skips the step instead
+and spends one of its `max_rewinds`; a cool-down with no optimizer hands the step to its
+rule's rewind. So a spike that persists reaches the halt instead of being skipped forever.
 """
 
 from __future__ import annotations
@@ -82,6 +85,9 @@ def heal_order(policies: Sequence[Policy]) -> list[Healer]:
 #: a decision, as an outcome names what took the step
 _A = {"cool_down": "a cool-down", "rewind": "a rewind"}
 
+#: why a heal cannot act in a script that updates its weights by hand
+_NO_OPTIMIZER = "no optimizer steps this model"
+
 
 class Healing:
     """The cool-down in force, the rewinds taken, and the snapshots of one attached model."""
@@ -127,6 +133,7 @@ class Healing:
         chosen = self.order[report.heal - 1] if report.heal else None
         # a halt alert decides the step before any heal; a rewind past its max_rewinds halts it
         did = "" if chosen is None or report.halt is not None else self._take(chosen, report, step, optimizer)
+        acted = did in (outcome("cool_down", True, "enforce"), outcome("rewind", True, "enforce"))
         outcomes: dict[tuple[tuple[str, str], int], str] = {}
         for key, index in report.heals:
             then = next(h.alert.then for h in self.order if (h.key, h.index) == (key, index))
@@ -136,18 +143,19 @@ class Healing:
                 outcomes[(key, index)] = did
             elif report.halt is not None:
                 outcomes[(key, index)] = not_taken(then, "the run halts at this step")
-            else:
+            elif acted:
                 outcomes[(key, index)] = not_taken(
                     then, f"{_A[chosen.alert.then]} by {chosen.policy}/{chosen.rule} took the step")
+            else:  # the rung chosen could not act: it took the step, and did not do what it names
+                outcomes[(key, index)] = not_taken(
+                    then, f"the step went to {_A[chosen.alert.then]} by {chosen.policy}/{chosen.rule}, which could "
+                    "not act: " + ("step skipped" if report.skip else "nothing done"))
         return outcomes
 
     def _take(self, healer: Healer, report: StepReport, step: int, optimizer: bool) -> str:
         """Take `healer`'s decision at `step`; what it did, in words."""
         if not optimizer:
-            if self._said(healer.alert.then):
-                log.warning("%s/%s: then: %s acts on optimizer steps, and no optimizer steps this model (a step is "
-                            "a backward pass): not taken", healer.policy, healer.rule, healer.alert.then)
-            return not_taken(healer.alert.then, "no optimizer steps this model")
+            return self._cannot_act(healer, report, step, _NO_OPTIMIZER)
         cool = healer.alert.cool_down
         if cool is not None:
             starts = step >= self._until
@@ -170,7 +178,6 @@ class Healing:
                                f"{healer.policy}/{healer.rule}: would rewind at step {step} a "
                                f"{self._rewinds[name] + 1}th time (max_rewinds: {rewind.max_rewinds}); halting")
             return not_taken("rewind", f"max_rewinds: {rewind.max_rewinds} reached; halting")
-        report.skip = True  # the update is not applied; the snapshot comes back at the step's end
         target = None if self.snapshots is None else self.snapshots.pick(step, rewind.back)
         changed = [] if target is None or self.snapshots is None else self.snapshots.changed(target)
         if target is None or changed:
@@ -178,16 +185,52 @@ class Healing:
                    f"the model changed since the snapshot taken after step {target - 1} "
                    f"({'; '.join(changed[:6])}{'; ...' if len(changed) > 6 else ''})" if target is not None and changed
                    else self.snapshots.missing())
-            if healer.key not in report.skip_by:  # a skip like any other: hookpolicy_skipped_steps_total counts it
-                report.skip_by.append(healer.key)
-                report.skip_rule = report.skip_rule or healer.key
-            if self._said(("cannot rewind", name, why if changed else "")):
-                log.warning("%s/%s: cannot rewind at step %d (%s): step skipped instead (said once; each such "
-                            "step is counted in hookpolicy_skipped_steps_total)", healer.policy, healer.rule, step, why)
-            return not_taken("rewind", f"{why}: step skipped instead")
+            return self._cannot_act(healer, report, step, why, said=why if changed else "")
+        report.skip = True  # the update is not applied; the snapshot comes back at the step's end
         self._rewinds[name] += 1
         self._rewinding = (healer, target)
         return outcome("rewind", True, "enforce")
+
+    def _cannot_act(self, healer: Healer, report: StepReport, step: int, why: str, said: str = "") -> str:
+        """`healer` fired and cannot do what it names: the ladder climbs instead of stalling.
+
+        A rung that cannot act does not heal, so it must not hold the ladder where it is:
+        a cool-down with no learning rate to lower goes to the rewind of its rule (if it has
+        one), and a rewind with nothing to go back to skips the step and spends one of its
+        `max_rewinds`, so that a spike that persists reaches the halt past them instead of
+        being skipped step after step (a run skipped to death exits 0 with a useless model).
+        """
+        then = healer.alert.then
+        if then == "cool_down":
+            climb = next((h for h in self.order if h.key == healer.key and h.alert.then == "rewind"), None)
+            if self._said(("cannot", then, healer.key)):
+                log.warning("%s/%s: cannot cool down at step %d (%s)%s (said once)", healer.policy, healer.rule, step,
+                            why, f": its rewind (max_rewinds: {climb.alert.rewind.max_rewinds}) takes the step"
+                            if climb is not None and climb.alert.rewind is not None else "; not taken")
+            if climb is None:
+                return not_taken(then, why)
+            taken = self._take(climb, report, step, optimizer=why != _NO_OPTIMIZER)
+            return not_taken(then, f"{why}: its rewind took the step, {taken}")
+        rewind = healer.alert.rewind
+        assert rewind is not None
+        name = (healer.policy, healer.rule, healer.index)
+        self._rewinds[name] += 1  # a rung that could not act is spent like one that did
+        if self._rewinds[name] > rewind.max_rewinds:
+            report.halt = Halt(healer.policy, healer.rule, step,
+                               f"{healer.policy}/{healer.rule}: could not rewind at step {step} ({why}) "
+                               f"{self._rewinds[name]} times, past max_rewinds: {rewind.max_rewinds}; halting")
+            return not_taken("rewind", f"{why}; max_rewinds: {rewind.max_rewinds} spent; halting")
+        report.skip = True
+        if healer.key not in report.skip_by:  # a skip like any other: hookpolicy_skipped_steps_total counts it
+            report.skip_by.append(healer.key)
+            report.skip_rule = report.skip_rule or healer.key
+        if self._said(("cannot rewind", name, said)):  # `said`: each way the model changed is said once
+            log.warning("%s/%s: cannot rewind at step %d (%s): step skipped instead, counted as one of its "
+                        "max_rewinds (%d) so that a spike that stays reaches the halt (said once; each such step is "
+                        "counted in hookpolicy_skipped_steps_total)", healer.policy, healer.rule, step, why,
+                        rewind.max_rewinds)
+        return not_taken("rewind", f"{why}: step skipped instead ({self._rewinds[name]} of max_rewinds "
+                                   f"{rewind.max_rewinds})")
 
     def before(self, optimizer: torch.optim.Optimizer, step: int) -> None:
         """Before `optimizer` updates at `step`: the snapshot's copies are done; a cool-down lowers its lr.
