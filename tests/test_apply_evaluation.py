@@ -87,30 +87,30 @@ def _compare(records: list[dict], reference: list[dict]) -> None:
             assert record["stats"][stat] == pytest.approx(ref[stat], rel=1e-5, abs=1e-7), (record, ref)
 
 
-@pytest.mark.slow
-def test_an_evaluation_only_script_is_governed_and_measured(apply: Callable[..., Run], tmp_path: Path) -> None:
-    script, ref_file, log = tmp_path / "evaluate.py", tmp_path / "reference.json", tmp_path / "act.jsonl"
+def _run(apply: Callable[..., Run], tmp_path: Path, mode: str) -> tuple[list[dict], list[dict]]:
+    """The script in `mode` under the measuring policy: hookpolicy's records and the script's own reference."""
+    script, ref_file = tmp_path / "script.py", tmp_path / "reference.json"
     script.write_text(SCRIPT)
-    run = apply(str(_policy(tmp_path)), "--", sys.executable, str(script), "evaluate-only", str(ref_file),
+    run = apply(str(_policy(tmp_path)), "--", sys.executable, str(script), mode, str(ref_file),
                 env=child_env(HOOKPOLICY_OUTPUT_DIR=str(tmp_path)))
     assert run.wait() == 0, run.stderr
     assert "no model was governed" not in run.stderr
-    reference = json.loads(ref_file.read_text())
+    records = [r for r in json_lines(tmp_path / "act.jsonl") if r["rule"] == "mlp-activations"]
+    return records, json.loads(ref_file.read_text())
+
+
+@pytest.mark.slow
+def test_an_evaluation_only_script_is_governed_and_measured(apply: Callable[..., Run], tmp_path: Path) -> None:
+    records, reference = _run(apply, tmp_path, "evaluate-only")
     assert len(reference) == 6 and not any(r["train"] for r in reference)  # 3 evaluations x 2 GELUs
-    _compare([r for r in json_lines(log) if r["rule"] == "mlp-activations"], reference)
+    _compare(records, reference)
 
 
 @pytest.mark.slow
 def test_nanogpts_evaluation_before_the_first_step_is_measured(apply: Callable[..., Run], tmp_path: Path) -> None:
-    script, ref_file, log = tmp_path / "train.py", tmp_path / "reference.json", tmp_path / "act.jsonl"
-    script.write_text(SCRIPT)
-    run = apply(str(_policy(tmp_path)), "--", sys.executable, str(script), "train", str(ref_file),
-                env=child_env(HOOKPOLICY_OUTPUT_DIR=str(tmp_path)))
-    assert run.wait() == 0, run.stderr
-    reference = json.loads(ref_file.read_text())
+    records, reference = _run(apply, tmp_path, "train")
     # evaluations at iterations 0 and 2, training forwards at 0, 1, 2: 2 GELUs each
     assert [r["train"] for r in reference[::2]] == [False, True, True, False, True]
-    records = [r for r in json_lines(log) if r["rule"] == "mlp-activations"]
     _compare(records, reference)
     assert records[0]["step"] == 0  # the evaluation before the first step, at step 0
 

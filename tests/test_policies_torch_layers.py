@@ -30,15 +30,6 @@ from helpers.policies import load_policy
 POLICIES = Path(__file__).resolve().parent.parent / "policies"
 
 
-@pytest.fixture
-def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    out = tmp_path / "out"
-    out.mkdir()
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(out))
-    return out
-
-
 def transformer(seed: int = 0) -> nn.Transformer:
     torch.manual_seed(seed)
     return nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=1,
