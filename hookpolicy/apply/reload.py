@@ -242,16 +242,17 @@ class Swaps:
     ) -> None:
         old = governed.attached
         step = old.step
+        healing = old.healing_state()  # before remove(), which frees the snapshots
         with old.store.swapping():  # a scrape sees the old policies or the new, never neither
             old.remove()
             try:  # generation + 1: for a data-parallel model the same on every rank (agreed swaps only)
                 governed.attached = attach(policies, governed.model, step, old.generation + 1)
-                governed.attached.carry_history(old)
+                governed.attached.carry_history(old, healing)
             except Exception as exc:
                 say(f"error: cannot attach the reloaded policies: {type(exc).__name__}: {exc}; "
                     "keeping the previous ones")
                 governed.attached = attach(PolicySet(old.policies), governed.model, step, old.generation + 1)
-                governed.attached.carry_history(old)
+                governed.attached.carry_history(old, healing)
             if governed.replicated:
                 governed.attached.vote_on_reloads(Vote(self, governed, everyone))
         governed.generation = generation

@@ -30,6 +30,7 @@ from ..plan.planner import Plan, build_plan
 from ..policy.model import Policy
 from .decide.agreement import Vote
 from .cycle import Leftovers, StepCycle
+from .heal.healing import Carried
 from .measure.history import History
 from .execute.rebinding import publish_rule_series
 from .measure.rulestate import MAX_ERRORS
@@ -179,17 +180,26 @@ class Attached:
         """
         self._cycle.agreement.vote = vote
 
-    def carry_history(self, previous: "Attached") -> None:
-        """Take over the history of `previous` (a hot reload) for every rule it ran unchanged.
+    def healing_state(self) -> Carried:
+        """What a hot reload carries of the healing (`carry_history`): taken before `remove()`, which frees it."""
+        return self._cycle.healing.carried()
+
+    def carry_history(self, previous: "Attached", healing: Optional[Carried] = None) -> None:
+        """Take over the history of `previous` (a hot reload) for every rule it ran unchanged, and its `healing`.
 
         A rule is unchanged when it equals its namesake in `previous` but for its place in
         the file; a changed rule starts with an empty history (its windows, warmup and
-        emas begin again). Called between the two attachments, before this one's first step.
+        emas begin again). `healing` (`previous.healing_state()`, taken before its
+        `remove()`): the cool-downs in force and the rewind counts of the unchanged rules, and
+        the snapshots; a changed or removed rule's cool-down ends, said. Called between the
+        two attachments, before this one's first step.
         """
         mine, theirs = self._cycle.rules, previous._cycle.rules
         same = [key for key, rs in mine.items()
                 if key in theirs and replace(theirs[key].rule, index=rs.rule.index) == rs.rule]
         self.history.adopt(previous.history.carry(same))
+        if healing is not None:
+            self._cycle.healing.adopt(healing, set(same), self._cycle.step)
 
     def summary(self) -> list[str]:
         """What the policies did to this model so far, in a few lines (also after `remove()`).

@@ -48,7 +48,7 @@ from ...process import Once
 from ...export.metrics import REWINDS, ModelMetrics
 from ...policy.model import Alert, Policy
 from ..decide.alerts import StepReport, not_taken, outcome
-from .snapshots import Snapshots, snapshots_of
+from .snapshots import Snapshot, Snapshots, snapshots_of
 
 __all__ = ["Healing", "Healer", "heal_order"]
 
@@ -89,6 +89,18 @@ _A = {"cool_down": "a cool-down", "rewind": "a rewind"}
 _NO_OPTIMIZER = "no optimizer steps this model"
 
 
+@dataclass
+class Carried:
+    """What a hot reload carries of a model's healing to its next attachment (`Healing.adopt`)."""
+
+    #: per alert whose cool-down is in force (policy, rule, index): its factor and end
+    cooling: dict[tuple[str, str, int], tuple[float, int]]
+    #: rewinds taken per alert (policy, rule, index)
+    rewinds: dict[tuple[str, str, int], int]
+    #: the snapshots kept, oldest first
+    kept: list[Snapshot]
+
+
 class Healing:
     """The cool-down in force, the rewinds taken, and the snapshots of one attached model."""
 
@@ -114,6 +126,30 @@ class Healing:
     @property
     def heals(self) -> bool:
         return bool(self.order)
+
+    def carried(self) -> Carried:
+        """The state a hot reload carries (`adopt`), taken before the attachment is removed."""
+        return Carried(dict(self._cooling), dict(self._rewinds), [] if self.snapshots is None else self.snapshots.kept)
+
+    def adopt(self, carried: Carried, same: set[tuple[str, str]], step: int) -> None:
+        """After a hot reload: the cool-downs in force and rewind counts of the rules in `same` (unchanged), and the
+        snapshots (while the new policies take any); a cool-down of a changed or removed rule ends, said."""
+        for name, (factor, until) in carried.cooling.items():
+            if until <= step:
+                continue
+            if name[:2] in same:
+                self._cooling[name] = (factor, until)
+            else:
+                log.warning("%s/%s: its cool-down (learning rate x%g until step %d) ends at the reload at step %d: "
+                            "the rule was changed or removed", name[0], name[1], factor, until - 1, step)
+        if self._cooling:
+            self._factor = min(factor for factor, _ in self._cooling.values())
+            self._until = max(until for _, until in self._cooling.values())
+        for name, count in carried.rewinds.items():
+            if name[:2] in same:
+                self._rewinds[name] = count
+        if self.snapshots is not None and carried.kept:
+            self.snapshots.kept = carried.kept[-self.snapshots.keep:]
 
     def choose(self, fired: Sequence[tuple[tuple[str, str], int]]) -> int:
         """The place + 1 in `order` of the alert a step takes among those that `fired` ((rule key, index)); 0 for none."""
