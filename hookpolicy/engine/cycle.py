@@ -23,6 +23,10 @@ holds a cool-down's learning rate factor and a rewind's snapshots. The cycle
 also installs the root module's two hooks (the phase of each forward, backward passes)
 and has the rules re-bound when the model's tree changed (`rebinding`), at a step
 boundary only.
+
+Three paths read the ledger back, each a method of its own: a step's (`_decide`: read back,
+agree, heal, commit), an evaluation forward's (`_evaluation`: publish only; a script's eval
+loop steps no optimizer) and the last one at `remove()` (`_last`: what is left, no decision).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import logging
 import time
 import weakref
 from collections import defaultdict
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -136,7 +140,7 @@ class StepCycle:
         if self._loss is not None:
             self._loss.remove()
         try:
-            self._read_back(final=True)
+            self._last()
         except Halt:
             pass
         finally:
@@ -164,7 +168,7 @@ class StepCycle:
         self.healing.before(optimizer, self.step)
 
     def _evaluate(self, left_out: frozenset[int]) -> bool:
-        """Run the step's rules on the parameters not in `left_out`, read back, decide; True to skip the step.
+        """Run the step's rules on the parameters not in `left_out`, then decide the step; True to skip it.
 
         In a process group the loss rules that see the job's loss (`ranks: job`) wait for the
         agreement, whose collective carries every rank's loss; they run after it.
@@ -176,7 +180,7 @@ class StepCycle:
         if job:
             self._say_not_data_parallel(job)
         self.programs.run_step_rules([rs for rs in rules if rs not in job], loss, left_out)
-        return self._read_back(decide=True, job=job, loss=loss)
+        return self._decide(job, loss)
 
     def _take_loss(self, rules: Sequence[RuleState]) -> Optional[torch.Tensor]:
         """This rank's roots of the step; a missing loss is said for `rules` (those that would see this rank's)."""
@@ -184,58 +188,95 @@ class StepCycle:
             return None
         return self._loss.take(self.step, ["/".join(rs.key) for rs in rules])
 
-    def _read_back(
-        self, final: bool = False, decide: bool = False, job: Sequence[RuleState] = (),
-        loss: Optional[torch.Tensor] = None,
-    ) -> bool:
-        """Report what the ledger holds (one transfer) and decide the step; True to skip it.
+    # -- the three read-backs: a step's, an evaluation forward's, the last one at remove() ----
+    def _decide(self, job: Sequence[RuleState], loss: Optional[torch.Tensor]) -> bool:
+        """The step's read-back and decision, top to bottom; True to skip the step.
 
-        `final` (at `remove()`) publishes what is left but takes no skip or halt decision;
-        `decide` (at a step, not at an evaluation forward) makes the decision every rank's and
-        reduces this rank's `loss` with every rank's; the rules `job` then see the job's loss,
-        the same on every rank, so their decisions are every rank's as they are.
+        Read back what the ledger holds (one transfer) -> agree with every rank on the skip,
+        halt and heal, reducing this rank's `loss` with every rank's -> publish what the
+        agreement reduced (the job's loss to the rules `job`, the `ranks: job` statistics) ->
+        the step's heal (`_heal`, the one place that sets it) and what became of each alert
+        that could heal -> the alert records -> skips counted -> the history committed.
         A sink that failed is a fault of its rule (`Faults.fail`: counted, maybe a Halt).
         """
-        if decide and not job and loss is None and self.ledger.empty() and not self.agreement.active():
+        if not job and loss is None and self.ledger.empty() and not self.agreement.active():
             return False  # an inactive step: nothing measured, nothing to report, agree on or decide
-        layout = self.agreement.layout
-        held = layout.slots and self.agreement.active()  # `ranks: job` statistics wait for the agreement
-        decision = self._report(final, hold=reduced if held else None)
-        if decision.held and not decide:  # remove(): the other ranks may be gone, or elsewhere
+        held = bool(self.agreement.layout.slots) and self.agreement.active()  # `ranks: job` waits for the agreement
+        report = self._report(final=False, hold=reduced if held else None)
+        agreed = self.agreement.agree(report, self.step, loss, self.agreement.layout.values(report.held) if held else (),
+                                      heal=self.healing.choose(report.heals))
+        if agreed is not None:
+            self._agreed(job, agreed, loss, report)
+        report.heal = self._heal(report, agreed)
+        healed = self.healing.decided(report, self.step, self._steps.mode == "optimizer")
+        self._settle(report, healed, decided=True)
+        for key in report.skip_by:
+            self.store.inc(SKIPPED_STEPS, key)
+        # a skipped step did not happen: its values never become the baseline (an earlier update's did)
+        self.history.commit([o for o in report.observed if not report.skip or self._updated(o.key[0])])
+        if report.halt is not None:
+            raise self._halting(report.halt)
+        return report.skip
+
+    def _heal(self, report: StepReport, agreed: Optional[Agreed]) -> int:
+        """The heal the step takes (`healing.heal_order` place + 1; 0 for none): the only place that sets it.
+
+        Alone, this rank's choice. In a group, the highest any rank took (the agreement's MAX),
+        and the job's loss rules' heals, which are every rank's as they are; none at a step
+        where the ranks hold different rules.
+        """
+        if agreed is None:
+            return self.healing.choose(report.heals)
+        if not agreed.same:
+            return 0
+        return max(agreed.heal, self.healing.choose(report.heals))
+
+    def _evaluation(self) -> None:
+        """An evaluation forward's read-back (no optimizer steps): publish what it measured; it decides no step."""
+        held = bool(self.agreement.layout.slots) and self.agreement.active()
+        report = self._report(final=False, hold=reduced if held else None)
+        self._say_held(report)
+        self._settle(report, {}, decided=False)
+        for key in report.skip_by:
+            self.store.inc(SKIPPED_STEPS, key)
+        self.history.commit([o for o in report.observed if not report.skip or self._updated(o.key[0])])
+        if report.halt is not None:
+            raise self._halting(report.halt)
+
+    def _last(self) -> None:
+        """At `remove()`: publish what the ledger still holds; no decision, nothing committed to the history."""
+        held = bool(self.agreement.layout.slots) and self.agreement.active()
+        report = self._report(final=True, hold=reduced if held else None)
+        self._say_held(report)
+        self._settle(report, {}, decided=False)
+
+    def _say_held(self, report: StepReport) -> None:
+        if report.held:  # outside a step: the other ranks may be gone, or elsewhere
             log.info("ranks: job statistics measured outside a training step (an unfinished step at detach) "
                      "are not reduced across ranks nor published")
-        decision.heal = self.healing.choose(decision.heals) if decide else 0
-        healed: dict[tuple[tuple[str, str], int], str] = {}  # what became of each cool-down and rewind that fired
-        if decide:
-            agreed = self.agreement.agree(decision, self.step, loss, layout.values(decision.held) if held else ())
-            if agreed is not None:
-                self._agreed(job, agreed, loss, decision)
-            if agreed is None or agreed.same:  # the job's loss rules' heals are every rank's as they are
-                decision.heal = max(decision.heal, self.healing.choose(decision.heals))
-            healed = self.healing.decided(decision, self.step, self._steps.mode == "optimizer")
-        for rs, exc in self.readback.settle(decision, healed, decide):
-            self._faults.fail(rs, exc)
-        for key in decision.skip_by:
-            self.store.inc(SKIPPED_STEPS, key)
-        if not final:  # a skipped step did not happen: its values never become the baseline (an earlier update's did)
-            self.history.commit([o for o in decision.observed if not decision.skip or self._updated(o.key[0])])
-        if decision.halt is not None:
-            raise self._halting(decision.halt)
-        return decision.skip
 
     def _report(self, final: bool, hold: Optional[Callable[[RuleState], bool]] = None) -> StepReport:
         """Read back what the ledger holds (one transfer), count it, hand its sink faults to `Faults`."""
         done = self.ledger.close()
-        decision = self.readback.run(done.entries, self.step, final, hold)
-        self._count(done, decision.seconds)
-        for rs, exc in decision.errors:
+        report = self.readback.run(done.entries, self.step, final, hold)
+        self._count(done, report.seconds)
+        for rs, exc in report.errors:
             self._faults.fail(rs, exc)
-        return decision
+        return report
+
+    def _settle(self, report: StepReport, healed: Mapping[tuple[tuple[str, str], int], str], decided: bool) -> None:
+        """Write the alert records of `report` now that what their `then` did is known; faults to `Faults`."""
+        for rs, exc in self.readback.settle(report, healed, decided):
+            self._faults.fail(rs, exc)
 
     def _agreed(self, job: Sequence[RuleState], agreed: Agreed, own: Optional[torch.Tensor],
-                decision: StepReport) -> None:
+                report: StepReport) -> None:
         """Publish what the agreement reduced: the job's loss to the rules `job` (joining what they decided
-        to `decision`), and the `ranks: job` activation statistics."""
+        to `report`), and the `ranks: job` activation statistics.
+
+        These values exist only after the collective, so they are reported after it, from the
+        host (the agreement's rows): no transfer from the device.
+        """
         if job and agreed.loss is None and self._loss is not None:
             self._loss.missing(self.step, ["/".join(rs.key) for rs in job], job=True)
         if job and agreed.loss is not None:
@@ -243,7 +284,7 @@ class StepCycle:
         if agreed.tail is not None:
             self.ledger.entries.extend(self.agreement.layout.entries(agreed.tail))
         if self.ledger.entries:
-            decision.join(self._report(final=False), decisions=agreed.same)
+            report.join(self._report(final=False), decisions=agreed.same)
 
     def _say_not_data_parallel(self, job: Sequence[RuleState]) -> None:
         """Once: a model in a process group in which no data parallelism shows still gets the job's loss; say so."""
@@ -379,7 +420,7 @@ class StepCycle:
         training = self._steps.forward_ends()
         if training is False:
             if self.ledger.entries:
-                self._read_back()  # an evaluation loop steps no optimizer: read back per batch
+                self._evaluation()  # an evaluation loop steps no optimizer: read back per batch
         elif training:
             if isinstance(output, torch.Tensor):  # the usual root output: no walk
                 if output.requires_grad and output.is_floating_point() and output.numel() > 0:

@@ -145,6 +145,8 @@ class Agreed:
     #: the `ranks: job` activation slots of every rank merged (`jobstats.Layout.merge`); None when
     #: this step's row carried none, or not every rank's followed the agreed layout
     tail: Optional[list[tuple[list[float], int]]] = None
+    #: the highest heal code any rank took (`healing.heal_order` place + 1; 0 for none), when `same`
+    heal: int = 0
 
 
 class Agreement:
@@ -183,11 +185,14 @@ class Agreement:
 
     def agree(
         self, report: StepReport, step: int, loss: Optional[torch.Tensor] = None, tail: Sequence[float] = (),
+        heal: int = 0,
     ) -> Optional[Agreed]:
         """Make a skip or halt decided on any rank every rank's (in `report`), and reduce the loss; None without a group.
 
         `loss` is this rank's roots of the step (`loss.LossTap.take`), None where it saw none;
-        `tail` its `ranks: job` slots (`jobstats.Layout.values`), empty where it has none.
+        `tail` its `ranks: job` slots (`jobstats.Layout.values`), empty where it has none;
+        `heal` the heal this rank took (`healing.Healing.choose`), which goes back as `Agreed.heal`:
+        the step cycle sets the step's heal (`report.heal` is not written here).
         `report.skip_by` gets the rule another rank skipped by; at a step where the ranks hold
         different rules, `report` ends with no skip and no halt on every rank.
         """
@@ -197,7 +202,6 @@ class Agreement:
         halt = report.halt
         codes = [self._encode(report.skip_rule), self._encode(None if halt is None else (halt.policy, halt.rule))]
         wanted = 0 if self.vote is None else self.vote.wanted()
-        heal = report.heal
         layout = self.layout
         model = None if self._model is None else self._model()
         carry = (0, 0) if model is None else _CARRIED.get(model, (0, 0))
@@ -229,8 +233,6 @@ class Agreement:
             log.info("the ranks hold the same rules again at step %d (generation %d): skip and halt decisions "
                      "are agreed on again", step, self.generation)
         other_skip, other_halt = self._decode(highest[_AT["skip"]]), self._decode(highest[_AT["halt"]])
-        # the healing alert of the highest place any rank took (`healing.heal_order`, the same list on every rank)
-        report.heal = highest[_AT["heal"]]
         if not report.skip and other_skip is not None:
             report.skip, report.skip_rule = True, other_skip[0]
             report.skip_by.append(other_skip[0])
@@ -238,7 +240,8 @@ class Agreement:
         if halt is None and other_halt is not None:
             (policy, rule), rank = other_halt
             report.halt = Halt(policy, rule, step, f"rank {rank} halted; every rank stops at the same step")
-        return Agreed(True, job, merged)
+        # the healing alert of the highest place any rank took (`healing.heal_order`, the same list on every rank)
+        return Agreed(True, job, merged, heal=highest[_AT["heal"]])
 
     def _encode(self, name: Optional[Identity]) -> int:
         """A decision's code: 1 + the rule's place in the sorted identities * world size + this rank; 0 for none."""
@@ -260,7 +263,7 @@ class Agreement:
         own = [f"skip by {'/'.join(report.skip_rule)}"] if report.skip_rule is not None else []
         if report.halt is not None:
             own.append(f"halt by {report.halt.policy}/{report.halt.rule}")
-        report.skip, report.skip_rule, report.halt, report.heal = False, None, None, 0
+        report.skip, report.skip_rule, report.halt = False, None, None
         report.skip_by.clear()
         if self._apart and not own:
             return
