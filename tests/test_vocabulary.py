@@ -8,9 +8,10 @@ of its descriptions) and the engine's table of what each statistic is computed f
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
@@ -22,6 +23,8 @@ from hookpolicy.policy.loader import read_document
 from hookpolicy.policy.schema import schema
 
 from helpers.policies import write_policy
+
+PACKAGE = Path(model.__file__).resolve().parent.parent
 
 #: schema definition -> property -> (model class, field) whose default its description names
 DESCRIBED = {
@@ -118,3 +121,55 @@ def test_an_empty_rule_gets_the_models_defaults(tmp_path: Path) -> None:
         model.Alert.for_, model.Alert.severity, model.Alert.then, model.Alert.per, model.Alert.warmup, model.Alert.message,
     )
 
+
+
+def _package_trees() -> list[tuple[str, ast.AST]]:
+    return [(str(path.relative_to(PACKAGE.parent)), ast.parse(path.read_text("utf-8")))
+            for path in sorted(PACKAGE.rglob("*.py"))]
+
+
+def test_the_then_values_are_the_models_and_the_schemas() -> None:
+    thens = get_args(model.Then)
+    assert schema()["definitions"]["alert"]["properties"]["then"]["enum"] == list(thens)
+    assert set(model.DECIDES) <= set(thens) and "log" not in model.DECIDES
+    assert set(model.HEALS) < set(model.DECIDES)
+    assert {"cool_down", "rewind"} == set(model.HEALS)  # each has a block of its own name in the schema
+    assert all(heal in schema()["definitions"]["alert"]["properties"] for heal in model.HEALS)
+
+
+def _inline_thens(tree: ast.AST) -> list[int]:
+    """Lines of tuples, lists and sets that spell two or more `then` values."""
+    thens = set(get_args(model.Then))
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, (ast.Tuple, ast.List, ast.Set))
+            and sum(isinstance(e, ast.Constant) and e.value in thens for e in node.elts) >= 2]
+
+
+def _inline_keys(tree: ast.AST) -> list[int]:
+    """Lines that join something with "/" other than a generator: a rule key's text form written out."""
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "join" and isinstance(node.func.value, ast.Constant) and node.func.value.value == "/"
+            and node.args and not isinstance(node.args[0], (ast.GeneratorExp, ast.ListComp))]
+
+
+def test_no_module_lists_then_values_of_its_own() -> None:
+    """A tuple, list or set of two or more `then` values is `DECIDES` or `HEALS`, written in `policy/model.py` only."""
+    found = [f"{name}:{line}" for name, tree in _package_trees() if name != "hookpolicy/policy/model.py"
+             for line in _inline_thens(tree)]
+    assert found == []
+
+
+def test_a_rule_keys_text_form_is_rule_name() -> None:
+    """`"/".join(key)` is written once, in `model.rule_name`; every other place calls it."""
+    assert model.rule_name(("p", "r")) == "p/r"
+    found = [f"{name}:{line}" for name, tree in _package_trees() if name != "hookpolicy/policy/model.py"
+             for line in _inline_keys(tree)]
+    assert found == []
+
+
+def test_the_source_checks_find_what_they_look_for() -> None:
+    """The two checks above can fail: the spellings they refuse are found, the allowed ones are not."""
+    tree = ast.parse('a.then in ("skip_step", "halt")\n"/".join(rs.key)\n"/".join(e.get(n) for n in names)\n'
+                     'kind in ("clip", "scale")\n')
+    assert (_inline_thens(tree), _inline_keys(tree)) == ([1], [2])
+    model_tree = ast.parse((PACKAGE / "policy" / "model.py").read_text("utf-8"))
+    assert _inline_thens(model_tree) and _inline_keys(model_tree)  # the one definition of each

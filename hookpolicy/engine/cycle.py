@@ -43,7 +43,7 @@ from ..errors import Halt
 from ..export.metrics import ACTIONS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, SKIPPED_STEPS, STEPS, ModelMetrics
 from ..export.sinks import output_root
 from ..plan.planner import Plan
-from ..policy.model import AFTER_UPDATE, LOSS, Policy
+from ..policy.model import AFTER_UPDATE, LOSS, Policy, rule_name
 from .hooks import module_hooks, optimizer_hooks
 from .decide.agreement import Agreed, Agreement, job_loss_rule
 from .decide.jobstats import reduced
@@ -186,7 +186,7 @@ class StepCycle:
         """This rank's roots of the step; a missing loss is said for `rules` (those that would see this rank's)."""
         if self._loss is None:
             return None
-        return self._loss.take(self.step, ["/".join(rs.key) for rs in rules])
+        return self._loss.take(self.step, [rule_name(rs.key) for rs in rules])
 
     # -- the three read-backs: a step's, an evaluation forward's, the last one at remove() ----
     def _decide(self, job: Sequence[RuleState], loss: Optional[torch.Tensor]) -> bool:
@@ -278,7 +278,7 @@ class StepCycle:
         host (the agreement's rows): no transfer from the device.
         """
         if job and agreed.loss is None and self._loss is not None:
-            self._loss.missing(self.step, ["/".join(rs.key) for rs in job], job=True)
+            self._loss.missing(self.step, [rule_name(rs.key) for rs in job], job=True)
         if job and agreed.loss is not None:
             self.programs.record_job_loss(job, *agreed.loss, own)
         if agreed.tail is not None:
@@ -298,7 +298,7 @@ class StepCycle:
                 "rules see every rank's backward roots together, the job's loss when the ranks hold replicas of "
                 "one model; if each rank trains a model of its own, or under pipeline parallelism (a stage's "
                 "backward from the next stage's gradient is no loss), write ranks: own",
-                ", ".join("/".join(rs.key) for rs in job), self.store.model, dist.get_world_size())
+                ", ".join(rule_name(rs.key) for rs in job), self.store.model, dist.get_world_size())
 
     def _updated(self, rule: tuple[str, str]) -> bool:
         """Whether `rule` measures an update already applied (`updates`): a skip now does not undo it."""

@@ -18,7 +18,7 @@ from .expr import ExprError, parse, parse_value
 from .messages import CLIP_NAMES, expression_names, message_problem
 from .model import (
     ACTIVATIONS, AFTER_UPDATE, HOOK_POINTS, LOSS, OPTIMIZER_STATE, PARAM_TARGETS, STATS, TARGETS, UPDATE, UPDATE_RATIO,
-    Capture, Trigger, stats_of,
+    HEALS, Capture, Trigger, stats_of,
 )
 from .patterns import compile_glob, shown
 
@@ -409,7 +409,7 @@ class _Checker:
     def heals(self, body: dict[str, Any], path: JsonPath) -> None:
         """`then: cool_down` takes a `cool_down` block, `then: rewind` snapshots to go back to."""
         then = body.get("then")
-        for key in ("cool_down", "rewind"):
+        for key in HEALS:
             if key in body and then != key:
                 self.add(path + (key,), f"{key} says how then: {key} acts, but this alert's then is "
                          f"{then if isinstance(then, str) else 'log'}: write then: {key}, or drop {key}", key=True)

@@ -17,7 +17,7 @@ from .expr import STATS, UPDATE_RATIO, Call, Condition, Value
 __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "AFTER_UPDATE", "UPDATE", "OPTIMIZER_STATE",
     "UPDATE_RATIO", "LOSS", "ACTIVATIONS", "STATS", "stats_of", "Mode", "OnError", "HookPoint",
-    "TriggerPhase", "Per", "Ranks", "Adapters", "Severity", "Then", "Match", "Trigger", "Capture", "TensorFiles",
+    "TriggerPhase", "Per", "Ranks", "Adapters", "Severity", "Then", "HEALS", "DECIDES", "RuleKey", "rule_name", "Match", "Trigger", "Capture", "TensorFiles",
     "LogSink", "Board", "Clip", "Scale", "CoolDown", "Rewind", "Alert", "Action", "Rule", "Snapshots", "Policy",
 ]
 
@@ -32,9 +32,21 @@ Per = Literal["tensor", "module", "rule"]
 SeriesPer = Literal["job", "rank"]
 Severity = Literal["info", "warning", "critical"]
 Then = Literal["log", "skip_step", "cool_down", "rewind", "halt"]
+#: the `then` values that heal a step (`engine/heal/healing.py`); each has a block of its own name
+HEALS: tuple[Then, ...] = ("cool_down", "rewind")
+#: the `then` values that decide a step: every rank takes them at the same step (`engine/decide/agreement.py`)
+DECIDES: tuple[Then, ...] = ("skip_step", "halt", *HEALS)
+#: a rule's key: (policy name, rule name), unique in an attachment; `rule_name` is its text form
+RuleKey = tuple[str, str]
 Adapters = Literal["all", "down", "up"]
 #: whose values a rule's statistics are of in a process group: the job's (every rank's together) or this rank's
 Ranks = Literal["job", "own"]
+
+
+def rule_name(key: RuleKey) -> str:
+    """A rule key's text form, `policy/rule`, as messages, logs and the loss tap name a rule."""
+    return "/".join(key)
+
 
 #: hook point -> its targets, the default first (spec section 3).
 HOOK_POINTS: Mapping[str, tuple[str, ...]] = {

@@ -75,7 +75,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from ...errors import Halt
-from ...policy.model import LOSS, Alert, Policy, stats_of
+from ...policy.model import DECIDES, LOSS, Alert, Policy, rule_name, stats_of
 from .alerts import StepReport
 from .jobstats import Layout
 from ..measure.rulestate import RuleState
@@ -161,7 +161,7 @@ class Agreement:
         self._digest = digest(self._names, generation)
         # Whether a step's decision must be every rank's (one collective a step).
         self._decides = any(
-            isinstance(a, Alert) and a.then in ("skip_step", "halt", "cool_down", "rewind")
+            isinstance(a, Alert) and a.then in DECIDES
             for rs in rules.values() if rs.enforce for a in rs.rule.actions
         )
         #: loss rules that see the job's loss: the loss travels in the collective, which then runs at every step
@@ -260,7 +260,7 @@ class Agreement:
 
     def _differ(self, report: StepReport, step: int, rank: int, highest: int, lowest: int) -> None:
         """The ranks hold different rules: drop this step's skip and halt on every rank, said when it begins."""
-        own = [f"skip by {'/'.join(report.skip_rule)}"] if report.skip_rule is not None else []
+        own = [f"skip by {rule_name(report.skip_rule)}"] if report.skip_rule is not None else []
         if report.halt is not None:
             own.append(f"halt by {report.halt.policy}/{report.halt.rule}")
         report.skip, report.skip_rule, report.halt = False, None, None

@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ...policy.model import ACTIVATIONS
+from ...policy.model import ACTIVATIONS, rule_name
 from ..measure.actions import StatsOp
 from ..execute.ledger import Entry
 from ..measure.rulestate import RuleState
@@ -72,7 +72,7 @@ class Layout:
                  for module in sorted({b.module for b in rs.bindings})]
         self.slots = sorted(slots, key=lambda s: (s.rule.key, s.op.segment, s.module))
         self.width = sum(s.width for s in self.slots)
-        text = "\n".join(f"{'/'.join(s.rule.key)}\0{s.op.segment}\0{s.module}\0{','.join(s.op.kinds)}"
+        text = "\n".join(f"{rule_name(s.rule.key)}\0{s.op.segment}\0{s.module}\0{','.join(s.op.kinds)}"
                          for s in self.slots)
         #: 62 bits (it travels in an int64), 0 for no slot
         self.digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2 if self.slots else 0
@@ -131,7 +131,7 @@ class Layout:
         if self.said_apart or not self.slots:
             return
         self.said_apart = True
-        rules = sorted({"/".join(s.rule.key) for s in self.slots})
+        rules = sorted({rule_name(s.rule.key) for s in self.slots})
         log.warning("%s: rank %d's ranks: job statistics are not those of another rank at step %d (other rules or "
                     "modules): they are not reduced across ranks nor published until every rank holds the same",
                     ", ".join(rules), rank, step)

@@ -26,7 +26,7 @@ from ...errors import Halt
 from ...export.metrics import ALERT_FIRING, ALERTS, CLIPPED, ModelMetrics, Labels, stat_family
 from ...export.tensorboard import scalar_tag
 from ...policy.expr import NO_PAST
-from ...policy.model import OPTIMIZER_STATE, Capture, Clip, LogSink, Policy
+from ...policy.model import HEALS, OPTIMIZER_STATE, Capture, Clip, LogSink, Policy
 from .alerts import Alerts, Pending, SinkHalts, StepReport, json_number, not_taken, outcome, render
 from ..measure.distributed import reduce_shards
 from ..measure.history import History, group_key
@@ -213,7 +213,7 @@ class Readback:
                         report.skip = True
                         report.skip_rule = report.skip_rule or rs.key
                         report.skip_by.append(rs.key)  # counted once per step and rule, once agreed on
-                    elif action.then in ("cool_down", "rewind") and (rs.key, index) not in report.heals:
+                    elif action.then in HEALS and (rs.key, index) not in report.heals:
                         report.heals.append((rs.key, index))
                     elif action.then == "halt" and report.halt is None:
                         report.halt = Halt(rs.policy.name, rs.rule.name, p.step, message)

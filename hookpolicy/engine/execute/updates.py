@@ -37,7 +37,7 @@ import torch
 
 from ...plan.planner import param as find_param
 from ...plan.planner import STATE_KEYS
-from ...policy.model import AFTER_UPDATE, OPTIMIZER_STATE, UPDATE
+from ...policy.model import AFTER_UPDATE, OPTIMIZER_STATE, UPDATE, rule_name
 from ...process import Once
 from ...policy.patterns import NamePattern, compile_glob
 from ..measure.distributed import local_shards
@@ -91,7 +91,7 @@ class Updates:
         if mine and self._said(model):
             log.warning("%s: no torch.optim optimizer steps it (its parameters are updated by hand), so %s measure "
                         "nothing: update and optimizer_state are what an optimizer step did (said once)", model,
-                        ", ".join("/".join(rs.key) for rs in mine))
+                        ", ".join(rule_name(rs.key) for rs in mine))
 
     def before(self, optimizer: torch.optim.Optimizer, rules: Sequence[RuleState]) -> None:
         """`optimizer` is about to apply a step that is not skipped: copy what the active `update` rules need.

@@ -46,7 +46,7 @@ import torch
 from ...errors import Halt
 from ...process import Once
 from ...export.metrics import REWINDS, ModelMetrics
-from ...policy.model import Alert, Policy
+from ...policy.model import HEALS, Alert, Policy
 from ..decide.alerts import StepReport, not_taken, outcome
 from .snapshots import Snapshot, Snapshots, snapshots_of
 
@@ -73,7 +73,7 @@ def heal_order(policies: Sequence[Policy]) -> list[Healer]:
     """Every alert with `then: cool_down` or `then: rewind`, in the order a step chooses by (the last wins)."""
     healers = [Healer(policy.name, rule.name, index, action) for policy in policies for rule in policy.rules
                for index, action in enumerate(rule.actions)
-               if isinstance(action, Alert) and action.then in ("cool_down", "rewind")]
+               if isinstance(action, Alert) and action.then in HEALS]
 
     def place(h: Healer) -> tuple[Any, ...]:
         if h.alert.cool_down is not None:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from .actions import Program, StatsOp, compile_rule
 from ...plan.planner import Binding, Plan
-from ...policy.model import Alert, Capture, Clip, Policy, Rule, Scale
+from ...policy.model import Alert, Capture, Clip, Policy, Rule, RuleKey, Scale, rule_name
 
 __all__ = ["MAX_ERRORS", "RuleState", "rebind", "refuse", "rule_states"]
 
@@ -34,7 +34,7 @@ class RuleState:
     mode: str
     bindings: list[Binding] = field(default_factory=list)
     errors: int = 0
-    key: tuple[str, str] = field(init=False)
+    key: RuleKey = field(init=False)
     enforce: bool = field(init=False)
     #: per program op, the hookpolicy_actions_total labels one execution of it increments
     count_keys: list[list[tuple[str, ...]]] = field(init=False)
@@ -96,7 +96,7 @@ def refuse(rules: dict[tuple[str, str], RuleState], model: str, reason: str, ref
     off = [rs for rs in step_rules if refused and rs.enforce and not rs.off and _acts(rs.rule)]
     for rs in off:
         rs.refused = reason
-    tail = f"; refused: {', '.join('/'.join(rs.key) for rs in off)}" if off else ""
+    tail = f"; refused: {', '.join(rule_name(rs.key) for rs in off)}" if off else ""
     log.warning("%s: %s%s", model, reason, tail)
 
 
