@@ -201,9 +201,10 @@ class StepCycle:
         """
         if not job and loss is None and self.ledger.empty() and not self.agreement.active():
             return False  # an inactive step: nothing measured, nothing to report, agree on or decide
-        held = bool(self.agreement.layout.slots) and self.agreement.active()  # `ranks: job` waits for the agreement
+        layout = self.agreement.layout
+        held = bool(layout.slots) and self.agreement.active()  # `ranks: job` statistics wait for the agreement
         report = self._report(final=False, hold=reduced if held else None)
-        agreed = self.agreement.agree(report, self.step, loss, self.agreement.layout.values(report.held) if held else (),
+        agreed = self.agreement.agree(report, self.step, loss, layout.values(report.held) if held else (),
                                       heal=self.healing.choose(report.heals))
         if agreed is not None:
             self._agreed(job, agreed, loss, report)
