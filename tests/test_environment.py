@@ -139,7 +139,7 @@ def test_a_run_id_is_one_per_apply_shared_by_its_ranks_and_new_per_restart() -> 
 def test_every_store_exports_its_run() -> None:
     from prometheus_client import CollectorRegistry
 
-    from hookpolicy.export.metrics import store_for
+    from hookpolicy.export.collector import store_for
 
     registry = CollectorRegistry()
     store_for(registry, 3)

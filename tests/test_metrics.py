@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, Counter
 
 import hookpolicy
 from helpers.outputs import metric
-from hookpolicy.export.metrics import (
-    FAMILIES, HOOK_ERRORS, SERIES_DROPPED, STEPS, Family, MetricsStore, stat_family, store_for,
-)
+from hookpolicy.export.metrics import FAMILIES, HOOK_ERRORS, SERIES_DROPPED, STEPS, Family, stat_family
+from hookpolicy.export.store import MetricsStore
+from hookpolicy.export.collector import store_for
 from hookpolicy.policy.model import Policy
 
 POLICY = """\

@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 import hookpolicy
 from helpers import REPO
 from helpers.outputs import metric
-from hookpolicy.export.metrics import store_for
+from hookpolicy.export.collector import store_for
 
 STACKS = REPO / "tests" / "stacks"
 GUARD = STACKS / "guard.yaml"

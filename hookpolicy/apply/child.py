@@ -32,7 +32,7 @@ from .discovery import Discovery
 from ..environment import ENV_LOCAL_RANK, ENV_PARENT, ChildConfig, rank_identity, run_id
 from ..errors import Halt, PolicyError
 from ..export.exporter import metrics_url, serve
-from ..export.metrics import store_for
+from ..export.collector import store_for
 from ..export.push import push_final
 from ..export.sinks import output_root
 from ..export.summary import summary_lines

@@ -46,7 +46,7 @@ from ..api import PolicySet
 from ..engine.runtime import Attached
 from ..environment import ChildConfig
 from ..errors import PolicyError
-from ..export.metrics import store_for
+from ..export.collector import store_for
 from ..policy.loader import MAX_BYTES
 from ..policy.model import Policy
 from ..policy.sources import expand_sources

@@ -40,14 +40,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ..errors import Halt
-from ..export.metrics import ACTIONS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, SKIPPED_STEPS, STEPS, ModelMetrics
+from ..export.metrics import ACTIONS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, SKIPPED_STEPS, STEPS
+from ..export.store import ModelMetrics
 from ..export.sinks import output_root
 from ..plan.planner import Plan
 from ..policy.model import AFTER_UPDATE, LOSS, Policy, rule_name
 from .hooks import module_hooks, optimizer_hooks
 from .decide.agreement import Agreed, Agreement, job_loss_rule
 from .decide.jobstats import reduced
-from .measure.distributed import data_parallel
+from .hooks.wrappers import data_parallel
 from .decide.alerts import StepReport
 from .execute.executor import Executor, HookInstaller, named_tensors
 from .execute.programs import Faults, Programs

@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 
 from .. import environment
 from ..errors import Halt, HookPolicyError, PolicyError
-from ..export.metrics import (
-    ALERT_FIRING, MODEL_FAMILIES, POLICY_INFO, SERIES_DROPPED, STEPS, Labels, ModelMetrics, store_for,
-)
+from ..export.metrics import ALERT_FIRING, MODEL_FAMILIES, POLICY_INFO, SERIES_DROPPED, STEPS, Labels
+from ..export.store import ModelMetrics
+from ..export.collector import store_for
 from ..export.sinks import output_root
 from ..export.summary import summary_lines
 from ..plan.matcher import model_class

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from ..policy.model import Capture, Clip, Policy, Rule
-from .metrics import ALERTS, CLIPPED, HOOK_ERRORS, REWINDS, SKIPPED_STEPS, STEPS, Family, Labels, MetricsStore
+from .metrics import ALERTS, CLIPPED, HOOK_ERRORS, REWINDS, SKIPPED_STEPS, STEPS, Family, Labels
+from .store import MetricsStore
 
 __all__ = ["COUNTS", "Count", "summary_lines"]
 

@@ -23,7 +23,8 @@ import torch
 
 from ..measure.actions import StatsOp
 from ...errors import Halt
-from ...export.metrics import ALERT_FIRING, ALERTS, CLIPPED, ModelMetrics, Labels, stat_family
+from ...export.metrics import ALERT_FIRING, ALERTS, CLIPPED, Labels, stat_family
+from ...export.store import ModelMetrics
 from ...export.tensorboard import scalar_tag
 from ...policy.expr import NO_PAST
 from ...policy.model import HEALS, OPTIMIZER_STATE, Capture, Clip, LogSink, Policy

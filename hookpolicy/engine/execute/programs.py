@@ -27,7 +27,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union, cast
 import torch
 
 from ...errors import Halt
-from ...export.metrics import HOOK_ERRORS, ModelMetrics
+from ...export.metrics import HOOK_ERRORS
+from ...export.store import ModelMetrics
 from ...plan.planner import param as find_param
 from ...policy.expr import Past, Value
 from ...policy.model import AFTER_UPDATE, LOSS, Clip

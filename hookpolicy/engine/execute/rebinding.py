@@ -16,7 +16,8 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from ...export.metrics import ALERT_FIRING, ALERTS, HOOK_ERRORS, REWINDS, SKIPPED_STEPS, ModelMetrics
+from ...export.metrics import ALERT_FIRING, ALERTS, HOOK_ERRORS, REWINDS, SKIPPED_STEPS
+from ...export.store import ModelMetrics
 from ...plan.planner import Plan, build_plan
 from ...policy.model import Alert, Policy
 from ...process import Once

@@ -45,7 +45,8 @@ import torch
 
 from ...errors import Halt
 from ...process import Once
-from ...export.metrics import REWINDS, ModelMetrics
+from ...export.metrics import REWINDS
+from ...export.store import ModelMetrics
 from ...policy.model import HEALS, Alert, Policy
 from ..decide.alerts import StepReport, not_taken, outcome
 from .snapshots import Snapshot, Snapshots, snapshots_of
