@@ -30,7 +30,7 @@ hookpolicy, and each is the one home of what it holds):
 | `_AGREED`                     | `engine/decide/agreement.py`       | ranks agree at every step once they agreed at one         |
 | `_CARRIED`                    | `engine/decide/agreement.py`       | per model, the `ranks: job` layout every rank announced   |
 | `_DTENSOR`                    | `engine/measure/distributed.py`     | the DTensor class, once torch.distributed.tensor is in    |
-| `_AROUND`                     | `engine/measure/distributed.py`     | per module, the DDP/FSDP wrappers found around it (weakly) |
+| `_AROUND`                     | `engine/hooks/wrappers.py`  | per module, the DDP/FSDP wrappers found around it (weakly) |
 | `_local`                      | `engine/measure/stats.py`           | per-thread scratch buffers                                |
 | `_CHECKED_CLASSES`            | `engine/execute/rebinding.py`       | the `Once` of classes checked for their own reducer       |
 | `_SESSION`                    | `apply/child.py`            | the `apply` child's session                               |

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
-from hookpolicy.engine.measure.distributed import data_parallel
+from hookpolicy.engine.hooks.wrappers import data_parallel
 from helpers import REPO
 from helpers.distributed import spawn
 from helpers.policies import write_policy

@@ -57,7 +57,7 @@ from ..api import PolicySet
 from ..errors import Halt, PolicyError
 from ..process import Once
 from ..engine.hooks import heap, module_hooks, optimizer_hooks
-from ..engine.measure.distributed import data_parallel
+from ..engine.hooks.wrappers import data_parallel
 from ..engine.runtime import Attached
 from ..say import say
 from .reload import Governed, Swaps, Vote

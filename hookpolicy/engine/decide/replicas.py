@@ -60,7 +60,7 @@ from .agreement import job_loss_rule
 from .jobstats import reduced
 from ...process import Once
 from ..hooks import module_hooks
-from ..measure.distributed import wrappers_around
+from ..hooks.wrappers import wrappers_around
 from ..measure.rulestate import RuleState
 
 __all__ = ["Export", "Replicas", "job_rank", "job_world"]
@@ -217,7 +217,7 @@ class Replicas:
 
     def _wrappers_of(self, model: torch.nn.Module) -> list[torch.nn.parallel.DistributedDataParallel]:
         """The DDP wrappers inside `model`, else those alive around it (a framework may govern the module
-        a wrapper holds, as Lightning does: `distributed.wrappers_around`, which `data_parallel` asks too)."""
+        a wrapper holds, as Lightning does: `wrappers.wrappers_around`, which `data_parallel` asks too)."""
         ddp_type = torch.nn.parallel.DistributedDataParallel
         inside = [m for m in model.modules() if isinstance(m, ddp_type)]
         if inside:

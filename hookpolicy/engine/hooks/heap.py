@@ -4,9 +4,9 @@ A heap scan costs milliseconds per million objects, so it is only done where not
 cheaper can answer, and never per step: step tracking asks once whether any optimizer
 holds a model's parameters (optimizer steps or manual SGD), and `apply`'s discovery asks
 which optimizers exist when it meets a candidate model, and which modules own parameters
-an optimizer steps that nobody governs; `distributed.wrappers_around` asks, for a governed
+an optimizer steps that nobody governs; `wrappers.wrappers_around` asks, for a governed
 model in a process group and only when nothing inside it shows, whether a DDP or FSDP wrapper
-holds it (for `distributed.data_parallel` and `replicas`; a wrapper found is kept, weakly, so
+holds it (for `wrappers.data_parallel` and `replicas`; a wrapper found is kept, weakly, so
 the next question about that model needs no scan); `schedulers`, once when its first watcher comes (the first update of a model
 with snapshots for `then: rewind`), asks which LR schedulers and GradScalers were made before
 its constructors were watched.

@@ -19,14 +19,14 @@ this cancels only when the mean is 10**8 times the standard deviation or more. N
 minimum or maximum is carried by a count of its own (a MAX reduction need not propagate
 NaN), and comes back as NaN.
 
-The rank agreement on a step's decision lives in `agreement`.
+The rank agreement on a step's decision lives in `agreement`; the DDP and FSDP wrappers
+around a model are found by `hooks.wrappers`.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
@@ -35,10 +35,10 @@ import torch
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-from ..hooks.heap import live_modules
 from .stats import tensor_partials
 
-__all__ = ["Shards", "Units", "data_parallel", "wrappers_around", "full_value", "local_shards", "unit_shards", "sum_over_groups", "shard_partials", "shard_name", "reduce_shards"]
+__all__ = ["Shards", "Units", "full_value", "local_shards", "reduce_shards", "shard_name", "shard_partials", "sum_over_groups",
+           "unit_shards"]
 
 #: What an empty shard contributes to each partial.
 _IDENTITY = {
@@ -211,57 +211,6 @@ def shard_partials(
         out[full] = tensor_partials([locals_[i] for i in full], kinds,
                                     references=None if references is None else references[full])
     return out
-
-
-def data_parallel(module: torch.nn.Module) -> bool:
-    """Whether every rank of a process group holds this model and steps it together: DDP, FSDP
-    (either) in it or around it, or parameters that are DTensors. Its policy swaps wait for every
-    rank (`reload`); without it, the job's loss is said to be taken on trust (`cycle`).
-
-    A wrapper *around* the model is one that is alive and holds it (`wrappers_around`, only
-    when nothing in the model shows): a framework may govern, and call, the module inside a
-    DDP wrapper (Lightning's strategies wrap the LightningModule and call its training_step).
-    """
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    if any(isinstance(m, _wrapper_kinds()) for m in module.modules()):
-        return True
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    if isinstance(dtensor, type) and any(isinstance(p, dtensor) for p in module.parameters()):
-        return True
-    return bool(wrappers_around(module))
-
-
-#: per module, the DDP and FSDP wrappers found alive around it (both weakly): asked again, the
-#: heap is scanned again only while none of them is alive and still holds it
-_AROUND: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.WeakSet[torch.nn.Module]]" = weakref.WeakKeyDictionary()
-
-
-def wrappers_around(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The DDP and FSDP wrappers alive that hold `module`: the one place hookpolicy looks for them
-    (`data_parallel`, `replicas`). Found by a heap scan, kept weakly: the next question about the
-    same module scans again only if none found is still alive and holding it (none found is not
-    kept: a wrapper made later is found then)."""
-    kinds = _wrapper_kinds()
-    known = [w for w in _AROUND.get(module, ()) if issubclass(type(w), kinds) and _holds(w, module)]
-    if known:
-        return known
-    found = [m for m in live_modules() if issubclass(type(m), kinds) and _holds(m, module)]
-    if found:
-        _AROUND[module] = weakref.WeakSet(found)
-    return found
-
-
-def _holds(wrapper: torch.nn.Module, module: torch.nn.Module) -> bool:
-    return any(inner is module for inner in wrapper.modules())
-
-
-def _wrapper_kinds() -> tuple[type, ...]:
-    """DistributedDataParallel, and FSDP2's FSDPModule and FSDP1 once `torch.distributed.fsdp` is imported."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return tuple(k for k in (torch.nn.parallel.DistributedDataParallel, getattr(fsdp, "FSDPModule", None),
-                             getattr(fsdp, "FullyShardedDataParallel", None)) if isinstance(k, type))
 
 
 def shard_name(name: str) -> str:
