@@ -12,6 +12,9 @@ PyTorch and every other library. What hookpolicy changes there, and who gives it
 | `torch.nn.Module.__reduce_ex__`                    | `engine/hooks/module_hooks.py`           | last `OwnHandle.remove()`                    |
 | `torch.autograd.backward`, `GradScaler.scale`      | `engine/hooks/loss.py` (`_ROOTS`)        | last `LossTap.remove()`                      |
 | `__init__` of `LRScheduler`, `GradScaler` and their subclasses; their `__init_subclass__` | `engine/hooks/schedulers.py` (`_MADE`) | last `Watch.remove()` (a snapshot's) |
+| a handler on the `hookpolicy` logger (its level INFO if unset) | `say.py` (`HANDLER`), at `import hookpolicy` | never: the one channel of hookpolicy's lines; a user may remove it (`removeHandler(say.HANDLER)`) |
+| a fork handler closing exporter sockets in a forked child | `export/exporter.py` (`_LISTENING`), at import | never: `os.register_at_fork` has no undo; it does nothing without an exporter |
+| a hook before every module call, in a `multiprocessing` child of `apply` until its first call | `apply/_bootstrap/sitecustomize.py` (`_PENDING`) | at that first call |
 | threads `hookpolicy-*`                            | `start_thread` (exporter, reload, lifetime) | their owner's shutdown/stop                  |
 | what was said once                                | `Once`                             | never: "once" is per process or per owner    |
 | SIGTERM/SIGHUP handlers, the signal wakeup fd     | `apply/child.py`, `apply/lifetime.py` (`apply` children only) | never: the process ends with them |
@@ -33,6 +36,9 @@ hookpolicy, and each is the one home of what it holds):
 | `_AROUND`                     | `engine/hooks/wrappers.py`  | per module, the DDP/FSDP wrappers found around it (weakly) |
 | `_local`                      | `engine/measure/stats.py`           | per-thread scratch buffers                                |
 | `_CHECKED_CLASSES`            | `engine/execute/rebinding.py`       | the `Once` of classes checked for their own reducer       |
+| `_STORES`                     | `export/collector.py`       | per `CollectorRegistry` (weakly), its one `MetricsStore`   |
+| `_LISTENING`                  | `export/exporter.py`        | the exporters whose socket may be open (weakly)           |
+| `_checksums`                  | `apply/reload.py`           | per policy file, its status and checksum when last read   |
 | `_SESSION`                    | `apply/child.py`            | the `apply` child's session                               |
 | `_SHARED`, `_FILTERS`         | here                        | every `Shared` and `WarningFilter`, for `snapshot()`      |
 

@@ -154,3 +154,46 @@ def test_the_singletons_listed_exist_where_the_list_says() -> None:
         module = importlib.import_module("hookpolicy." + path.replace("/", "."))
         for name in re.findall(r"`(\w+)`", names):
             assert hasattr(module, name), f"{path}.py has no {name}"
+
+
+#: calls whose result, kept at module level, is state of the process (a lock only guards one listed)
+_STATEFUL = {"WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "Once", "local", "dict", "set", "list", "defaultdict"}
+
+
+def _module_state(tree: ast.Module) -> set[str]:
+    """The module-level state of a module: names its functions rebind (`global`), and names bound
+    at its top to a container (a display, or a call of `_STATEFUL`) that are not CONSTANTS."""
+    names = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+    for node in tree.body:
+        target, value = None, None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            target, value = node.targets[0].id, node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            target, value = node.target.id, node.value
+        if target is None or target == "__all__":
+            continue
+        call = value.func if isinstance(value, ast.Call) else None
+        called = call.attr if isinstance(call, ast.Attribute) else getattr(call, "id", "")
+        if called in _STATEFUL or (isinstance(value, (ast.Dict, ast.Set, ast.List)) and not target.isupper()):
+            names.add(target)
+    return names
+
+
+def test_the_table_names_every_module_level_state() -> None:
+    """Every module-level state of the package is in process.py's tables, with the module that holds it."""
+    package = Path(process.__file__).parent
+    doc = process.__doc__ or ""
+    rows = {line for line in doc.splitlines() if line.startswith("|")}
+    missing = [
+        f"{path.relative_to(package)}: {name}"
+        for path in sorted(package.rglob("*.py")) if path.name != "process.py"
+        for name in sorted(_module_state(ast.parse(path.read_text("utf-8"))))
+        if not any(f"`{name}`" in row and f"{path.relative_to(package).as_posix()}" in row for row in rows)
+    ]
+    assert missing == []
+
+
+def test_the_state_finder_finds_state() -> None:
+    tree = ast.parse("import weakref\n_A = weakref.WeakSet()\n_b: dict[str, int] = {}\nLIMITS = {1: 2}\n"
+                     "_c = None\ndef f():\n    global _c\n    _c = 1\n")
+    assert _module_state(tree) == {"_A", "_b", "_c"}
