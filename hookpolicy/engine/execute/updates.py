@@ -166,7 +166,7 @@ class Updates:
                   else "shaped like its parameter")
         has = f"it holds {', '.join(held)}" if held else "it holds none for them"
         log.warning("%s: %s keeps no state tensor %s for the parameters this rule binds (%s), so the rule measures "
-                    "nothing and its alerts never evaluate; %s (said once)", "/".join(rs.key), kind, wanted, has,
+                    "nothing and its alerts never evaluate; %s (said once)", rule_name(rs.key), kind, wanted, has,
                     STATE_KEYS.get(kind, "see `hookpolicy explain` for what torch's optimizers keep"))
 
     def _names(self, globs: tuple[str, ...], key: str) -> bool:
