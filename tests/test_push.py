@@ -88,7 +88,8 @@ def one(samples: Samples, name: str, **labels: str) -> float:
 
 @needs_pushgateway
 def test_a_push_is_grouped_by_job_rank_and_run(pushgateway: str) -> None:
-    from hookpolicy.export.metrics import STEPS, store_for
+    from hookpolicy.export.collector import store_for
+    from hookpolicy.export.metrics import STEPS
 
     for run, steps in (("attempt-1", 3.0), ("attempt-2", 5.0)):  # a retry is a group of its own
         registry = CollectorRegistry()
