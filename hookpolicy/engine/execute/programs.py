@@ -31,7 +31,7 @@ from ...export.metrics import HOOK_ERRORS
 from ...export.store import ModelMetrics
 from ...plan.planner import param as find_param
 from ...policy.expr import Past, Value
-from ...policy.model import AFTER_UPDATE, LOSS, Clip
+from ...policy.model import AFTER_UPDATE, LOSS, Clip, rule_name
 from ...process import Once
 from ..measure.actions import DeviceLimit, Limit, MutateOp, StatsOp, clip_norm, clip_unitwise, mutate
 from ..measure.distributed import Shards, local_shards, shard_name, shard_partials, sum_over_groups, unit_shards
@@ -367,11 +367,11 @@ class Faults:
         if self._said_own():
             log.error("hookpolicy: %s raised at step %d (hookpolicy's own fault, done for %s; the call it wraps went on "
                       "untouched; logged once; those rules are switched off after %d errors):\n%s", where, step,
-                      ", ".join("/".join(rs.key) for rs in live), MAX_ERRORS,
+                      ", ".join(rule_name(rs.key) for rs in live), MAX_ERRORS,
                       "".join(traceback.format_exception(exc)).rstrip())
         off = [rs for rs in live if rs.errors == MAX_ERRORS]
         for rs in off:
             self._store.switch_off(rs.key, f"after {MAX_ERRORS} errors")
         if off:
-            log.error("hookpolicy: %s switched off after %d errors", ", ".join("/".join(rs.key) for rs in off),
+            log.error("hookpolicy: %s switched off after %d errors", ", ".join(rule_name(rs.key) for rs in off),
                       MAX_ERRORS)
