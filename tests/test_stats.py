@@ -158,6 +158,25 @@ def test_a_sum_of_squares_that_overflows_is_counted_not_trusted(monkeypatch: pyt
     assert computed([t], ("nonfinite",))["nonfinite"] == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("defer", [False, True], ids=["counted", "deferred"])
+def test_many_small_tensors_normed_by_shape_match_float64(dtype: torch.dtype, defer: bool) -> None:
+    """A step rule over many small tensors norms them by shape in one kernel each: every row is still its tensor's."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [(torch.randn(shape, generator=g) * (1 + i)).to(dtype)
+               for i, shape in enumerate([(8, 8), (8,), (3, 5, 2), ()] * 30 + [(100, 100)])]
+    tensors[5][0] = float("nan")
+    kinds = partials_for(("l2_norm", "nonfinite"))
+    rows = tensor_partials(tensors, kinds, defer_counts=defer).tolist()
+    if defer:
+        resolve_counts(rows, tensors, kinds)
+    for row, t in zip(rows, tensors):
+        got = finish(dict(zip(kinds, row)), t.numel(), ("l2_norm", "nonfinite"))
+        want = reference([t])
+        assert agrees(got["l2_norm"], want["l2_norm"], "l2_norm", 1e-6, bool(torch.isnan(t).any()))
+        assert got["nonfinite"] == want["nonfinite"]
+
+
 @pytest.mark.parametrize("defer", [False, True], ids=["counted", "deferred"])
 def test_counts_stay_exact_beyond_float32s_2_pow_24(defer: bool) -> None:
     big = torch.zeros((1 << 24) + 5)
