@@ -4,7 +4,8 @@ The README's "The code": `policy` imports none of the other stages, `plan` reads
 policies, the `engine` runs a plan and writes into the `export` stage's collector and
 sinks, and `apply` and the top-level modules use them all; no import circle. Every module
 of the package belongs to one layer of `LAYERS`, and imports only from its own layer and
-the ones that table allows; a new module must be placed there (and on the README's map).
+the ones that table allows; a new module must be placed there (and on the module map of
+docs/semantics.md; a new folder on the README's).
 Inside the engine the same holds for its parts (`ENGINE_PARTS`): each subpackage imports
 only the parts before it, and the step (`cycle`, `runtime`) sits on top of them all.
 
@@ -232,14 +233,28 @@ def test_the_policy_stage_imports_neither_torch_nor_click() -> None:
     assert {f"hookpolicy.policy.{m}" for m in ("loader", "schema", "build", "document")} <= seen
 
 
-def test_the_readmes_map_names_every_module() -> None:
-    """The README's "The code" names each module of the package (`name`, `name.py`), or its folder (`_bootstrap/`)."""
-    readme = (PACKAGE.parent / "README.md").read_text("utf-8")
-    start = readme.index("## The code")
-    section = readme[start:readme.index("\n## ", start + 1)]
+def _section(path: Path, title: str) -> str:
+    text = path.read_text("utf-8")
+    start = text.index(title)
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_the_readmes_map_names_every_folder() -> None:
+    """The README's "The code" gives each folder of the package a row: `engine/hooks/`, `policy/`, ..."""
+    section = _section(PACKAGE.parent / "README.md", "## The code")
+    folders = sorted({path.parent for path in PACKAGE.rglob("*.py")} - {PACKAGE})
+    missing = [f"{folder.relative_to(PACKAGE).as_posix()}/" for folder in folders
+               if f"`{folder.relative_to(PACKAGE).as_posix()}/`" not in section and folder.name != "_bootstrap"]
+    assert not missing, f"the README's 'The code' has no row for {missing}"
+
+
+def test_the_module_map_names_every_module() -> None:
+    """docs/semantics.md's "The code, module by module" names each module (`name`, `name.py`), or its folder (`_bootstrap/`)."""
+    section = _section(PACKAGE.parent / "docs" / "semantics.md", "## The code, module by module")
     missing = [
         str(path.relative_to(PACKAGE.parent)) for path in sorted(PACKAGE.rglob("*.py"))
         if path.stem != "__init__" and not any(
             name in section for name in (f"`{path.stem}`", f"`{path.name}`", f"`{path.parent.name}/`"))
     ]
-    assert not missing, f"the README's 'The code' does not name {missing}"
+    assert not missing, f"docs/semantics.md's 'The code, module by module' does not name {missing}"
