@@ -707,3 +707,62 @@ def test_a_rewind_that_cannot_act_is_not_said_to_have_taken_the_step(
     assert outcomes["rewind"].startswith("not rewound (no snapshot yet")
     assert outcomes["cool_down"] == ("not cooled down (the step went to a rewind by p/heal, which could not act: "
                                      "step skipped)")
+
+
+def test_snapshots_past_max_snapshot_bytes_are_not_taken_and_a_rewind_skips(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`limits.maxSnapshotBytes: 100`: one snapshot of the tiny model with AdamW needs ~0.7 KiB; the attach line warns,
+    none is taken, and the rewind at step 9 skips its step instead (said), never an exception."""
+    pol = load_policy(tmp_path, fires_at(9, 9, "rewind"), spec=SNAPSHOTS + "limits: {maxSnapshotBytes: 100}\n")
+    registry = CollectorRegistry()
+    model, optimizer, scheduler = setup("lambda")
+    with caplog.at_level(logging.INFO, "hookpolicy"), pol.attach(model, registry=registry):
+        train(model, optimizer, scheduler, batches())
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "budget 100.0 B" in said or "budget 0.1 KiB" in said
+    assert "more than the budget: none will be taken" in said
+    assert "more than spec.limits.maxSnapshotBytes" in said
+    labels = {"policy": "p", "rule": "heal", "model": "Sequential", "rank": "0"}
+    assert registry.get_sample_value("hookpolicy_skipped_steps_total", labels) == 1
+    assert not registry.get_sample_value("hookpolicy_rewinds_total", labels)
+    assert not registry.get_sample_value("hookpolicy_hook_errors_total", labels)
+
+
+def test_a_budget_for_fewer_snapshots_than_keep_keeps_as_many_as_fit(tmp_path: Path) -> None:
+    """keep: 3 but the budget holds 2 (~0.7 KiB each): the ring after steps 1, 3, 5, 7 holds those after 5 and 7,
+    so `back: 6` at step 8 takes the one after step 5 (with 3 kept, the one after 3)."""
+    pol = load_policy(tmp_path, fires_at(8, 8, "rewind", ", rewind: {back: 6}"),
+                      spec="snapshots: {every: 2, keep: 3}\nlimits: {maxSnapshotBytes: 1500}\n")
+    data = batches()
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=CollectorRegistry()):
+        train(model, optimizer, scheduler, data)
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    train(ref_model, ref_optimizer, ref_scheduler, data[:6] + data[9:])
+    assert_same(model, ref_model)
+
+
+def test_a_snapshot_that_cannot_get_host_memory_is_a_fault_of_the_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host copy fails (as an allocation does without memory): counted as the rewind rule's error, switched off
+    after 3, and training goes on exactly as without the policy (its rewind never fires)."""
+    import hookpolicy.engine.heal.snapshots as snapshots_module
+
+    def no_memory(t: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(snapshots_module, "_host_copy", no_memory)
+    pol = load_policy(tmp_path, fires_at(50, 50, "rewind"), spec="snapshots: {every: 2, keep: 2}\n")
+    registry = CollectorRegistry()
+    data = batches()
+    model, optimizer, scheduler = setup("lambda")
+    with pol.attach(model, registry=registry):
+        train(model, optimizer, scheduler, data)
+        errors = registry.get_sample_value("hookpolicy_hook_errors_total", {"policy": "p", "rule": "heal",
+                                                                            "model": "Sequential", "rank": "0"})
+    assert errors == 3
+    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
+    train(ref_model, ref_optimizer, ref_scheduler, data)
+    assert_same(model, ref_model)

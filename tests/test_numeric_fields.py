@@ -32,7 +32,7 @@ FULL: dict[str, Any] = {
     "kind": "HookPolicy",
     "metadata": {"name": "numbers"},
     "spec": {
-        "limits": {"maxSeries": 100, "maxJobSeries": 200, "maxHistoryValues": 1000},
+        "limits": {"maxSeries": 100, "maxJobSeries": 200, "maxHistoryValues": 1000, "maxSnapshotBytes": 4096},
         "snapshots": {"every": 10, "keep": 2},
         "rules": [
             {

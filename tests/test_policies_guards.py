@@ -427,6 +427,7 @@ def test_recover_says_what_its_snapshots_hold(workdir: Path, caplog: pytest.LogC
     assert (f"snapshots for then: rewind after every 50 steps, at most 2 in host memory, each {size(charlm)} of "
             f"parameters and buffers plus the optimizer state (Adam: 2 x {size(charlm)} more): "
             f"{size(2 * 3 * charlm)} with Adam") in explained.output
+    assert "(spec.limits.maxSnapshotBytes, by default a quarter of the host memory available)" in explained.output
 
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -439,6 +440,6 @@ def test_recover_says_what_its_snapshots_hold(workdir: Path, caplog: pytest.LogC
     said = [r.getMessage() for r in caplog.records]
     assert f"GPT: snapshots for then: rewind after every 50 steps, at most 2 in host memory, each {size(params)} " \
            f"of parameters and buffers plus the optimizer state (Adam: 2 x {size(params)} more): " \
-           f"{size(2 * 3 * params)} with Adam" in said
+           f"{size(2 * 3 * params)} with Adam; budget " in " ".join(said)  # then the budget (maxSnapshotBytes)
     assert f"GPT: first snapshot for then: rewind after step 49: {size(params + state)} (x 2 kept at most); " \
            "0 LR schedulers, 0 GradScalers with it" in said

@@ -101,7 +101,7 @@ class StepCycle:
         self._hidden = HiddenGrads()
         self.updates = Updates(self.programs)
         #: `then: cool_down` and `then: rewind`, and the snapshots a rewind goes back to
-        self.healing = Healing(model, policies, store, lambda key, exc: self._faults.fail(self.rules[key], exc))
+        self.healing = Healing(model, policies, store, self._heal_fault)
         self._loss: Optional[LossTap] = None
         if any(rule.target == LOSS for policy in policies for rule in policy.rules):
             self._loss = LossTap(store.model, _WeakReached(self._steps.scopes))
@@ -353,6 +353,14 @@ class StepCycle:
         self.installer.activate(self.step)
         if self._loss is not None:
             self._loss.set_active(any(rs.rule.target == LOSS for rs in self.installer.step_rules()))
+
+    def _heal_fault(self, key: tuple[str, str], exc: Exception) -> bool:
+        """A snapshot that could not be taken or put back: a fault of rule `key`; whether the rule is still in force."""
+        rs = self.rules.get(key)
+        if rs is None or rs.off:
+            return False
+        self._faults.fail(rs, exc)
+        return not rs.off
 
     def fault(self, where: str, exc: Exception, loss_only: bool = False) -> None:
         """A fault of hookpolicy's own part at `where` (a patch of torch, `hooks.contain`), done for this model's

@@ -70,6 +70,8 @@ def _policy(document: Document) -> Policy:
         max_series=int(spec.get("limits", {}).get("maxSeries", Policy.max_series)),
         max_job_series=None if "maxJobSeries" not in spec.get("limits", {}) else int(spec["limits"]["maxJobSeries"]),
         max_history_values=int(spec.get("limits", {}).get("maxHistoryValues", Policy.max_history_values)),
+        max_snapshot_bytes=(int(spec["limits"]["maxSnapshotBytes"]) if "maxSnapshotBytes" in spec.get("limits", {})
+                            else None),
         snapshots=_snapshots(spec["snapshots"]) if "snapshots" in spec else None,
         labels=dict(metadata.get("labels", {})),
         annotations=dict(metadata.get("annotations", {})),

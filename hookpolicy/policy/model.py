@@ -335,6 +335,9 @@ class Policy:
     max_job_series: Optional[int] = None
     #: the most history values (ring slots, two per ema) all the policy's history series may keep
     max_history_values: int = 1000000
+    #: `spec.limits.maxSnapshotBytes`: the host memory the snapshots of one model may hold; None: a quarter of the
+    #: host memory available at attach
+    max_snapshot_bytes: Optional[int] = None
     #: what `then: rewind` goes back to; None: no snapshots (and no rewind alert)
     snapshots: Optional[Snapshots] = None
     labels: Mapping[str, str] = field(default_factory=dict)

@@ -106,7 +106,7 @@ class Healing:
     """The cool-down in force, the rewinds taken, and the snapshots of one attached model."""
 
     def __init__(self, model: torch.nn.Module, policies: Sequence[Policy], store: ModelMetrics,
-                 fail: Optional[Callable[[tuple[str, str], Exception], None]] = None) -> None:
+                 fail: Optional[Callable[[tuple[str, str], Exception], bool]] = None) -> None:
         self.order = heal_order(policies)
         self._store = store
         #: a fault of a rule (a snapshot that cannot be taken or put back): its containment (`Faults.fail`)
@@ -334,10 +334,13 @@ class Healing:
         return False
 
     def _failed(self, keys: Sequence[tuple[str, str]], exc: Exception) -> None:
+        """A fault of the rules `keys` (`fail`); once none of them is in force, no snapshot is taken any more."""
         if self._fail is None:
             raise exc
-        for key in dict.fromkeys(keys):
-            self._fail(key, exc)
+        on = [self._fail(key, exc) for key in dict.fromkeys(keys)]
+        if not any(on) and self.snapshots is not None:
+            self.snapshots.release()
+            self.snapshots = None
 
 
 def _put_back(groups: Sequence[tuple[dict[str, Any], Any, Any]]) -> None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -58,25 +59,56 @@ def snapshots_of(model: torch.nn.Module, policies: Sequence[Policy], name: str) 
     wanted = config(policies)
     if wanted is None:
         return None
-    log.info("%s: %s", name, describe(model, *wanted))
-    return Snapshots(model, *wanted, name)
+    said = describe(model, *wanted)
+    if "more than" in said:
+        log.warning("%s: %s", name, said)
+    else:
+        log.info("%s: %s", name, said)
+    every, keep, budget = wanted
+    return Snapshots(model, every, keep, name, budget)
 
 
-def config(policies: Sequence[Policy]) -> Optional[tuple[int, int]]:
-    """(every, keep) of the snapshots that enforced rewind alerts need: the smallest `every`, the largest `keep`."""
-    wanted = [p.snapshots for p in policies if p.snapshots is not None and p.mode == "enforce" and any(
+def config(policies: Sequence[Policy]) -> Optional[tuple[int, int, int]]:
+    """(every, keep, budget) of the snapshots that enforced rewind alerts need: the smallest `every`, the largest
+    `keep`, the smallest `limits.maxSnapshotBytes` (by default a quarter of the host memory available now)."""
+    wanting = [p for p in policies if p.snapshots is not None and p.mode == "enforce" and any(
         isinstance(a, Alert) and a.then == "rewind" for r in p.rules if r.mode == "enforce" for a in r.actions)]
+    wanted = [p.snapshots for p in wanting if p.snapshots is not None]
     if not wanted:
         return None
-    return min(s.every for s in wanted), max(s.keep for s in wanted)
+    limits = [p.max_snapshot_bytes for p in wanting if p.max_snapshot_bytes is not None]
+    budget = min(limits) if limits else default_budget()
+    return min(s.every for s in wanted), max(s.keep for s in wanted), budget
 
 
-def describe(model: torch.nn.Module, every: int, keep: int) -> str:
-    """What the snapshots of `model` cost, in words (at attach and in `explain`)."""
+def default_budget() -> int:
+    """A quarter of the host memory available now (`MemAvailable`; the free pages where /proc is not there)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 4
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (OSError, ValueError, AttributeError):
+        return 1 << 62  # nothing to read the host's memory from: no budget
+
+
+def describe(model: torch.nn.Module, every: int, keep: int, budget: int) -> str:
+    """What the snapshots of `model` cost, in words, against their budget (at attach and in `explain`)."""
     size = model_bytes(model)
-    return (f"snapshots for then: rewind after every {every} steps, at most {keep} in host memory, each "
+    said = (f"snapshots for then: rewind after every {every} steps, at most {keep} in host memory, each "
             f"{mib(size)} of parameters and buffers plus the optimizer state (Adam: 2 x {mib(size)} more): "
-            f"{mib(keep * size * 3)} with Adam")
+            f"{mib(keep * size * 3)} with Adam; budget {mib(budget)} (spec.limits.maxSnapshotBytes, by default a "
+            f"quarter of the host memory available)")
+    if size * 3 > budget:
+        return said + ("; one snapshot with Adam is more than the budget: none will be taken, and a rewind skips "
+                       "its step instead")
+    if keep * size * 3 > budget:
+        return said + (f"; {keep} with Adam are more than the budget: at most {budget // (size * 3)} will be kept")
+    return said
 
 
 def model_bytes(model: torch.nn.Module) -> int:
@@ -122,9 +154,13 @@ class Snapshot:
 class Snapshots:
     """At most `keep` snapshots of `model`, one after every `every` updates; see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, every: int, keep: int, name: str) -> None:
+    def __init__(self, model: torch.nn.Module, every: int, keep: int, name: str, budget: int = 1 << 62) -> None:
         self._model = weakref.ref(model)
         self.every, self.keep, self._name = every, keep, name
+        #: the bytes all snapshots together may hold (`limits.maxSnapshotBytes`)
+        self.budget = budget
+        self._said_budget = Once()
+        self._too_big = False  # the last snapshot due did not fit the budget
         self.kept: list[Snapshot] = []
         self._optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
         self._several = False
@@ -154,6 +190,8 @@ class Snapshots:
         """Why there is no snapshot to go back to."""
         if self._several:
             return "several optimizers step this model"
+        if self._too_big:
+            return f"no snapshot fits spec.limits.maxSnapshotBytes ({mib(self.budget)})"
         return f"no snapshot yet: the first is taken after {self.every} steps"
 
     def pick(self, step: int, back: int) -> Optional[int]:
@@ -176,7 +214,23 @@ class Snapshots:
         model = self._model()
         if model is None or not stepping:
             return
-        slot = self.kept.pop(0) if len(self.kept) == self.keep else None
+        need = model_bytes(model) + sum(_local(v).nbytes for o in stepping for state in o.state.values()
+                                        for v in state.values() if isinstance(v, torch.Tensor))
+        self._too_big = need > self.budget
+        if self._too_big:
+            self.kept = []
+            if self._said_budget("none"):
+                log.warning("%s: a snapshot for then: rewind needs %s, more than spec.limits.maxSnapshotBytes (%s): "
+                            "none is taken, and a rewind skips its step instead (said once)", self._name, mib(need),
+                            mib(self.budget))
+            return
+        fit = max(1, min(self.keep, self.budget // max(need, 1)))
+        if fit < self.keep and self._said_budget("fewer"):
+            log.warning("%s: %d snapshots for then: rewind of %s each are more than spec.limits.maxSnapshotBytes "
+                        "(%s): %d are kept (said once)", self._name, self.keep, mib(need), mib(self.budget), fit)
+        while len(self.kept) > fit:
+            self.kept.pop(0)
+        slot = self.kept.pop(0) if len(self.kept) == fit else None
         snapshot = self._take(model, step + 1, slot, stepping)
         self.kept.append(snapshot)
         if self._said_size():
