@@ -103,6 +103,7 @@ def replaced_head(model: nn.Sequential, optimizer: torch.optim.Optimizer) -> tor
 def script(change: Optional[Change], *, by_hand: Optional[Callable[[nn.Module, torch.optim.Optimizer, dict[str, Any]],
                                                                   None]] = None,
            lr_factor: Callable[[int], float] = lambda i: 1.0, model: Optional[nn.Sequential] = None,
+           clip: Optional[float] = None, seen: Optional[Callable[[int, float], None]] = None,
            ) -> tuple[nn.Sequential, torch.optim.Optimizer]:
     """The training script; `by_hand` replaces `optimizer.step()` at REWIND (the test's reference)."""
     model = build() if model is None else model
@@ -113,7 +114,12 @@ def script(change: Optional[Change], *, by_hand: Optional[Callable[[nn.Module, t
             optimizer = change(model, optimizer)
         x, y = x.to(next(model.parameters()).dtype), y.to(next(model.parameters()).dtype)
         optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if seen is not None:
+            seen(i, float(loss))
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         kept = [g["lr"] for g in optimizer.param_groups]
         for g in optimizer.param_groups:
             g["lr"] = g["lr"] * lr_factor(i)
@@ -248,3 +254,71 @@ def test_a_cool_down_survives_a_step_that_raised_before_its_post_hook(tmp_path: 
     got, expected = run(True), run(False)
     for (name, p), q in zip(got.state_dict().items(), expected.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+def scheduler_replaced(model: nn.Sequential, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A scheduler made after the start (its first lr is the optimizer's as it finds it): the lr itself is kept."""
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return optimizer
+
+
+#: what acts: the rules, and how the script does the same by hand (keyword arguments of `script`)
+ACTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "skip": (f"""
+- name: act
+  match: {{modules: ["**"]}}
+  trigger: {{at: step, steps: {{from: {REWIND}, until: {REWIND + 1}}}}}
+  target: grad
+  actions: [{{alert: {{if: "l2_norm >= 0", per: rule, then: skip_step}}}}]
+""", {"by_hand": skipped}),
+    "clip": ("""
+- name: act
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: grad
+  actions: [{clip: {max_norm: 0.05, per: rule}}]
+""", {"clip": 0.05}),
+    "loss": ("""
+- name: act
+  match: {root: true}
+  trigger: {at: step}
+  target: loss
+  actions: [{capture: {stats: [mean]}}]
+""", {}),
+    "update": ("""
+- name: act
+  match: {types: [Linear]}
+  trigger: {at: step}
+  target: update
+  actions: [{capture: {stats: [l2_norm]}}]
+""", {}),
+}
+CHANGES: list[Optional[Change]] = [None, inserted, reshaped, removed, adam, grouped, scheduler_replaced]
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("change", CHANGES, ids=lambda c: "unchanged" if c is None else c.__name__)
+def test_the_run_moved_on_matrix(tmp_path: Path, act: str, change: Optional[Change]) -> None:
+    """Each action after each change: the weights equal the script doing the same by hand, nothing raised, no
+    fault counted; the loss tap's values are the script's own losses, step by step."""
+    rules, by_hand = ACTS[act]
+    pol = load_policy(tmp_path, rules)
+    model = build()
+    registry = CollectorRegistry()
+    published: list[float] = []
+    with pol.attach(model, registry=registry) as attached:
+        def after(i: int, loss: float) -> None:
+            published.append(loss)
+
+        model, _ = script(change, model=model, seen=after)
+        values = attached.last_values()
+        errors = metric(registry, "hookpolicy_hook_errors_total", {"policy": "p", "rule": "act"})
+    expected, _ = script(change, **by_hand)
+    for (name, p), q in zip(model.state_dict().items(), expected.state_dict().values()):
+        if act == "clip":  # hookpolicy's norm and clip_grad_norm_'s may differ in the last bit
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
+        else:
+            assert torch.equal(p, q), name
+    assert not errors
+    if act == "loss":
+        assert next(iter(values["hookpolicy_loss_mean"].values())) == pytest.approx(published[-1], rel=1e-6)
