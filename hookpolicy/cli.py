@@ -443,11 +443,16 @@ def export_grafana(policies: tuple[str, ...]) -> None:
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default="report.html", show_default=True,
               help="The HTML file to write (one self-contained page, no network needed to view it).")
 @click.option("--png", "png_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
-              help="Also write every figure as a PNG file into DIR.")
-def report(logs: tuple[str, ...], output: str, png_dir: Optional[str]) -> None:
+              help="Also write every figure as a PNG file into DIR (a folder per run when there are several).")
+@click.option("--run", "runs", multiple=True, metavar="ID",
+              help="The run to show (its id, a unique start of it, 'last' or 'all'); repeat it to put runs side "
+                   "by side. Default: the last run of the logs.")
+def report(logs: tuple[str, ...], output: str, png_dir: Optional[str], runs: tuple[str, ...]) -> None:
     """Plot capture logs (JSON lines): per rule and statistic, one line per module over steps.
 
-    A LOG brings its rotated files (LOG.1, LOG.2, ...) along; logs of several ranks are
+    A page shows one run (every record carries its run's id), by default the last one
+    written. A LOG brings its rotated files (LOG.1, LOG.2, ...) and the alert records kept
+    beside it (LOG's name with .alerts before the suffix) along; logs of several ranks are
     merged; alert records (a HOOKPOLICY_ALERT_LOG file, or a stderr saved from a run with
     --log-format json) add alert and skipped-step markers. Needs matplotlib: pip install
     'hookpolicy[report]'.
@@ -457,14 +462,22 @@ def report(logs: tuple[str, ...], output: str, png_dir: Optional[str]) -> None:
     from .export.report import ReportError, write_report
 
     try:
-        records, figures = write_report(list(logs), Path(output), None if png_dir is None else Path(png_dir))
+        written = write_report(list(logs), Path(output), None if png_dir is None else Path(png_dir), runs)
     except ReportError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"cannot write the report: {exc}") from None
-    skipped = f", {records.ignored} other line(s) skipped" if records.ignored else ""
-    click.echo(f"{output}: {len(figures)} figure(s), {len(records.rules)} rule(s) from "
-               f"{len(records.files)} file(s){skipped}")
+    first = written.runs[0]
+    skipped = f", {first.ignored} other line(s) skipped" if first.ignored else ""
+    shown = ", ".join(r.run or "(no run id)" for r in written.runs)
+    rules = len({key for r in written.runs for key in r.rules})
+    click.echo(f"{output}: {written.count} figure(s), {rules} rule(s) of run {shown} from "
+               f"{len(first.files)} file(s){skipped}")
+    if png_dir is not None:
+        click.echo(f"{output}: the figures as PNG files in {os.path.abspath(png_dir)}{os.sep}")
+    if written.others:
+        click.echo(f"{output}: the logs hold {len(written.others)} other run(s) (--run ID, or --run all): "
+                   + ", ".join(o or "(no run id)" for o in written.others))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> NoReturn:

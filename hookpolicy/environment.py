@@ -5,9 +5,9 @@ Three parties set them:
 - you: `HOOKPOLICY_POLICY_DIRS` (folders of ops-managed policies), `HOOKPOLICY_OUTPUT_DIR`
   (where policy `log`/`tensors` paths point), `HOOKPOLICY_WATCH_INTERVAL`,
   `HOOKPOLICY_LOG_FORMAT` (alerts on stderr as readable lines or JSON; `apply --log-format`
-  sets it too), `HOOKPOLICY_ALERT_LOG` (a file that gets every alert record as JSON;
-  `apply --report` sets it when you have not) and `HOOKPOLICY_RUN_ID` (the run's identity,
-  `apply` sets one when you have not);
+  sets it too), `HOOKPOLICY_ALERT_LOG` (a file that gets every alert record as JSON, besides
+  the file kept beside each capture log) and `HOOKPOLICY_RUN_ID` (the run's identity, which
+  every log and alert record carries; `apply` sets one when you have not);
 - `hookpolicy apply`, for every process of its COMMAND (`apply_variables` writes them,
   `ChildConfig.from_env` reads them back in the child): `HOOKPOLICY_BOOTSTRAP`,
   `HOOKPOLICY_POLICIES`, `HOOKPOLICY_AUDIT`, `HOOKPOLICY_STRICT`, `HOOKPOLICY_WATCH`,
@@ -51,8 +51,8 @@ ENV_WATCH_INTERVAL = "HOOKPOLICY_WATCH_INTERVAL"
 #: How alerts are written on stderr: `text` (one readable `hookpolicy:` line each, the
 #: default) or `json` (one JSON record each); `apply --log-format` sets it for its COMMAND.
 ENV_LOG_FORMAT = "HOOKPOLICY_LOG_FORMAT"
-#: A file every alert record is appended to, as a JSON line, whatever the format on stderr;
-#: `apply --report` sets it (to a file of its run folder) unless you did.
+#: A file every alert record is appended to, as a JSON line, whatever the format on stderr
+#: (they are kept beside each capture log too).
 ENV_ALERT_LOG = "HOOKPOLICY_ALERT_LOG"
 #: This run's identity, the `run` label of `hookpolicy_run_info`: unique per attempt (a
 #: retried Job's new pod, a new `apply`), so the alerting rules tell a retry from the run

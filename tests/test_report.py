@@ -163,7 +163,8 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (CI installs it)")
 def test_report_in_a_real_browser(logs: list[str], tmp_path: Path) -> None:
-    """Headless Chromium opens the page offline: no console error, and the screenshot shows the plots."""
+    """Headless Chromium opens the page offline: no console error, and the screenshot shows the plots,
+    their alert crosses, and every plot's frame at the same pixel columns (one step axis)."""
     from PIL import Image
 
     out = tmp_path / "report.html"
@@ -172,14 +173,14 @@ def test_report_in_a_real_browser(logs: list[str], tmp_path: Path) -> None:
     done = subprocess.run(
         [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
          "--enable-logging=stderr", "--v=0", f"--user-data-dir={tmp_path / 'profile'}",
-         "--window-size=1100,3600", f"--screenshot={shot}", out.as_uri()],
+         "--window-size=1200,3600", f"--screenshot={shot}", out.as_uri()],
         capture_output=True, text=True, timeout=120,
     )
     assert shot.exists(), done.stderr[-2000:]
     console = [line for line in done.stderr.splitlines() if "CONSOLE" in line or "Content Security Policy" in line]
     assert console == []
     image = Image.open(shot).convert("RGB")
-    assert image.size == (1100, 3600)
+    assert image.size == (1200, 3600)
     colours = {colour: n for n, colour in image.getcolors(maxcolors=1 << 24)}
 
     def near(rgb: tuple[int, int, int], tolerance: int = 10) -> int:
@@ -191,6 +192,24 @@ def test_report_in_a_real_browser(logs: list[str], tmp_path: Path) -> None:
     assert near((255, 0, 0), 15) > 50  # the alert crosses (pure red, not tab:red)
     viridis = [(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)]
     assert sum(near(c, 25) > 20 for c in viridis) >= 3  # the per-layer heatmaps, over the colour scale
+    # each plot's frame: its left and right spines, the long black vertical lines of a figure's band
+    import numpy as np
+
+    dark = np.asarray(image).max(axis=2) < 50
+    runs: list[tuple[int, int, int]] = []  # (x, top, bottom) of every vertical dark run of 80 px or more
+    for x in range(dark.shape[1]):
+        column = np.concatenate(([False], dark[:, x], [False]))
+        edges = np.flatnonzero(column[1:] != column[:-1])
+        runs += [(x, int(a), int(b)) for a, b in zip(edges[::2], edges[1::2]) if b - a >= 80]
+    frames = set()
+    bands = sorted({(top, bottom) for _, top, bottom in runs})
+    for top, bottom in bands:
+        xs = sorted(x for x, t, b in runs if (t, b) == (top, bottom))
+        if len(xs) >= 2:
+            frames.add((xs[0], xs[1] if xs[1] - xs[0] > 300 else xs[-1]))
+    plots = [b for b in bands if sum((t, bb) == b for _, t, bb in runs) >= 2]
+    assert len(plots) >= 4, bands  # the timeline and at least three figures on the screen
+    assert len(frames) == 1, frames  # every plot spans the same pixel columns
 
 
 def test_an_audited_skip_is_not_reported_as_a_skip(
@@ -315,7 +334,24 @@ def test_apply_writes_the_report_at_the_end_of_the_run(tmp_path: Path) -> None:
     page = (tmp_path / "out" / "report.html").read_text()
     assert f"hookpolicy: report: {tmp_path / 'out' / 'report.html'} (" in done.stderr
     assert "watch/guard" in page and "critical 1" in page and "alerts and skipped steps" in page
-    assert "watch/grads: grad l2_norm" in page
+    assert "watch/grads: L2 norm of the gradient" in page
+    # A second run into the same folder, 12 steps with a NaN at step 3: `hookpolicy report LOG`, told of no alert
+    # file, shows that run alone and finds its alerts beside the log.
+    again = subprocess.run(
+        [sys.executable, "-m", "hookpolicy", "apply", "watch.yaml", "--", sys.executable,
+         str(REPO / "examples" / "train_mlp.py"), "--steps", "12", "--nan-at", "3"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len([line for line in again.stdout.splitlines() if line.startswith("step ")]) == 12
+    result = CliRunner().invoke(cli, ["report", str(tmp_path / "logs" / "grads.jsonl"), "-o", str(tmp_path / "r.html")])
+    assert result.exit_code == 0, result.output
+    assert "1 other run(s)" in result.output
+    page = (tmp_path / "r.html").read_text()
+    (guard,) = [row for row in page.split("<tr>") if row.startswith("<td>watch/guard</td>")]
+    cells = re.findall(r"<td>(.*?)</td>", guard)
+    assert cells[-4:] == ["critical 1", "3", "1"] or cells[-3:] == ["critical 1", "3", "1"], cells
+    (grads,) = [row for row in page.split("<tr>") if row.startswith("<td>watch/grads</td>")]
+    assert "<td>0-11</td>" in grads  # this run's 12 steps, none of the first run's 20
 
 
 def test_apply_without_a_capture_log_says_there_is_no_report(tmp_path: Path) -> None:

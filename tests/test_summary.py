@@ -7,6 +7,7 @@ shows; at a normal exit, on SIGTERM and after a halt, under `hookpolicy apply` a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -114,15 +115,17 @@ def _n(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def _expected(view: dict[str, int], outputs: str) -> list[str]:
+def _expected(view: dict[str, int], outputs: str, series: int = 0) -> list[str]:
+    """What the summary should say; `series`: how many l2_norm series of the norms rule a scrape showed."""
     guard = [f"skipped {_n(view['unchanged'], 'step')}"] if view["unchanged"] else []
     if view["nonfinite"]:
         guard.append(_n(view["nonfinite"], "critical alert"))
+    served = outputs.startswith("metrics ")
     return [
         f"hookpolicy: run summary (rank 0): Sequential {_n(view['steps'], 'step')}",
-        f"hookpolicy:   watch/guard: {', '.join(guard) or 'nothing counted'}",
+        f"hookpolicy:   watch/guard: {', '.join(guard) or 'no alert fired, changed nothing'}",
         f"hookpolicy:   watch/clip: clipped {_n(view['clips'], 'time')}",
-        "hookpolicy:   watch/norms: nothing counted",
+        "hookpolicy:   watch/norms: " + (f"exported {series} series, " if served else "") + "changed nothing (it only captures)",
         f"hookpolicy:   outputs: {outputs}",
     ]
 
@@ -135,7 +138,9 @@ def test_the_summary_at_exit_says_what_the_script_saw_and_what_metrics_showed(tm
     assert view["steps"] == 30 and view["unchanged"] == 1 and view["nonfinite"] == 3
     assert 0 < view["clips"] < 29  # the reference is not trivial: some steps clip, others do not
     url = f"http://127.0.0.1:{free_port}/metrics"
-    assert _summary(done.stderr) == _expected(view, f"metrics {url}")
+    series = len(re.findall(r'^hookpolicy_grad_l2_norm\{[^}]*rule="norms"', done.stdout, re.M))
+    assert series == 3  # one per Linear layer of the script
+    assert _summary(done.stderr) == _expected(view, f"metrics {url}", series)
     scraped = {m.group(1): float(m.group(2)) for m in re.finditer(
         r'^(hookpolicy_(?:steps|skipped_steps|clipped|alerts)_total)\{[^}]*\} (\S+)$', done.stdout, re.M)
         if float(m.group(2)) > 0}
@@ -185,12 +190,15 @@ def test_attached_summary_counts_what_the_registry_counts(tmp_path: Path, monkey
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
             clips += bool(MAX_NORM / (norm + 1e-6) < 1.0)
             optimizer.step()
+        series = [s for m in registry.collect() if m.name == "hookpolicy_grad_l2_norm" for s in m.samples
+                  if s.labels["rule"] == "norms"]  # the scrape's (the gauges leave with the block)
+    assert len(series) == 2  # one per Linear layer
     assert sample(registry, "hookpolicy_clipped_total", rule="clip") == clips
     assert handle.summary() == [
         "run summary (rank 0): Sequential 12 steps",
         "  watch/guard: skipped 1 step, 2 critical alerts",
         f"  watch/clip: clipped {clips} time{'' if clips == 1 else 's'}",
-        "  watch/norms: nothing counted",
+        "  watch/norms: exported 2 series, changed nothing (it only captures)",
         "  outputs: metrics in the registry given to attach",
     ]
 
@@ -213,3 +221,52 @@ def test_the_summary_says_the_port_could_not_be_bound_not_that_none_was_given(tm
     assert _summary(done.stderr)[-1] == (
         "hookpolicy:   watch/norms: its capture goes nowhere (no log, tensorboard or tensors, and "
         f"--metrics-port {free_port}: port {free_port} could not be bound)")
+
+
+def test_a_capture_only_rule_says_what_it_wrote_where_and_that_it_changed_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not "nothing counted": the records the log file holds (read back), the series a scrape shows, and
+    the parameters' update unchanged by the rule (the same training without hookpolicy, bit for bit)."""
+    import hookpolicy
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HOOKPOLICY_OUTPUT_DIR", raising=False)
+    (tmp_path / "p.yaml").write_text("""\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {name: p}
+spec:
+  rules:
+    - name: acts
+      match: {types: [Linear]}
+      trigger: {at: forward}
+      target: output
+      actions:
+        - capture: {stats: [rms, mean], log: {path: logs/acts.jsonl}}
+""")
+
+    def train(governed: bool) -> tuple[list[torch.Tensor], list[str], int]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        registry = CollectorRegistry()
+        series = 0
+        with (hookpolicy.load(tmp_path / "p.yaml").attach(model, registry=registry) if governed
+              else contextlib.nullcontext()) as handle:
+            for _ in range(5):
+                optimizer.zero_grad()
+                model(torch.randn(16, 4)).pow(2).mean().backward()
+                optimizer.step()
+            if handle is not None:
+                series = len([s for m in registry.collect() if m.name.startswith("hookpolicy_output_")
+                              for s in m.samples])
+        return [p.detach().clone() for p in model.parameters()], [] if handle is None else handle.summary(), series
+
+    plain, _, _ = train(False)
+    governed, summary, series = train(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, governed))  # what "changed nothing" claims
+    records = len((tmp_path / "logs" / "acts.jsonl").read_text().splitlines())
+    assert records == 10 and series == 4  # 5 steps x 2 Linear layers; 2 layers x 2 statistics
+    assert summary[1] == (f"  p/acts: wrote {records} records to {tmp_path / 'logs' / 'acts.jsonl'}, "
+                          f"exported {series} series, changed nothing (it only captures)")

@@ -10,10 +10,10 @@ the way it ended into an exit status:
   `halt` in the run folder, and the parent prints that one line on stderr;
 - 127 when the COMMAND cannot be found, 126 when it cannot be executed (as shells do).
 
-With `--report PATH`, the COMMAND's processes append every alert record as a JSON line to
-a file (HOOKPOLICY_ALERT_LOG: yours when set, else `alerts.jsonl` in the run folder), and
-when the COMMAND has ended the parent draws the policies' capture logs and those alerts
-into PATH (`hookpolicy report`'s page). `--log-format json` has the alerts written on
+Every process of the COMMAND writes its records with one run id (HOOKPOLICY_RUN_ID: yours
+when set, else a new one). With `--report PATH`, when the COMMAND has ended the parent
+draws this run of the policies' capture logs, with the alert records kept beside them
+(and HOOKPOLICY_ALERT_LOG's file, when you set one), into PATH (`hookpolicy report`'s page). `--log-format json` has the alerts written on
 stderr as JSON records instead of readable lines (HOOKPOLICY_LOG_FORMAT).
 
 Signals: the COMMAND runs in its own session and process group, so the parent decides
@@ -36,7 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Mapping, Optional, Sequence
 
-from ..environment import DEFAULT_METRICS_ADDR, DEFAULT_PUSH_JOB, ENV_RUN_ID, alert_log, apply_variables, new_run_id
+from ..environment import DEFAULT_METRICS_ADDR, DEFAULT_PUSH_JOB, ENV_RUN_ID, alert_log, apply_variables, new_run_id, run_id
 from ..say import say
 
 __all__ = ["BOOTSTRAP_DIR", "HALT_STATUS", "Launch", "child_environment", "resolve_command", "run"]
@@ -92,8 +92,7 @@ def child_environment(launch: Launch, run_dir: str, environ: Mapping[str, str]) 
     variables = apply_variables(
         launch.sources, run_dir, audit=launch.audit, watch=launch.watch,
         metrics_port=launch.metrics_port, metrics_addr=launch.metrics_addr, strict=launch.strict,
-        log_format=launch.log_format, alert_log=_alert_file(launch, run_dir, environ),
-        push_gateway=launch.push_gateway, push_job=launch.push_job,
+        log_format=launch.log_format, push_gateway=launch.push_gateway, push_job=launch.push_job,
     )
     for name, value in variables.items():
         if value is None:
@@ -103,13 +102,6 @@ def child_environment(launch: Launch, run_dir: str, environ: Mapping[str, str]) 
     if not env.get(ENV_RUN_ID, "").strip():  # one identity for every rank of this run
         env[ENV_RUN_ID] = new_run_id()
     return env
-
-
-def _alert_file(launch: Launch, run_dir: str, environ: Mapping[str, str]) -> Optional[str]:
-    """With `--report`, the file the alert records go to (absolute): HOOKPOLICY_ALERT_LOG's, else the run folder's."""
-    if not launch.report:
-        return None
-    return alert_log(environ) or os.path.join(run_dir, "alerts.jsonl")
 
 
 def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, str]] = None) -> int:
@@ -123,9 +115,8 @@ def run(launch: Launch, command: Sequence[str], environ: Optional[Mapping[str, s
         given = os.environ if environ is None else environ
         env = child_environment(launch, run_dir, given)
         status = _supervise(argv, env, run_dir)
-        alerts = _alert_file(launch, run_dir, given)
-        if launch.report and alerts:
-            _write_report(launch.report, launch.report_logs, alerts)
+        if launch.report:
+            _write_report(launch.report, launch.report_logs, alert_log(given), run_id(env))
         halt = _read_halt(run_dir)
         if halt is not None:
             say(halt)  # already starts with 'hookpolicy: ', which say does not repeat
@@ -183,8 +174,9 @@ def _supervise(argv: list[str], env: dict[str, str], run_dir: str) -> int:
     return 128 - status if status < 0 else status
 
 
-def _write_report(page: str, logs: Sequence[str], alerts: str) -> None:
-    """Draw the capture logs the run left (with its alert records, if any) into `page`; one line either way."""
+def _write_report(page: str, logs: Sequence[str], alerts: Optional[str], run: str) -> None:
+    """Draw this run of the capture logs (with the alert records kept beside them, and `alerts`, the
+    HOOKPOLICY_ALERT_LOG file, if any) into `page`; one line either way."""
     from ..export.report import ReportError, write_report
 
     written = [log for log in logs if os.path.isfile(log)]
@@ -192,14 +184,15 @@ def _write_report(page: str, logs: Sequence[str], alerts: str) -> None:
         say(f"no report: no capture of the policies wrote a log ({', '.join(logs) or 'none has `log: {path: ...}`'})")
         return
     try:
-        _, figures = write_report([*written, *([alerts] if os.path.isfile(alerts) else [])], Path(page))
+        done = write_report([*written, *([alerts] if alerts and os.path.isfile(alerts) else [])], Path(page),
+                            runs=[run])
     except ReportError as exc:
         say(f"no report: {exc}")
         return
     except OSError as exc:
         say(f"no report: cannot write {page}: {exc.strerror or exc}")
         return
-    say(f"report: {page} ({len(figures)} figure(s) from {', '.join(written)})")
+    say(f"report: {page} ({done.count} figure(s) from {', '.join(written)})")
 
 
 def _read_halt(run_dir: str) -> Optional[str]:

@@ -17,17 +17,18 @@ import os
 import stat
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, BinaryIO, Mapping, Optional
+from typing import Any, BinaryIO, Iterable, Mapping, Optional
 
 import torch
 
-from ..environment import output_dir
-from ..policy.model import LogSink, TensorFiles
+from ..environment import output_dir, run_id
+from ..policy.model import Capture, LogSink, Policy, TensorFiles
 
 __all__ = [
-    "BudgetSpent", "SinkError", "TEMP_PREFIX", "file_name", "output_root", "safe_path", "JsonLines",
-    "TensorWriter",
+    "ALERT_LOG_EVENT", "AlertFiles", "BudgetSpent", "SinkError", "TEMP_PREFIX", "alert_log_beside", "file_name",
+    "output_root", "safe_path", "JsonLines", "TensorWriter",
 ]
 
 
@@ -134,6 +135,67 @@ class JsonLines:
                 file.close()
             except OSError:
                 pass
+
+
+#: The record an alert file starts a run's part with: this run's alert records are kept here
+#: (`hookpolicy report` says "unknown (no alert records)" for a run without one).
+ALERT_LOG_EVENT = "alert log"
+
+
+def alert_log_beside(log: Path) -> Path:
+    """The file the alert records of a run are kept in beside its capture log `log`:
+    `runs/observe.jsonl` -> `runs/observe.alerts.jsonl`."""
+    return log.with_name(f"{log.stem}.alerts{log.suffix}" if log.suffix else f"{log.name}.alerts")
+
+
+class AlertFiles:
+    """The alert records of a run, kept beside each of its capture logs (`alert_log_beside`), so that
+    `hookpolicy report LOG` finds them without being told.
+
+    Every alert record goes to every such file (an alert of a guard that captures nothing is
+    part of the run too); each file takes the capture log's `max_bytes` and `keep`. A file is
+    opened at its first write: the first alert, or the first record of its capture log
+    (`started`), which writes one `{"event": "alert log"}` record, so that a page knows that
+    this run's alerts were kept even when there were none.
+    """
+
+    @classmethod
+    def of(cls, root: Path, policies: Iterable[Policy], rank: int) -> "AlertFiles":
+        """The alert files beside every capture log of `policies`."""
+        return cls(root, (a.log for p in policies for r in p.rules for a in r.actions
+                          if isinstance(a, Capture) and a.log is not None), rank)
+
+    def __init__(self, root: Path, sinks: Iterable[LogSink], rank: int) -> None:
+        self._rank = rank
+        self._files: dict[str, JsonLines] = {}
+        for sink in sinks:
+            if sink.path is None or sink.path in self._files:
+                continue
+            beside = alert_log_beside(Path(sink.path))
+            self._files[sink.path] = JsonLines(root, LogSink(path=str(beside), max_bytes=sink.max_bytes,
+                                                             keep=sink.keep))
+        self._started: set[str] = set()
+
+    def started(self, sink: Optional[LogSink]) -> None:
+        """The capture log of `sink` is being written: its alert file says, once, that it keeps this run's alerts."""
+        if sink is None or sink.path is None or sink.path in self._started or sink.path not in self._files:
+            return
+        self._files[sink.path].write([self._header()])
+        self._started.add(sink.path)
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        for path, file in self._files.items():
+            if path not in self._started:
+                file.write([self._header()])
+                self._started.add(path)
+            file.write(records)
+
+    def _header(self) -> dict[str, Any]:
+        return {"run": run_id(os.environ), "time": time.time(), "rank": self._rank, "event": ALERT_LOG_EVENT}
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
 
 
 def _append_whole(file: BinaryIO, data: bytes) -> None:

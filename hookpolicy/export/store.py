@@ -49,6 +49,10 @@ class MetricsStore:
         self._models: "weakref.WeakKeyDictionary[object, str]" = weakref.WeakKeyDictionary()
         self._classes: dict[str, int] = {}
         self._off: dict[Labels, str] = {}  # (policy, rule, model) -> why, for the run summary; not exported
+        #: for the run summary, not exported: (policy, rule, model) -> log path -> records written there,
+        #: and -> every statistic series it stored (also those forgotten since)
+        self._written: dict[Labels, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._stored: dict[Labels, set[tuple[str, Labels]]] = defaultdict(set)
         self._engine[RUN_INFO.name][(run_id(os.environ),)] = 1.0
 
     # -- engine families ---------------------------------------------------------------
@@ -90,6 +94,21 @@ class MetricsStore:
         """(policy, rule, model) -> why, of every rule switched off so far."""
         with self._lock:
             return dict(self._off)
+
+    def wrote(self, labels: Labels, path: str, records: int) -> None:
+        """Note that a rule (policy, rule, model) wrote `records` log records to `path`, for the run summary."""
+        with self._lock:
+            self._written[labels][path] += records
+
+    def records_written(self) -> dict[Labels, dict[str, int]]:
+        """(policy, rule, model) -> log path -> records written there so far."""
+        with self._lock:
+            return {labels: dict(paths) for labels, paths in self._written.items()}
+
+    def series_stored(self) -> dict[Labels, int]:
+        """(policy, rule, model) -> how many statistic series of the rule this process has exported (stored)."""
+        with self._lock:
+            return {labels: len(series) for labels, series in self._stored.items()}
 
     def drop(self, family: Family, keep: Callable[[Labels], bool]) -> None:
         name = checked_name(family, family.labels)
@@ -172,6 +191,7 @@ class MetricsStore:
                 return
             self._series[labels[0]] += 1
             self._refused.discard(key)
+            self._stored[(labels[0], labels[1], labels[-1])].add(key)
         series[labels] = value
 
     def _say_full(self, name: str, limit_name: str, policy: Optional[Policy], world: int) -> None:
@@ -281,6 +301,9 @@ class ModelMetrics:
 
     def switch_off(self, labels: Labels, why: str) -> None:
         self.store.switch_off((*labels, self.model), why)
+
+    def wrote(self, labels: Labels, path: str, records: int) -> None:
+        self.store.wrote((*labels, self.model), path, records)
 
     def drop(self, family: Family, keep: Callable[[Labels], bool]) -> None:
         """Drop the series `keep` rejects (given the labels without `model`); only this model's."""

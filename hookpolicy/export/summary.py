@@ -4,14 +4,19 @@
       nan-guard/nonfinite-grads: skipped 1 step, 1 critical alert
       loss-guard/spike: rewound 2 times, 2 warning alerts
       agc/agc: clipped 2691 units
+      observe/grad-norms: wrote 1800 records to runs/observe.jsonl, exported 9 series, changed nothing (it only captures)
       outputs: metrics http://127.0.0.1:9400/metrics; log runs/observe.jsonl
       watch/acts: its capture goes nowhere (no log, tensorboard or tensors, and no --metrics-port)
 
-Every number is a sum of a counter a scrape shows (`hookpolicy_steps_total`,
-`hookpolicy_skipped_steps_total`, ...) over the rule's series, so the summary and
-Prometheus never disagree; what the counter does not count, the summary does not say.
-`COUNTS` is the one list of what a rule's line says: a new counter that a rule's line
-should show is one more `Count` there (as `hookpolicy_rewinds_total`'s "rewound N times").
+A rule's line says what it changed, what it alerted, what it wrote where and how many
+series it exported. Every change and alert is a sum of a counter a scrape shows
+(`hookpolicy_steps_total`, `hookpolicy_skipped_steps_total`, ...) over the rule's series,
+so the summary and Prometheus never disagree; records and series are the store's own
+tallies of what it wrote and exported. "changed nothing" is said only where it is
+known: of a rule that only captures (or whose alerts only log), or of one whose every
+way to change the run is counted and counted nothing. `COUNTS` is the one list of the
+counters a rule's line says: a new counter that a rule's line should show is one more
+`Count` there (as `hookpolicy_rewinds_total`'s "rewound N times").
 
 `hookpolicy apply` says it at the end of each governed process of rank 0 (at exit, on
 SIGTERM, after a halt); the Python API returns it from `Attached.summary()`.
@@ -24,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from ..policy.model import Capture, Clip, Policy, Rule
-from .metrics import ALERTS, CLIPPED, HOOK_ERRORS, REWINDS, SKIPPED_STEPS, STEPS, Family, Labels
+from ..policy.model import Alert, Capture, Clip, Policy, Rule, Scale
+from .metrics import ACTIONS, ALERTS, CLIPPED, HOOK_ERRORS, REWINDS, SKIPPED_STEPS, STEPS, Family, Labels
 from .store import MetricsStore
 
 __all__ = ["COUNTS", "Count", "summary_lines"]
@@ -40,12 +45,15 @@ class Count:
     """One counter as a rule's line says it: `family` summed over the rule's series.
 
     `words(n, value, rule)` is the phrase for a sum `n` > 0; with `by` (a label of the
-    family), one phrase per value of that label (`value`), else `value` is "".
+    family), one phrase per value of that label (`value`), else `value` is "". With `where`,
+    only the series whose labels it accepts are summed.
     """
 
     family: Family
     words: Callable[[int, str, Rule], str]
     by: Optional[str] = None
+    #: only the series whose labels (without `model`'s absence: all of them) it accepts
+    where: Optional[Callable[[Labels], bool]] = None
 
 
 def _clipped(n: int, mode: str, rule: Rule) -> str:
@@ -59,6 +67,8 @@ COUNTS: tuple[Count, ...] = (
     Count(SKIPPED_STEPS, lambda n, _, rule: f"skipped {_plural(n, 'step')}"),
     Count(REWINDS, lambda n, _, rule: f"rewound {_plural(n, 'time')}"),
     Count(CLIPPED, _clipped, by="mode"),
+    Count(ACTIONS, lambda n, _, rule: f"scaled {_plural(n, 'time')}",
+          where=lambda labels: labels[2:4] == ("scale", "enforce")),
     Count(ALERTS, lambda n, severity, rule: _plural(n, f"{severity} alert"), by="severity"),
     Count(HOOK_ERRORS, lambda n, _, rule: _plural(n, "error")),
 )
@@ -85,11 +95,22 @@ def summary_lines(
     lines = [f"{heading} (rank {store.rank}): "
              + (", ".join(f"{model} {_plural(n, 'step')}" for model, n in steps.items()) or "no model governed")]
     rules = [(policy, rule) for policy in policies for rule in policy.rules]
+    written = store.records_written()
+    stored = store.series_stored()
     for policy, rule in rules:
         said = _rule_counts(engine, policy.name, rule, mine)
+        changed = any(phrase.startswith(("skipped ", "rewound ", "clipped ", "scaled ")) for phrase in said)
+        alerted = any(key[:2] == (policy.name, rule.name) and mine(key[-1]) and n > 0
+                      for key, n in engine.get(ALERTS.name, {}).items())
+        said += [f"wrote {_plural(n, 'record')} to {'stderr' if not path else root / path}"
+                 for path, n in _sum_by_path(written, policy.name, rule.name, mine).items() if n]
+        series = sum(n for (p, r, model), n in stored.items() if (p, r) == (policy.name, rule.name) and mine(model))
+        if series and metrics is not None:
+            said.append(f"exported {series} series")
         off = {why for (p, r, model), why in store.switched_off().items() if (p, r) == (policy.name, rule.name)
                and mine(model)}
         said += [f"switched off {why}" for why in sorted(off)]
+        said += _changed_nothing(rule, changed, alerted)
         lines.append(f"  {policy.name}/{rule.name}: {', '.join(said) or 'nothing counted'}")
     outputs = [f"metrics {metrics}"] if metrics is not None else []
     for kind, path in _files(policies, root):
@@ -105,6 +126,28 @@ def summary_lines(
     return lines
 
 
+def _sum_by_path(written: Mapping[Labels, Mapping[str, int]], policy: str, rule: str,
+                 mine: Callable[[str], bool]) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for (p, r, model), paths in written.items():
+        if (p, r) == (policy, rule) and mine(model):
+            for path, n in paths.items():
+                out[path] += n
+    return out
+
+
+def _changed_nothing(rule: Rule, changed: bool, alerted: bool) -> list[str]:
+    """"changed nothing", where that is known: of a rule that only captures or whose alerts only log, or of
+    one that counted no skip, rewind, clip or scale and whose alerts never fired (a cool-down or a halt
+    follows an alert)."""
+    alerts = [a for a in rule.actions if isinstance(a, Alert)]
+    if all(isinstance(a, Capture) or (isinstance(a, Alert) and a.then == "log") for a in rule.actions):
+        return ["changed nothing (it only captures)" if not alerts else "changed nothing (its alerts only log)"]
+    if changed or alerted:
+        return []
+    return [("no alert fired, " if alerts else "") + "changed nothing"]
+
+
 def _rule_counts(
     engine: Mapping[str, Mapping[Labels, float]], policy: str, rule: Rule, mine: Callable[[str], bool],
 ) -> list[str]:
@@ -113,7 +156,7 @@ def _rule_counts(
         by = None if count.by is None else count.family.labels.index(count.by)
         sums: dict[str, float] = defaultdict(float)
         for labels, counted in engine.get(count.family.name, {}).items():
-            if labels[:2] == (policy, rule.name) and mine(labels[-1]):
+            if labels[:2] == (policy, rule.name) and mine(labels[-1]) and (count.where is None or count.where(labels)):
                 sums["" if by is None else labels[by]] += counted
         for value, n in sorted(sums.items(), key=lambda kv: (_SEVERITY_ORDER.get(kv[0], 9), kv[0])):
             if int(n) > 0:

@@ -13,6 +13,7 @@ that the step cycle acts on.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union, 
 import torch
 
 from ..measure.actions import StatsOp
+from ...environment import run_id
 from ...errors import Halt
 from ...export.metrics import ALERT_FIRING, ALERTS, CLIPPED, Labels, stat_family
 from ...export.store import ModelMetrics
@@ -61,7 +63,9 @@ class Readback:
         self._said_limits = Once()  # (rule key, action index): clips whose device limit was not usable
         self._alerts = Alerts(history)
         self._last: dict[str, dict[Labels, float]] = defaultdict(dict)
-        self.writers = Writers(root, rank)
+        self.writers = Writers(root, rank, policies)
+        #: the run every record carries (`environment.run_id`): `hookpolicy report` tells appended runs apart
+        self.run_id = run_id(os.environ)
 
     def last_values(self) -> Mapping[str, Mapping[Labels, float]]:
         """A read-only copy of the latest value of every statistic series published so far."""
@@ -180,7 +184,7 @@ class Readback:
                             jobs[key] = whose
                     if action.log is None and action.tensorboard is None:
                         continue
-                base = {"time": now, "step": p.step, "rank": self.rank, "model": self.store.model,
+                base = {"run": self.run_id, "time": now, "step": p.step, "rank": self.rank, "model": self.store.model,
                         "policy": rs.policy.name,
                         "rule": rs.rule.name, "module": module, "target": p.target, "tensor": tensor}
                 if isinstance(action, Capture):
@@ -219,7 +223,8 @@ class Readback:
                     elif action.then == "halt" and report.halt is None:
                         report.halt = Halt(rs.policy.name, rs.rule.name, p.step, message)
         for (index, sink), records in logged.items():
-            self.writers.write_log(rs, index, sink, records, report)
+            if self.writers.write_log(rs, index, sink, records, report) and sink is not None:
+                self.store.wrote(rs.key, sink.path or "", len(records))  # for the run summary
         for index, scalars in boarded.items():
             self.writers.write_board(rs, index, lambda board: self.writers.boards.scalars(board, p.step, scalars), report)
         for severity, on in firing.items():

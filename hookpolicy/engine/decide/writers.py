@@ -13,14 +13,14 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ... import environment
-from ...export.sinks import BudgetSpent, JsonLines, TensorWriter
+from ...export.sinks import AlertFiles, BudgetSpent, JsonLines, TensorWriter
 from ...export.tensorboard import Boards, histogram_tag
-from ...policy.model import Board, Capture, LogSink
+from ...policy.model import Board, Capture, LogSink, Policy
 from .alerts import SinkHalts, StepReport, alert_line
 from ..execute.ledger import Entry
 from ..measure.rulestate import RuleState
@@ -33,8 +33,9 @@ log = logging.getLogger("hookpolicy")
 class Writers:
     """The sinks of one attachment's captures, opened at their first write, closed at `close()`."""
 
-    def __init__(self, root: Path, rank: int) -> None:
-        self.alerts = AlertStream(environment.log_format(os.environ), environment.alert_log(os.environ))
+    def __init__(self, root: Path, rank: int, policies: Sequence[Policy] = ()) -> None:
+        self.alerts = AlertStream(environment.log_format(os.environ), environment.alert_log(os.environ),
+                                  AlertFiles.of(root, policies, rank))
         self._root = root
         self._writers: dict[tuple[tuple[str, str], int], TensorWriter] = {}
         self._logs: dict[tuple[tuple[str, str], int], JsonLines] = {}
@@ -126,8 +127,9 @@ class Writers:
 
     def write_log(
         self, rs: RuleState, index: int, sink: Optional[LogSink], records: list[dict[str, Any]], report: StepReport,
-    ) -> None:
-        """Append one step's records to a capture's JSON lines (by action index; -1: the alert stream, `AlertStream`)."""
+    ) -> bool:
+        """Append one step's records to a capture's JSON lines (by action index; -1: the alert stream, `AlertStream`).
+        False when the write failed."""
         def write() -> None:
             if index < 0:
                 self.alerts.write(records)
@@ -135,9 +137,10 @@ class Writers:
             writer = self._logs.get((rs.key, index))
             if writer is None:
                 writer = self._logs[(rs.key, index)] = JsonLines(self._root, sink)
+            self.alerts.beside.started(sink)
             writer.write(records)
 
-        self.sink(report, rs, write)
+        return self.sink(report, rs, write)
 
 
 #: Readable alert lines printed per (policy, rule, severity) before the rest are only counted.
@@ -146,8 +149,9 @@ MAX_ALERT_LINES = 10
 
 class AlertStream:
     """Where alert records go: stderr, as one readable `hookpolicy:` line each (`text`) or
-    as JSON lines (`json`, HOOKPOLICY_LOG_FORMAT), and, with HOOKPOLICY_ALERT_LOG, every
-    record as a JSON line to that file too.
+    as JSON lines (`json`, HOOKPOLICY_LOG_FORMAT), and every record as a JSON line to the
+    files kept beside the capture logs (`AlertFiles`) and, with HOOKPOLICY_ALERT_LOG, to that
+    file too.
 
     In `text`, a rule's alerts of one severity are printed up to MAX_ALERT_LINES times,
     then one line says that the rest are counted, not printed (`hookpolicy_alerts_total`,
@@ -155,8 +159,9 @@ class AlertStream:
     module at every step must not bury the script's own output.
     """
 
-    def __init__(self, form: str, copy: Optional[str]) -> None:
+    def __init__(self, form: str, copy: Optional[str], beside: Optional[AlertFiles] = None) -> None:
         self.form = form
+        self.beside = beside or AlertFiles(Path.cwd(), (), 0)
         self._stderr = JsonLines(Path.cwd(), None)
         self._copy: Optional[JsonLines] = None
         if copy is not None:
@@ -168,17 +173,19 @@ class AlertStream:
             self._copy.write(records)
         if self.form == "json":
             self._stderr.write(records)
-            return
-        for record in records:
-            key = (str(record["policy"]), str(record["rule"]), str(record["severity"]))
-            printed = self._printed[key] = self._printed.get(key, 0) + 1
-            if printed <= MAX_ALERT_LINES:
-                log.log(*alert_line(record))
-            if printed == MAX_ALERT_LINES:
-                log.log(alert_line(record)[0], "%s %s/%s: %d alert lines printed; the rest are counted "
-                        "(hookpolicy_alerts_total, the run summary), not printed", key[2].upper(), key[0], key[1],
-                        MAX_ALERT_LINES)
+        else:
+            for record in records:
+                key = (str(record["policy"]), str(record["rule"]), str(record["severity"]))
+                printed = self._printed[key] = self._printed.get(key, 0) + 1
+                if printed <= MAX_ALERT_LINES:
+                    log.log(*alert_line(record))
+                if printed == MAX_ALERT_LINES:
+                    log.log(alert_line(record)[0], "%s %s/%s: %d alert lines printed; the rest are counted "
+                            "(hookpolicy_alerts_total, the run summary), not printed", key[2].upper(), key[0],
+                            key[1], MAX_ALERT_LINES)
+        self.beside.write(records)  # after stderr: a file that cannot be written does not hide the alert
 
     def close(self) -> None:
         if self._copy is not None:
             self._copy.close()
+        self.beside.close()
