@@ -550,12 +550,13 @@ def test_discovery_replaces_a_part_by_the_model_that_contains_it(discovery: Disc
     _train_step(model, torch.optim.SGD(model[0].parameters(), lr=0.1), call=model[0])  # a part trained alone first
     [part] = discovery.governed
     assert part.model is model[0]
+    attached = part.attached  # held here: discovery keeps it weakly, and the garbage collector may run at any time
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _train_step(model, opt)  # its first step finds the rest of the model, governed at the next call
     _train_step(model, opt)
     [governed] = discovery.governed
     assert governed.model is model
-    assert part.attached.removed  # the part's own attachment is gone
+    assert attached.removed  # the part's own attachment is gone
     assert governed.attached.step == 3  # the count goes on
 
 

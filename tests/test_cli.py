@@ -367,12 +367,13 @@ def readme_commands() -> tuple[str, str]:
 
 
 def test_readme_names_the_cpu_wheel_index_next_to_the_pinned_torch() -> None:
+    """Both commands come with PyTorch's CPU index on the pinned torch, and otherwise as on the mirror."""
     section = (REPO / "README.md").read_text().split("## The two commands", 1)[1].split("\n## ", 1)[0]
-    (cpu,) = [line.strip() for line in section.splitlines() if "--index-url" in line]
-    example, _ = readme_commands()
-    pinned = example.split(" && ")[0]
-    assert cpu.split(" && ")[0] == f"{pinned} --index-url https://download.pytorch.org/whl/cpu"
-    assert cpu.split(" && ")[1] == example.split(" && ")[1]
+    cpu = [line.strip() for line in section.splitlines() if "--index-url" in line]
+    assert len(cpu) == 2
+    for line, mirror in zip(cpu, readme_commands()):
+        pinned, rest = mirror.split(" && ", 1)
+        assert line == f"{pinned} --index-url https://download.pytorch.org/whl/cpu && {rest}"
 
 
 def test_ci_runs_the_readme_test_command_verbatim() -> None:

@@ -137,8 +137,8 @@ class Writers:
             writer = self._logs.get((rs.key, index))
             if writer is None:
                 writer = self._logs[(rs.key, index)] = JsonLines(self._root, sink)
-            self.alerts.beside.started(sink)
             writer.write(records)
+            self.alerts.beside.started(sink)  # after: a log that cannot be written is the fault said
 
         return self.sink(report, rs, write)
 
