@@ -438,6 +438,26 @@ def export_grafana(policies: tuple[str, ...]) -> None:
     click.echo(text, nl=not text.endswith("\n"))
 
 
+@export.command("kubernetes")
+@click.argument("policies", nargs=-1, metavar="POLICY...")
+@click.option("--name", default="hookpolicy", show_default=True, help="Name (and app.kubernetes.io/name label) of the objects.")
+@click.option("--nproc-per-node", "ranks", type=click.IntRange(1, 9999), default=1, show_default=True,
+              help="Ranks per pod: one named container port and one PodMonitor endpoint each.")
+@click.option("--metrics-port", "port", type=click.IntRange(1, 65535), default=9400, show_default=True,
+              help="Base port: LOCAL_RANK r serves on port + r.")
+@click.option("--image", default="registry.example.com/hookpolicy:0.1.0", show_default=True,
+              help="The example Job's image.")
+def export_kubernetes(policies: tuple[str, ...], name: str, ranks: int, port: int, image: str) -> None:
+    """PrometheusRule and PodMonitor (monitoring.coreos.com/v1), the policies' ConfigMap and an example Job."""
+    from .export.kubernetes import kubernetes_objects
+
+    try:
+        text = kubernetes_objects(_load(_sources(policies)), name=name, ranks=ranks, port=port, image=image)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(text, nl=not text.endswith("\n"))
+
+
 @cli.command()
 @click.argument("logs", nargs=-1, required=True, metavar="LOG...")
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default="report.html", show_default=True,

@@ -1,0 +1,97 @@
+"""`hookpolicy export kubernetes` (`hookpolicy/export/kubernetes.py`): the PrometheusRule and PodMonitor
+validated against the Prometheus Operator's published CRD schemas (vendored in tests/crds/, each file
+says where from), the rule groups through promtool, and the example Job's ports, run identity and
+ConfigMap mount against what the PodMonitor scrapes and what `apply` reads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from click.testing import CliRunner
+
+import hookpolicy
+from helpers import REPO
+from hookpolicy.cli import cli
+from hookpolicy.export.kubernetes import POLICY_MOUNT, kubernetes_objects
+
+CRDS = Path(__file__).resolve().parent / "crds"
+PROMTOOL = shutil.which("promtool")
+POLICIES = [REPO / "policies" / "nan-guard.yaml", REPO / "policies" / "gradient-monitor.yaml"]
+
+
+def objects(**options: Any) -> dict[str, dict[str, Any]]:
+    text = kubernetes_objects(hookpolicy.load([str(p) for p in POLICIES]).policies, **options)
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(text)}
+
+
+@pytest.mark.parametrize("kind", ["PrometheusRule", "PodMonitor"])
+def test_the_operator_objects_pass_the_operators_crd_schema(kind: str) -> None:
+    schema = json.loads((CRDS / f"{kind.lower()}.schema.json").read_text())
+    jsonschema.validate(objects(ranks=8)[kind], schema)
+    with pytest.raises(jsonschema.ValidationError):  # the schema does refuse: a typo in a field
+        broken = objects()[kind]
+        broken["spec"]["podMetricEndpoints" if kind == "PodMonitor" else "group"] = []
+        jsonschema.validate(broken, schema)
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian package prometheus) is not installed")
+def test_the_prometheus_rules_groups_pass_promtool(tmp_path: Path) -> None:
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": objects()["PrometheusRule"]["spec"]["groups"]}))
+    done = subprocess.run([str(PROMTOOL), "check", "rules", "rules.yml"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_job_serves_every_rank_on_a_port_the_pod_monitor_scrapes() -> None:
+    docs = objects(ranks=8, port=9400, name="llm")
+    monitor, job, config_map = docs["PodMonitor"], docs["Job"], docs["ConfigMap"]
+    pod = job["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    ports = container["ports"]
+    assert [(p["name"], p["containerPort"]) for p in ports] == [(f"hookpolicy-{r}", 9400 + r) for r in range(8)]
+    assert all(len(p["name"]) <= 15 for p in ports)  # Kubernetes' limit on a port name
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == [p["name"] for p in ports]
+    selected = monitor["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= pod["metadata"]["labels"].items()
+    args = container["args"]
+    assert args[:2] == ["apply", POLICY_MOUNT] and "--watch" in args
+    assert args[args.index("--metrics-port") + 1] == "9400" and args[args.index("--metrics-addr") + 1] == "0.0.0.0"
+    assert args[args.index("--nproc_per_node") + 1] == "8"
+    # each attempt its own run (a retried pod has a new uid), and the policies as a folder mount (no subPath)
+    assert container["env"] == [{"name": "HOOKPOLICY_RUN_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}]
+    (mount,) = container["volumeMounts"]
+    assert mount["mountPath"] == POLICY_MOUNT and "subPath" not in mount
+    (volume,) = pod["spec"]["volumes"]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert config_map["data"] == {p.name: p.read_text() for p in POLICIES}
+
+
+def test_the_config_map_loads_as_the_same_policies(tmp_path: Path) -> None:
+    for key, text in objects()["ConfigMap"]["data"].items():
+        (tmp_path / key).write_text(text)
+    loaded = hookpolicy.load(tmp_path).policies
+    assert sorted((p.name, p.revision) for p in loaded) == sorted(
+        (p.name, p.revision) for p in hookpolicy.load([str(p) for p in POLICIES]).policies)
+
+
+def test_the_cli_writes_them_and_refuses_what_does_not_fit(tmp_path: Path) -> None:
+    runner = CliRunner()
+    done = runner.invoke(cli, ["export", "kubernetes", *map(str, POLICIES), "--nproc-per-node", "2"])
+    assert done.exit_code == 0, done.output
+    assert [d["kind"] for d in yaml.safe_load_all(done.output)] == ["PrometheusRule", "PodMonitor", "ConfigMap", "Job"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for folder in ("a", "b"):
+        text = POLICIES[0].read_text().replace("name: nan-guard", f"name: guard-{folder}")
+        (tmp_path / folder / "guard.yaml").write_text(text)
+    done = runner.invoke(cli, ["export", "kubernetes", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert done.exit_code == 2 and "two policy files are named 'guard.yaml'" in done.output
+    done = runner.invoke(cli, ["export", "kubernetes", str(POLICIES[0]), "--metrics-port", "65535",
+                               "--nproc-per-node", "2"])
+    assert done.exit_code == 2 and "do not fit the port range" in done.output
