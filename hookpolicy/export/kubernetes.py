@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import yaml
 
 from .rules import prometheus_rules
+from ..environment import ENV_RUN_ID
 from ..policy.model import Policy
 
 __all__ = ["POLICY_MOUNT", "kubernetes_objects"]
@@ -81,7 +82,7 @@ def kubernetes_objects(
                             "args": ["apply", POLICY_MOUNT, "--watch", "--metrics-addr", "0.0.0.0", "--metrics-port",
                                      str(port), "--", "torchrun", "--standalone", "--nproc_per_node", str(ranks),
                                      *command],
-                            "env": [{"name": "HOOKPOLICY_RUN_ID",  # one per attempt: a retried pod is a new run
+                            "env": [{"name": ENV_RUN_ID,  # one per attempt: a retried pod is a new run
                                      "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}],
                             "ports": ports,
                             "volumeMounts": [{"name": "policies", "mountPath": POLICY_MOUNT, "readOnly": True}],
