@@ -7,7 +7,14 @@ script run without hookpolicy, doing by hand what the case must come to: the ste
 applied (a refused rewind skips instead), the model's `state_dict()` deep-copied by the
 test at the snapshot step and loaded back (`nn.Module.load_state_dict`, which matches by
 name), the optimizer's too where it still matches (`Optimizer.load_state_dict`), the lr
-multiplied around `optimizer.step()` for a cool-down. Every comparison is bit for bit.
+multiplied around `optimizer.step()` for a cool-down, `scaler.unscale_` before a clip or a
+skipped step as `GradScaler.step` does. Every comparison is bit for bit (a clip's to the last bit).
+
+`test_the_run_moved_on_matrix` crosses each change (a layer inserted, reshaped or removed; a dtype
+move; the optimizer made again, of the same class or another; a group added; a scheduler made later;
+a GradScaler enabled mid-run, disabled, or on "cpu") with each action (skip, clip, the loss tap, an
+`update` target, a cool-down). A device move is not tested: this machine has no GPU. A reload in the
+middle of the ladder is tests/test_reload_healing.py's.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
 
 #: change(model, optimizer) -> the optimizer from then on; the model is changed in place
 Change = Callable[[nn.Sequential, torch.optim.Optimizer], torch.optim.Optimizer]
+#: a GradScaler the script steps through: (the step it is made at, how)
+Scaler = tuple[int, Callable[[], torch.amp.GradScaler]]
 
 
 def inserted(model: nn.Sequential, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -104,29 +113,46 @@ def script(change: Optional[Change], *, by_hand: Optional[Callable[[nn.Module, t
                                                                   None]] = None,
            lr_factor: Callable[[int], float] = lambda i: 1.0, model: Optional[nn.Sequential] = None,
            clip: Optional[float] = None, seen: Optional[Callable[[int, float], None]] = None,
-           ) -> tuple[nn.Sequential, torch.optim.Optimizer]:
-    """The training script; `by_hand` replaces `optimizer.step()` at REWIND (the test's reference)."""
+           scaler: Optional[Scaler] = None) -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    """The training script; `by_hand` replaces `optimizer.step()` at REWIND (the test's reference).
+
+    With `scaler` (made at its step), the script is torch's AMP recipe: `scaler.scale(loss).backward()`,
+    `scaler.unscale_` before a clip, `scaler.step(optimizer)`, `scaler.update()`."""
     model = build() if model is None else model
     optimizer = sgd(model)
     saved: dict[str, Any] = {}
+    amp: Optional[torch.amp.GradScaler] = None
     for i, (x, y) in enumerate(data()):
         if change is not None and i == CHANGE:
             optimizer = change(model, optimizer)
+        if scaler is not None and i == scaler[0]:
+            amp = scaler[1]()
         x, y = x.to(next(model.parameters()).dtype), y.to(next(model.parameters()).dtype)
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
+        if amp is None:
+            loss.backward()
+        else:
+            amp.scale(loss).backward()
         if seen is not None:
             seen(i, float(loss))
         if clip is not None:
+            if amp is not None:
+                amp.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         kept = [g["lr"] for g in optimizer.param_groups]
         for g in optimizer.param_groups:
             g["lr"] = g["lr"] * lr_factor(i)
         if by_hand is not None and i == REWIND:
+            if amp is not None and clip is None:
+                amp.unscale_(optimizer)  # what scaler.step does before it calls optimizer.step()
             by_hand(model, optimizer, saved)
+        elif amp is not None:
+            amp.step(optimizer)
         else:
             optimizer.step()
+        if amp is not None:
+            amp.update()
         for g, lr in zip(optimizer.param_groups, kept):
             g["lr"] = lr
         if i == SNAP:
@@ -292,33 +318,64 @@ ACTS: dict[str, tuple[str, dict[str, Any]]] = {
   target: update
   actions: [{capture: {stats: [l2_norm]}}]
 """, {}),
+    # in force over steps 3..8, across the change at step 6
+    "cool_down": (COOLS.replace("name: cool", "name: act"), {"lr_factor": lambda i: 0.1 if 3 <= i <= 8 else 1.0}),
 }
-CHANGES: list[Optional[Change]] = [None, inserted, reshaped, removed, adam, grouped, scheduler_replaced]
+
+#: what changes at step CHANGE (or from the start, for a scaler): the script's change of its model or optimizer,
+#: and the GradScaler it steps through. Only torch.amp.GradScaler("cpu") scales on this CPU-only machine (its
+#: __init__ disables a "cuda" one without CUDA), so "enabled" is a cpu scaler the script starts using mid-run,
+#: with a scale that doubles every step; "cpu" is one with torch's defaults from the start.
+CHANGES: dict[str, tuple[Optional[Change], Optional[Scaler]]] = {
+    "unchanged": (None, None),
+    "inserted": (inserted, None),
+    "reshaped": (reshaped, None),
+    "removed": (removed, None),
+    "to_double": (to_double, None),
+    "adam": (adam, None),
+    "same_again": (same_again, None),
+    "grouped": (grouped, None),
+    "scheduler_replaced": (scheduler_replaced, None),
+    "scaler_enabled": (None, (CHANGE, lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1))),
+    "scaler_disabled": (None, (0, lambda: torch.amp.GradScaler(enabled=False))),
+    "scaler_cpu": (None, (0, lambda: torch.amp.GradScaler("cpu"))),
+}
 
 
 @pytest.mark.parametrize("act", sorted(ACTS))
-@pytest.mark.parametrize("change", CHANGES, ids=lambda c: "unchanged" if c is None else c.__name__)
-def test_the_run_moved_on_matrix(tmp_path: Path, act: str, change: Optional[Change]) -> None:
+@pytest.mark.parametrize("moved", sorted(CHANGES))
+def test_the_run_moved_on_matrix(tmp_path: Path, caplog: pytest.LogCaptureFixture, act: str, moved: str) -> None:
     """Each action after each change: the weights equal the script doing the same by hand, nothing raised, no
-    fault counted; the loss tap's values are the script's own losses, step by step."""
+    fault counted, at most one `hookpolicy:` warning; the loss tap's value is the script's own loss (divided by
+    the scaler's scale by hookpolicy, not by the test).
+
+    Rewinds after each change: test_a_rewind_after_the_run_moved_on_restores_what_matches_and_refuses_the_rest.
+    A reload in the middle of the ladder (cool-down, snapshots, max_rewinds): tests/test_reload_healing.py.
+    A device move is not tested: this machine has no GPU (a dtype move, to_double, is)."""
     rules, by_hand = ACTS[act]
+    change, scaler = CHANGES[moved]
     pol = load_policy(tmp_path, rules)
     model = build()
     registry = CollectorRegistry()
     published: list[float] = []
-    with pol.attach(model, registry=registry) as attached:
-        def after(i: int, loss: float) -> None:
-            published.append(loss)
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"):
+        with pol.attach(model, registry=registry) as attached:
+            def after(i: int, loss: float) -> None:
+                published.append(loss)
 
-        model, _ = script(change, model=model, seen=after)
-        values = attached.last_values()
-        errors = metric(registry, "hookpolicy_hook_errors_total", {"policy": "p", "rule": "act"})
-    expected, _ = script(change, **by_hand)
+            model, optimizer = script(change, model=model, seen=after, scaler=scaler)
+            values = attached.last_values()
+            errors = metric(registry, "hookpolicy_hook_errors_total", {"policy": "p", "rule": "act"})
+    expected, expected_optimizer = script(change, scaler=scaler, **by_hand)
     for (name, p), q in zip(model.state_dict().items(), expected.state_dict().values()):
         if act == "clip":  # hookpolicy's norm and clip_grad_norm_'s may differ in the last bit
             assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name
         else:
             assert torch.equal(p, q), name
+    assert [g["lr"] for g in optimizer.param_groups] == [g["lr"] for g in expected_optimizer.param_groups]
     assert not errors
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    said = [m for m in said if not m.startswith(("WARNING p/act step", "p/act: learning rate x0.1 from step 3 to"))]
+    assert len(said) <= 1, said  # beside the action's own lines (its alert, its cool-down): one refusal at most
     if act == "loss":
         assert next(iter(values["hookpolicy_loss_mean"].values())) == pytest.approx(published[-1], rel=1e-6)
