@@ -135,7 +135,7 @@ def script(change: Optional[Change], *, by_hand: Optional[Callable[[nn.Module, t
         else:
             amp.scale(loss).backward()
         if seen is not None:
-            seen(i, float(loss))
+            seen(i, float(loss.detach()))
         if clip is not None:
             if amp is not None:
                 amp.unscale_(optimizer)

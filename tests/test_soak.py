@@ -125,7 +125,11 @@ def long_run(folder: Path, out: Path, steps: int, warmup: int = 100) -> dict[str
     assert len(outputs) == 3 * len(range(0, total, 10))
     # a rotated log: at most keep + 1 files within max_bytes, holding the latest records, no gap
     rotated = [out / "logs" / name for name in ("grad-outputs.jsonl.2", "grad-outputs.jsonl.1", "grad-outputs.jsonl")]
-    assert sorted(p.name for p in (out / "logs").iterdir()) == sorted(["outputs.jsonl", *(p.name for p in rotated)])
+    # beside each capture log its run's alert file (`*.alerts.jsonl`), bounded by the capture's max_bytes and keep
+    alerts = [out / "logs" / "outputs.alerts.jsonl", out / "logs" / "grad-outputs.alerts.jsonl"]
+    assert sorted(p.name for p in (out / "logs").iterdir()) == sorted(
+        ["outputs.jsonl", *(p.name for p in rotated), *(p.name for p in alerts)])
+    assert all(p.stat().st_size <= 8000 for p in alerts[1:])
     assert all(0 < p.stat().st_size <= 8000 for p in rotated)
     kept = [r["step"] for p in rotated for r in json_lines(p)]
     assert kept == list(range(0, total, 5))[-len(kept):] and len(kept) > 8000 // 300
