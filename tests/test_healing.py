@@ -262,31 +262,28 @@ def test_remove_frees_the_snapshots(tmp_path: Path) -> None:
     assert [r for r in held if r() is not None] == []
 
 
-def test_overlapping_cool_downs_take_the_smaller_factor(tmp_path: Path) -> None:
-    """x0.1 for 6 steps from step 2, then x0.5 for 6 steps from step 4: x0.1 from step 2 to step 9 (the later end)."""
-    rules = (fires_at(2, 2, "cool_down", ", cool_down: {factor: 0.1, steps: 6}")
-             + fires_at(4, 4, "cool_down", ", cool_down: {factor: 0.5, steps: 6}").replace("name: heal", "name: mild"))
+#: two cool-downs (step, factor, steps each) and the steps the lr must be x0.1 on
+TWO_COOL_DOWNS = {
+    # x0.1 for 6 steps from step 2, then x0.5 for 6 steps from step 4: x0.1 from step 2 to step 9 (the later end)
+    "overlapping-take-the-smaller-factor": ((2, 0.1, 6), (4, 0.5, 6), range(2, 10)),
+    # x0.1 and x0.5, both for 3 steps, fire at step 4 (x0.5 declared last): x0.1 for steps 4..6
+    "at-one-step-take-the-strongest": ((4, 0.1, 3), (4, 0.5, 3), range(4, 7)),
+}
+
+
+@pytest.mark.parametrize("case", list(TWO_COOL_DOWNS))
+def test_two_cool_downs_take_the_smaller_factor_to_the_later_end(tmp_path: Path, case: str) -> None:
+    (step, factor, steps), (step2, factor2, steps2), lowered = TWO_COOL_DOWNS[case]
+    rules = (fires_at(step, step, "cool_down", f", cool_down: {{factor: {factor}, steps: {steps}}}")
+             + fires_at(step2, step2, "cool_down", f", cool_down: {{factor: {factor2}, steps: {steps2}}}")
+             .replace("name: heal", "name: mild"))
     pol = load_policy(tmp_path, rules)
     data = batches()
     model, optimizer, scheduler = setup("lambda")
     with pol.attach(model, registry=CollectorRegistry()):
         train(model, optimizer, scheduler, data)
     ref_model, ref_optimizer, ref_scheduler = setup("lambda")
-    train(ref_model, ref_optimizer, ref_scheduler, data, by_hand=lambda i: 0.1 if 2 <= i <= 9 else 1.0)
-    assert_same(model, ref_model)
-
-
-def test_cool_downs_at_one_step_take_the_strongest(tmp_path: Path) -> None:
-    """x0.5 and x0.1, both for 3 steps, fire at step 4 (x0.5 declared last): x0.1 for steps 4..6."""
-    rules = (fires_at(4, 4, "cool_down", ", cool_down: {factor: 0.1, steps: 3}")
-             + fires_at(4, 4, "cool_down", ", cool_down: {factor: 0.5, steps: 3}").replace("name: heal", "name: mild"))
-    pol = load_policy(tmp_path, rules)
-    data = batches()
-    model, optimizer, scheduler = setup("lambda")
-    with pol.attach(model, registry=CollectorRegistry()):
-        train(model, optimizer, scheduler, data)
-    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
-    train(ref_model, ref_optimizer, ref_scheduler, data, by_hand=lambda i: 0.1 if 4 <= i <= 6 else 1.0)
+    train(ref_model, ref_optimizer, ref_scheduler, data, by_hand=lambda i: 0.1 if i in lowered else 1.0)
     assert_same(model, ref_model)
 
 
