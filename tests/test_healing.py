@@ -225,10 +225,18 @@ def test_back_is_how_many_steps_older_than_the_rewinding_step_the_snapshot_is(
     assert_same(model, ref_model)
 
 
-def test_the_ring_keeps_exactly_keep_snapshots(tmp_path: Path) -> None:
-    """keep: 2, every: 2: after steps 1, 3, 5, 7 the ring holds those after 5 and 7; at step 8 `back: 6` finds
+#: two rings that hold 2 snapshots: `keep: 2`, and `keep: 3` with a budget for 2 (~0.7 KiB each)
+RINGS_OF_TWO = {
+    "keep-2": "snapshots: {every: 2, keep: 2}\n",
+    "budget-for-2-of-keep-3": "snapshots: {every: 2, keep: 3}\nlimits: {maxSnapshotBytes: 1500}\n",
+}
+
+
+@pytest.mark.parametrize("spec", list(RINGS_OF_TWO.values()), ids=list(RINGS_OF_TWO))
+def test_the_ring_keeps_exactly_keep_snapshots_or_as_many_as_fit(tmp_path: Path, spec: str) -> None:
+    """every: 2: after steps 1, 3, 5, 7 a ring of 2 holds those after 5 and 7; at step 8 `back: 6` finds
     none old enough and takes the oldest kept, the one after step 5 (a ring of 3 would hold the one after 3)."""
-    pol = load_policy(tmp_path, fires_at(8, 8, "rewind", ", rewind: {back: 6}"), spec="snapshots: {every: 2, keep: 2}\n")
+    pol = load_policy(tmp_path, fires_at(8, 8, "rewind", ", rewind: {back: 6}"), spec=spec)
     data = batches()
     model, optimizer, scheduler = setup("lambda")
     with pol.attach(model, registry=CollectorRegistry()):
@@ -724,20 +732,6 @@ def test_snapshots_past_max_snapshot_bytes_are_not_taken_and_a_rewind_skips(
     assert registry.get_sample_value("hookpolicy_skipped_steps_total", labels) == 1
     assert not registry.get_sample_value("hookpolicy_rewinds_total", labels)
     assert not registry.get_sample_value("hookpolicy_hook_errors_total", labels)
-
-
-def test_a_budget_for_fewer_snapshots_than_keep_keeps_as_many_as_fit(tmp_path: Path) -> None:
-    """keep: 3 but the budget holds 2 (~0.7 KiB each): the ring after steps 1, 3, 5, 7 holds those after 5 and 7,
-    so `back: 6` at step 8 takes the one after step 5 (with 3 kept, the one after 3)."""
-    pol = load_policy(tmp_path, fires_at(8, 8, "rewind", ", rewind: {back: 6}"),
-                      spec="snapshots: {every: 2, keep: 3}\nlimits: {maxSnapshotBytes: 1500}\n")
-    data = batches()
-    model, optimizer, scheduler = setup("lambda")
-    with pol.attach(model, registry=CollectorRegistry()):
-        train(model, optimizer, scheduler, data)
-    ref_model, ref_optimizer, ref_scheduler = setup("lambda")
-    train(ref_model, ref_optimizer, ref_scheduler, data[:6] + data[9:])
-    assert_same(model, ref_model)
 
 
 def test_a_snapshot_that_cannot_get_host_memory_is_a_fault_of_the_rule(
