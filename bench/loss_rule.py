@@ -4,7 +4,7 @@
 
 1. Per backward call (`Linear(8, 8)` on one row, `out.sum().backward()`, 5,000 calls, the
    fastest of 7 rounds): torch alone; with the post-accumulate-grad hooks step tracking
-   puts on every governed parameter (`scopes.Scopes`, two here); with those and the
+   puts on every governed parameter (`steps.Scopes`, two here); with those and the
    wrapped `torch.autograd.backward` feeding an active loss rule (`loss.LossTap`): the
    root's value detached before the call, handed to the model after it.
 2. Per training step of the bundled tiny GPT (`examples.charlm`, AdamW, batch 16 x 32),
@@ -36,7 +36,7 @@ import hookpolicy  # noqa: E402
 from timing import step_table  # noqa: E402
 from examples.charlm import batch, build_model, encode  # noqa: E402
 from hookpolicy.engine.hooks.loss import LossTap  # noqa: E402
-from hookpolicy.engine.execute.scopes import Scopes  # noqa: E402
+from hookpolicy.engine.execute.steps import Scopes  # noqa: E402
 
 POLICY = """\
 apiVersion: hookpolicy/v1

@@ -13,7 +13,7 @@ snapshot (a rewind) or take one -> count the step -> activate the next step's ru
 
 The parts below the cycle do one job each and return what they found; none calls the
 cycle back. `steps.StepTracker` tells where steps begin and end (and which parameters a
-step covers, `scopes`); `executor.HookInstaller` says which rules are active; the hook
+step covers, `steps.Scopes`); `executor.HookInstaller` says which rules are active; the hook
 bodies (`executor.Executor`, through `programs.Programs`) append to the step's `Ledger`,
 which the cycle owns; the read-back (`readback.Readback`) reads the ledger's entries and
 returns a decision (skip, halt, faults of sinks, time); `agreement.Agreement` makes that
@@ -21,7 +21,7 @@ decision every rank's; `history.History.commit` keeps what a step that happened 
 `steps.HiddenGrads` hides a skipped step's gradients from its optimizers; `healing.Healing`
 holds a cool-down's learning rate factor and a rewind's snapshots. The cycle
 also installs the root module's two hooks (the phase of each forward, backward passes)
-and has the rules re-bound when the model's tree changed (`rebinding`), at a step
+and has the rules re-bound when the model's tree changed (`executor.Rebinding`), at a step
 boundary only.
 
 Three paths read the ledger back, each a method of its own: a step's (`_decide`: read back,
@@ -46,22 +46,19 @@ from ..export.sinks import output_root
 from ..plan.planner import Plan
 from ..policy.model import AFTER_UPDATE, LOSS, Policy, rule_name
 from .hooks import module_hooks, optimizer_hooks
-from .decide.agreement import Agreed, Agreement, job_loss_rule
-from .decide.jobstats import reduced
+from .decide.agreement import Agreed, Agreement, job_loss_rule, reduced
 from .hooks.wrappers import data_parallel
 from .decide.alerts import StepReport
-from .execute.executor import Executor, HookInstaller, named_tensors
+from .execute.executor import Executor, HookInstaller, Rebinding, named_tensors
 from .execute.programs import Faults, Programs
 from .heal.healing import Healing
 from .measure.history import History
 from .execute.ledger import Ledger
 from .hooks.loss import LossTap
-from .execute.scopes import Scopes
 from .decide.readback import Readback
 from .decide.replicas import Replicas
-from .execute.rebinding import Rebinding
 from .measure.rulestate import RuleState, rule_states
-from .execute.steps import HiddenGrads, Phase, StepTracker
+from .execute.steps import HiddenGrads, Phase, Scopes, StepTracker
 from .execute.updates import Updates
 
 __all__ = ["StepCycle", "Leftovers"]
@@ -344,7 +341,7 @@ class StepCycle:
         return self._rebinding.plan
 
     def _replan_if_changed(self) -> None:
-        """Bind the rules anew if the model's tree changed (`rebinding`), and activate them."""
+        """Bind the rules anew if the model's tree changed (`executor.Rebinding`), and activate them."""
         if not self._removed and self._rebinding.rebind(self.step):
             self._activate()
 

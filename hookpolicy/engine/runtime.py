@@ -32,7 +32,7 @@ from .decide.agreement import Vote
 from .cycle import Leftovers, StepCycle
 from .heal.healing import Carried
 from .measure.history import History
-from .execute.rebinding import publish_rule_series
+from .execute.executor import publish_rule_series
 from .measure.rulestate import MAX_ERRORS
 
 __all__ = ["Attached", "MAX_ERRORS"]

@@ -2,6 +2,6 @@
 
 Takes the step's record (`execute.ledger`); gives what the read-back published and decided
 (`readback`; `alerts`, with the `StepReport`), the output writers (`writers`), and the ranks' part: one
-agreement collective (`agreement`), `ranks: job` statistics (`jobstats`) and the series a job
+agreement collective (`agreement`, which also reduces the `ranks: job` statistics) and the series a job
 exports once (`replicas`). Imports `hooks`, `measure` and `execute` of the engine.
 """

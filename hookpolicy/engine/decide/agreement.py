@@ -45,7 +45,7 @@ every rank's together; the step cycle evaluates the loss rules with `ranks: job`
 default) on it after this collective, so their statistics, history and decisions are the
 same on every rank by construction and need no agreement of their own.
 
-**Activations of every rank (`ranks: job`, `jobstats`).** The row ends with a tail of slots:
+**Activations of every rank (`ranks: job`, `Layout`).** The row ends with a tail of slots:
 the partials of those rules' captures per module. Its width is the one every rank announced
 (`layout`, `width`) at the previous agreement, 0 when they differed, so that it is the same
 on every rank; a rank whose layout is not that one sends padding and `ok` 0, and nobody
@@ -62,6 +62,30 @@ not, so ranks never issue different collectives.
 
 The process-wide side of this: these collectives are issued from the optimizer step
 pre-hook, where every rank of a DDP or FSDP job is at the same point of the same step.
+
+**The `ranks: job` slots** (`Layout`): activation statistics of every rank together (`ranks: job`),
+reduced in the step's one agreement collective.
+
+Under DDP each rank runs its own micro-batches through the same model, so a module's
+activations differ by rank and a capture of them is one series per rank. A capture in a
+rule with `ranks: job` (targets input, output, grad_output, grad_input; `per: module` or
+`per: rule`) is the statistic of every rank's tensors together instead, the same on every
+rank (exported once per job where the exporter does so).
+
+How: at the step's read-back the rule's partials are not published; they are combined per
+(rule, pass, module) into one *slot* each (the partials and the element count, float64)
+and travel in the step's agreement row (`ROW`'s tail), in the order of this
+rank's `Layout`. Every rank merges the gathered slots in rank order (`stats.combine`: exact
+sums and extrema, Chan's formula for m2) and publishes them through the read-back as if
+they had been measured here (`Layout.entries`).
+
+The tail must have the same length on every rank at every step, and a rank cannot know
+the others' layouts before the collective: so each step's row announces this rank's
+layout (a digest and a width), and the *next* step's tail has the agreed width when every
+rank announced the same layout, else none. A layout's first step (at attach, after a
+re-bind or a reload that changes it) is therefore not reduced: those statistics are not
+published. A rank whose layout differs from the others' (different rules or modules) never
+gets them, and says so once.
 """
 
 from __future__ import annotations
@@ -69,19 +93,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Iterable, Optional, Protocol, Sequence
 
 import torch
 
 from ...errors import Halt
-from ...policy.model import DECIDES, LOSS, Alert, Policy, rule_name, stats_of
+from ...policy.model import ACTIVATIONS, DECIDES, LOSS, Alert, Policy, rule_name, stats_of
 from .alerts import StepReport
-from .jobstats import Layout
+from ..execute.ledger import Entry
+from ..measure.actions import StatsOp
 from ..measure.rulestate import RuleState
 from ..measure.stats import combine, partials_for, tensor_partials
 
-__all__ = ["Agreed", "Agreement", "Vote", "digest", "identities", "job_loss_rule", "ROW"]
+__all__ = ["Agreed", "Agreement", "JOB_TARGETS", "Layout", "ROW", "Slot", "Vote", "digest", "identities", "job_loss_rule", "reduced"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -117,7 +143,7 @@ LOSS_PARTIALS: tuple[str, ...] = partials_for(stats_of(LOSS))
 #: travel as the bits of their float64): the decision codes (a rule's code, 0 for none; a new
 #: decision that every rank must take at the same step is one more name here, before "digest"),
 #: this rank's heal code (`healing`), its rules digest, its reload vote (0 for none), its
-#: `jobstats.Layout` (digest, width) and whether its tail follows the agreed one (1) or is
+#: `Layout` (digest, width) and whether its tail follows the agreed one (1) or is
 #: padding (0), how many loss roots it saw, and their partials (`LOSS_PARTIALS`, anything where
 #: it saw none). Then the tail: the slots of `ranks: job` activation statistics, float64 bits,
 #: as wide as the layout every rank announced at the previous step (0 when they differed).
@@ -142,7 +168,7 @@ class Agreed:
     #: the job's loss: the partials (`LOSS_PARTIALS`) of every rank's roots together and how many
     #: roots there were; None when no rank saw one
     loss: Optional[tuple[dict[str, float], int]]
-    #: the `ranks: job` activation slots of every rank merged (`jobstats.Layout.merge`); None when
+    #: the `ranks: job` activation slots of every rank merged (`Layout.merge`); None when
     #: this step's row carried none, or not every rank's followed the agreed layout
     tail: Optional[list[tuple[list[float], int]]] = None
     #: the highest heal code any rank took (`healing.heal_order` place + 1; 0 for none), when `same`
@@ -166,7 +192,7 @@ class Agreement:
         )
         #: loss rules that see the job's loss: the loss travels in the collective, which then runs at every step
         self.reduces_loss = any(job_loss_rule(rs) for rs in rules.values())
-        #: the `ranks: job` activation statistics (`jobstats`): they travel in the collective too
+        #: the `ranks: job` activation statistics (`Layout`): they travel in the collective too
         self._rules = rules
         self.layout = Layout(rules.values())
         #: the governed model, weakly: the key of its `_CARRIED` layout
@@ -176,7 +202,7 @@ class Agreement:
         self.vote: Optional[Vote] = None
 
     def rules_changed(self) -> None:
-        """The rules were bound anew (`rebinding`): their `ranks: job` slots may be others."""
+        """The rules were bound anew (`executor.Rebinding`): their `ranks: job` slots may be others."""
         self.layout = Layout(self._rules.values(), said=self.layout.said_apart)
 
     def active(self) -> bool:
@@ -190,7 +216,7 @@ class Agreement:
         """Make a skip or halt decided on any rank every rank's (in `report`), and reduce the loss; None without a group.
 
         `loss` is this rank's roots of the step (`loss.LossTap.take`), None where it saw none;
-        `tail` its `ranks: job` slots (`jobstats.Layout.values`), empty where it has none;
+        `tail` its `ranks: job` slots (`Layout.values`), empty where it has none;
         `heal` the heal this rank took (`healing.Healing.choose`), which goes back as `Agreed.heal`:
         the step cycle sets the step's heal (`report.heal` is not written here).
         `report.skip_by` gets the rule another rank skipped by; at a step where the ranks hold
@@ -342,3 +368,97 @@ def _collective_device() -> torch.device:
     if "gloo" in backend or "cpu" in backend or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+#: The targets whose statistics `ranks: job` reduces here (the loss has its own slots in the row).
+JOB_TARGETS = frozenset(ACTIVATIONS)
+
+
+def reduced(rs: RuleState) -> bool:
+    """Whether `rs` captures activation statistics of every rank together (`ranks: job`)."""
+    return rs.rule.ranks == "job" and rs.rule.target in JOB_TARGETS
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One module's partials of one statistics pass of one rule: `len(op.kinds)` values and a count."""
+
+    rule: RuleState
+    op: StatsOp
+    module: str
+
+    @property
+    def width(self) -> int:
+        return len(self.op.kinds) + 1
+
+
+class Layout:
+    """The slots of an attachment's `ranks: job` rules, in an order every rank holding them computes alike."""
+
+    def __init__(self, rules: Iterable[RuleState], said: bool = False) -> None:
+        slots = [Slot(rs, op, module) for rs in rules if reduced(rs) for op in rs.program if isinstance(op, StatsOp)
+                 for module in sorted({b.module for b in rs.bindings})]
+        self.slots = sorted(slots, key=lambda s: (s.rule.key, s.op.segment, s.module))
+        self.width = sum(s.width for s in self.slots)
+        text = "\n".join(f"{rule_name(s.rule.key)}\0{s.op.segment}\0{s.module}\0{','.join(s.op.kinds)}"
+                         for s in self.slots)
+        #: 62 bits (it travels in an int64), 0 for no slot
+        self.digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 2 if self.slots else 0
+        self.said_apart = said  # "not those of another rank" was said (once per attachment)
+
+    def values(self, held: Sequence[tuple[Entry, list[list[float]]]]) -> list[float]:
+        """This rank's slots from the read-back's held entries and their rows: `width` floats (count 0: not seen)."""
+        rows: dict[tuple[tuple[str, str], int, str], tuple[list[list[float]], list[int]]] = defaultdict(
+            lambda: ([], []))
+        for entry, fetched in held:
+            for (module, _), row, numel in zip(entry.rows, fetched, entry.numels):
+                bucket = rows[(entry.rule.key, entry.op.segment, module)]
+                bucket[0].append(row)
+                bucket[1].append(numel)
+        out: list[float] = []
+        for slot in self.slots:
+            found = rows.get((slot.rule.key, slot.op.segment, slot.module))
+            if found is None:
+                out.extend([0.0] * slot.width)
+                continue
+            merged = combine(found[0], found[1], slot.op.kinds)
+            out.extend([*(merged[kind] for kind in slot.op.kinds), float(sum(found[1]))])
+        return out
+
+    def merge(self, gathered: torch.Tensor) -> list[tuple[list[float], int]]:
+        """Every rank's slots (`[world, width]` float64 on the host) merged per slot, in rank order."""
+        ranks = gathered.tolist()
+        merged: list[tuple[list[float], int]] = []
+        start = 0
+        for slot in self.slots:
+            end = start + slot.width
+            seen = [row[start:end] for row in ranks if row[end - 1] > 0]
+            counts = [int(row[-1]) for row in seen]
+            partials = combine([row[:-1] for row in seen], counts, slot.op.kinds) if seen else {}
+            merged.append(([partials[kind] for kind in slot.op.kinds] if seen else [], sum(counts)))
+            start = end
+        return merged
+
+    def entries(self, merged: Sequence[tuple[list[float], int]]) -> list[Entry]:
+        """The merged slots as read-back entries, one per (rule, pass); slots no rank saw are left out."""
+        grouped: dict[tuple[tuple[str, str], int], list[tuple[Slot, list[float], int]]] = defaultdict(list)
+        for slot, (partials, count) in zip(self.slots, merged):
+            if count > 0:
+                grouped[(slot.rule.key, slot.op.segment)].append((slot, partials, count))
+        out = []
+        for items in grouped.values():
+            first = items[0][0]
+            matrix = torch.tensor([partials for _, partials, _ in items], dtype=torch.float64)
+            out.append(Entry(first.rule, first.op, first.rule.rule.target,
+                             [(slot.module, "") for slot, _, _ in items], [count for _, _, count in items],
+                             matrix, []))
+        return out
+
+    def apart(self, step: int, rank: int) -> None:
+        """Say once that the other ranks announced another layout: these statistics are not published."""
+        if self.said_apart or not self.slots:
+            return
+        self.said_apart = True
+        rules = sorted({rule_name(s.rule.key) for s in self.slots})
+        log.warning("%s: rank %d's ranks: job statistics are not those of another rank at step %d (other rules or "
+                    "modules): they are not reduced across ranks nor published until every rank holds the same",
+                    ", ".join(rules), rank, step)

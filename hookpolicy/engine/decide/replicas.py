@@ -10,7 +10,7 @@ that explicitly). The values are still computed on every rank: alerts, clips and
 A loss rule's statistics are the job's when it sees the job's loss (`ranks: job`, the
 default: every rank's roots reduced in the step's agreement, `agreement.job_loss_rule`),
 and each rank's with `ranks: own`; so are an activation rule's with `ranks: job`
-(`jobstats`: every rank's partials merged in the same agreement). Any other rule's are the job's when all of these hold,
+(`agreement.Layout`: every rank's partials merged in the same agreement). Any other rule's are the job's when all of these hold,
 and per rank otherwise:
 
 - a process group of more than one rank is up;
@@ -56,8 +56,7 @@ import torch
 
 from ...plan.planner import param as find_param
 from ...policy.model import LOSS, OPTIMIZER_STATE, UPDATE, Capture
-from .agreement import job_loss_rule
-from .jobstats import reduced
+from .agreement import job_loss_rule, reduced
 from ...process import Once
 from ..hooks import module_hooks
 from ..hooks.wrappers import wrappers_around
@@ -134,7 +133,7 @@ class Replicas:
         """Why `rs`'s statistics may differ by rank; None when they are the same on every rank (see the module docstring)."""
         if rs.rule.target == LOSS:
             return None if job_loss_rule(rs) else "ranks: own: each rank's own loss"
-        if reduced(rs):  # ranks: job activations: every rank's merged in the agreement (`jobstats`)
+        if reduced(rs):  # ranks: job activations: every rank's merged in the agreement (`agreement.Layout`)
             return None
         if rs.rule.trigger.at != "step" or rs.rule.target not in _PARAMETERS:
             return f"target {rs.rule.target} at {rs.rule.trigger.at} is each rank's own"

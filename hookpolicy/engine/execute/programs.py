@@ -75,7 +75,7 @@ class Programs:
 
         `loss` is the step's micro-batch losses (`loss.LossTap.take`), the tensor of the
         `target: loss` rules; when None (none seen) those rules evaluate nothing.
-        `left_out`: ids of parameters another optimizer updates, not this step (`scopes`).
+        `left_out`: ids of parameters another optimizer updates, not this step (`steps.Scopes`).
         """
         for rs in rules:
             if rs.rule.target in AFTER_UPDATE:

@@ -9,7 +9,7 @@ owner of the patch, a `process.Shared`): for each call that is not nested in ano
 backward pass (reentrant activation checkpointing backpropagates inside one), the value
 of each root is taken before the call, detached on its device (no graph kept, no host
 sync), and after it the value goes to every governed model whose parameters that call
-wrote (their post-accumulate-grad hooks fired, `scopes.Scopes.touched`) or whose root
+wrote (their post-accumulate-grad hooks fired, `steps.Scopes.touched`) or whose root
 output it reached (the model's own backward marker, for stacks that write gradients
 themselves). A backward call whose gradients go elsewhere (another model, a
 discriminator's own pass) is not this model's loss.
@@ -56,7 +56,7 @@ log = logging.getLogger("hookpolicy")
 
 
 class Reached(Protocol):
-    """What tells a tap whether a backward call reached its model (`scopes.Scopes`)."""
+    """What tells a tap whether a backward call reached its model (`steps.Scopes`)."""
 
     touched: bool
 
