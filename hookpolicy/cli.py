@@ -323,7 +323,7 @@ def _dash_dash_hint(args: Sequence[str]) -> Optional[str]:
     COMMAND is taken to start at the first argument that is neither an option of ours nor
     a policy (an existing folder, or a name ending in .yaml/.yml).
     """
-    ours = {"--metrics-port", "--metrics-addr", "--push-gateway", "--push-job"}
+    ours = {"--metrics-port", "--metrics-addr", "--web-config", "--push-gateway", "--push-job"}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -346,6 +346,9 @@ def _dash_dash_hint(args: Sequence[str]) -> Optional[str]:
               help="Serve Prometheus metrics: rank r (its LOCAL_RANK) on port N+r. Default: no server.")
 @click.option("--metrics-addr", default="127.0.0.1", show_default=True, metavar="A",
               help="Address the metrics endpoint listens on.")
+@click.option("--web-config", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Secure the metrics endpoint with the TLS and basic auth of this web config file, in the "
+                   "format node_exporter's and Prometheus' --web.config.file read (exporter-toolkit's).")
 @click.option("--audit", is_flag=True, help="Force audit mode: evaluate and report everything, change nothing.")
 @click.option("--watch", is_flag=True, help="Reload changed policy files between two steps (SIGHUP also reloads).")
 @click.option("--strict", is_flag=True,
@@ -363,7 +366,7 @@ def _dash_dash_hint(args: Sequence[str]) -> Optional[str]:
 @click.pass_context
 def apply(
     ctx: click.Context, policies: tuple[str, ...], metrics_port: Optional[int], metrics_addr: str,
-    audit: bool, watch: bool, strict: bool, report_page: Optional[str], log_format: Optional[str],
+    web_config: Optional[str], audit: bool, watch: bool, strict: bool, report_page: Optional[str], log_format: Optional[str],
     push_gateway: Optional[str], push_job: str,
 ) -> None:
     """Run COMMAND with the policies on every model it trains, unmodified.
@@ -388,6 +391,8 @@ def apply(
             environment.log_format(os.environ)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
+    if web_config is not None:
+        _check_web_config(web_config, metrics_port, command)
     sources = _sources(policies)
     loaded = _load(sources, not_done=f"nothing was started: {' '.join(command)} did not run")
     logs: tuple[str, ...] = ()
@@ -400,8 +405,23 @@ def apply(
         metrics_addr=metrics_addr, audit=audit, watch=watch, strict=strict,
         report=None if report_page is None else os.path.abspath(report_page), report_logs=logs,
         log_format=log_format, push_gateway=push_gateway, push_job=push_job,
+        web_config=None if web_config is None else os.path.abspath(web_config),
     )
     ctx.exit(run(launch, command))
+
+
+def _check_web_config(file: str, metrics_port: Optional[int], command: Sequence[str]) -> None:
+    """Refuse, before COMMAND starts, a web config that cannot secure the endpoint (or secures none)."""
+    from .export.webconfig import WebConfigError, load_web_config
+
+    if metrics_port is None:
+        raise click.UsageError("--web-config secures the metrics endpoint, which only --metrics-port N starts")
+    try:
+        load_web_config(file)
+    except WebConfigError as exc:
+        raise click.ClickException(
+            f"--web-config {file} cannot secure the metrics endpoint; nothing was started: "
+            f"{' '.join(command)} did not run\n{exc}") from None
 
 
 @cli.command()

@@ -2,7 +2,8 @@
 
 Prometheus configurations (whole, or a scrape job or relabelling placed in one) by
 `promtool check config`, rule groups by `promtool check rules`, the Alertmanager
-configuration by `amtool check-config`, Kubernetes objects by YAML and their kind's
+configuration by `amtool check-config`, the exporter's web config by `promtool check
+web-config`, Kubernetes objects by YAML and their kind's
 required fields. A YAML block no checker claims fails the test: a new snippet gets its
 checker here.
 """
@@ -83,6 +84,19 @@ def container_ports_then_scrape_job(text: str, cwd: Path) -> None:
     scrape_job(textwrap.dedent(job.split("\n", 1)[1]), cwd)  # after its `# in prometheus.yml` comment
 
 
+def web_config(text: str, cwd: Path) -> None:
+    """`promtool check web-config` (it loads the certificate), and hookpolicy's own loader, agree."""
+    from helpers.tls import make_pki
+    from hookpolicy.export.webconfig import load_web_config
+
+    pki = make_pki(cwd)
+    pki.server_cert.rename(cwd / "server.crt")
+    pki.server_key.rename(cwd / "server.key")
+    (cwd / "web.yml").write_text(text)
+    _run([str(PROMTOOL), "check", "web-config", "web.yml"], cwd)
+    load_web_config(str(cwd / "web.yml"))
+
+
 def metric_relabelling(text: str, cwd: Path) -> None:
     scrape_job("- job_name: training\n  static_configs: [{targets: [\"node:9400\"]}]\n" + textwrap.indent(text, "  "), cwd)
 
@@ -95,6 +109,7 @@ CHECKERS: list[tuple[str, Callable[[str, Path], None]]] = [
     ("metadata:\n  annotations:", kubernetes),
     ("# in the pod's container spec", container_ports_then_scrape_job),
     ("# alertmanager.yml", alertmanager),
+    ("# web.yml", web_config),
     ("apiVersion: v1\nkind: ConfigMap", kubernetes),
     ("metric_relabel_configs:", metric_relabelling),
     ("groups:", rules),

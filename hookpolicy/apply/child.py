@@ -34,6 +34,7 @@ from ..errors import Halt, PolicyError
 from ..export.exporter import metrics_url, serve
 from ..export.collector import store_for
 from ..export.push import push_final
+from ..export.webconfig import WebConfig, WebConfigError, load_web_config
 from ..export.sinks import output_root
 from ..export.summary import summary_lines
 from ..policy.sources import load_sources
@@ -127,16 +128,35 @@ class _Session:
             # rank has neither variable), so that each rank of a node has a port of its own
             local = self.config.local_rank if ENV_LOCAL_RANK in os.environ else attached.rank
             port = self.config.metrics_port + local
-            exporter = serve(self.registry, port, self.config.metrics_addr, rank=attached.rank)
-            if exporter is None:
-                self._no_metrics = f"--metrics-port {self.config.metrics_port}: port {port} could not be bound"
+            web = None if self.config.web_config is None else self._web_config(attached.rank)
+            exporter = None
+            if self.config.web_config is not None and web is None:
+                self._no_metrics = f"--web-config {self.config.web_config} could not be loaded"
             else:
+                exporter = serve(self.registry, port, self.config.metrics_addr, rank=attached.rank, web=web)
+                if exporter is None:
+                    self._no_metrics = f"--metrics-port {self.config.metrics_port}: port {port} could not be bound"
+            if exporter is not None:
                 # Said once bound, by the rank that serves: a line before the bind would
                 # promise a port that may then be taken.
-                self._metrics = metrics_url(self.config.metrics_addr, port)
-                say(f"rank {attached.rank}: metrics on {self._metrics}")
+                self._metrics = metrics_url(self.config.metrics_addr, port, tls=web is not None and web.tls is not None)
+                secured = "" if web is None else f" ({web.describe()}, {self.config.web_config})"
+                say(f"rank {attached.rank}: metrics on {self._metrics}{secured}")
                 lifetime.release_when_orphaned(exporter, f"rank {attached.rank}'s metrics port {port}")
         self.reloader.start()
+
+    def _web_config(self, rank: int) -> Optional[WebConfig]:
+        """The `--web-config` to serve with; None (said) when it no longer loads.
+
+        `apply` checked the file before starting COMMAND; one changed since is said, and
+        the endpoint is not served at all rather than served open.
+        """
+        try:
+            return load_web_config(str(self.config.web_config))
+        except WebConfigError as exc:
+            say(f"rank {rank}: not serving metrics: --web-config {self.config.web_config} no longer secures the "
+                f"endpoint ({'; '.join(str(p) for p in exc.problems)}); training continues without metrics")
+            return None
 
     def _excepthook(
         self, kind: type[BaseException], value: BaseException, tb: Optional[TracebackType],

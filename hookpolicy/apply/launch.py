@@ -69,6 +69,8 @@ class Launch:
     #: `--push-gateway`, `--push-job`: where each process pushes its final series at exit
     push_gateway: Optional[str] = None
     push_job: str = DEFAULT_PUSH_JOB
+    #: `--web-config`: the exporter-toolkit web config (absolute) securing the metrics endpoint
+    web_config: Optional[str] = None
 
 
 def resolve_command(command: Sequence[str]) -> list[str]:
@@ -93,6 +95,7 @@ def child_environment(launch: Launch, run_dir: str, environ: Mapping[str, str]) 
         launch.sources, run_dir, audit=launch.audit, watch=launch.watch,
         metrics_port=launch.metrics_port, metrics_addr=launch.metrics_addr, strict=launch.strict,
         log_format=launch.log_format, push_gateway=launch.push_gateway, push_job=launch.push_job,
+        web_config=launch.web_config,
     )
     for name, value in variables.items():
         if value is None:

@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from ..process import Once, start_thread
 from ..say import say
+from .webconfig import WebConfig
 
 __all__ = [
     "BACKLOG", "Exporter", "MAX_ANSWERS_PER_SECOND", "MAX_CONNECTIONS", "RENDER_INTERVAL", "REQUEST_DEADLINE",
@@ -132,9 +133,10 @@ class Exporter:
 
     def __init__(
         self, app: WSGIApp, sock: socket.socket, *, deadline: Optional[float] = None,
-        max_connections: Optional[int] = None, rate: Optional[float] = None,
+        max_connections: Optional[int] = None, rate: Optional[float] = None, web: Optional[WebConfig] = None,
     ) -> None:
-        self._app, self._sock = app, sock
+        self._app, self._sock, self._web = app, sock, web
+        self._checking: Optional[asyncio.Lock] = None  # one bcrypt check at a time
         self.server_address = sock.getsockname()
         self.deadline = REQUEST_DEADLINE if deadline is None else deadline
         self.max_connections = MAX_CONNECTIONS if max_connections is None else max_connections
@@ -169,7 +171,10 @@ class Exporter:
             self._loop.close()
 
     async def _main(self) -> None:
-        server = await asyncio.start_server(self._client, sock=self._sock, limit=MAX_REQUEST_BYTES)
+        tls = None if self._web is None else self._web.tls
+        # the TLS handshake has the request's deadline too: a client that stalls it is cut off
+        server = await asyncio.start_server(self._client, sock=self._sock, limit=MAX_REQUEST_BYTES, ssl=tls,
+                                            ssl_handshake_timeout=None if tls is None else self.deadline)
         async with server:
             await self._stopped.wait()
         for writer in list(self._open):
@@ -196,6 +201,10 @@ class Exporter:
         await self._turn()
         if environ is None:
             status, headers, body = "400 Bad Request", [("Content-Type", "text/plain")], b"bad request\n"
+        elif not await self._authorized(environ.get("HTTP_AUTHORIZATION")):
+            status, headers, body = "401 Unauthorized", [
+                ("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", 'Basic realm="hookpolicy"')], \
+                b"Unauthorized\n"
         else:
             started: list[Any] = []
             body = b"".join(self._app(environ, lambda status, headers, exc_info=None: started.extend((status, headers))))
@@ -204,6 +213,21 @@ class Exporter:
                  f"Content-Length: {len(body)}", "Connection: close", "", ""]
         writer.write("\r\n".join(lines).encode("latin-1") + body)
         await writer.drain()
+
+    async def _authorized(self, header: Optional[str]) -> bool:
+        """Whether the web config's basic auth lets this request in (always, without basic_auth_users).
+
+        A bcrypt check costs 50-300 ms of CPU: it runs off the loop, one at a time, so a
+        flood of wrong passwords neither stalls the other connections nor takes more than
+        one core; a password that passed once is remembered and costs nothing again.
+        """
+        credentials = None if self._web is None else self._web.credentials
+        if credentials is None or credentials.remembered(header):
+            return True
+        if self._checking is None:  # made on the loop's own thread
+            self._checking = asyncio.Lock()
+        async with self._checking:
+            return await self._loop.run_in_executor(None, credentials.check, header)
 
     async def _turn(self) -> None:
         """Wait until the answer rate allows one more (answers are spaced 1/rate apart)."""
@@ -245,9 +269,12 @@ def _environ(head: bytes) -> Optional[dict[str, Any]]:
 
 def serve(
     registry: CollectorRegistry, port: int, addr: str = "127.0.0.1", *, rank: int = 0,
-    render_interval: float = RENDER_INTERVAL,
+    render_interval: float = RENDER_INTERVAL, web: Optional[WebConfig] = None,
 ) -> Optional[Exporter]:
-    """Start serving `registry` on http://addr:port/metrics in a daemon thread; None if it cannot."""
+    """Start serving `registry` on http(s)://addr:port/metrics in a daemon thread; None if it cannot.
+
+    `web` (a loaded `--web-config`) adds its TLS and basic auth.
+    """
     try:
         sock = socket.create_server(
             (addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET, backlog=BACKLOG,
@@ -257,11 +284,11 @@ def serve(
         say(f"rank {rank}: cannot serve metrics on {addr}:{port}: {reason}; training continues without metrics",
             logging.WARNING)
         return None
-    exporter = Exporter(RenderCache(make_wsgi_app(registry), render_interval), sock)
+    exporter = Exporter(RenderCache(make_wsgi_app(registry), render_interval), sock, web=web)
     exporter.start()
     return exporter
 
 
-def metrics_url(addr: str, port: int) -> str:
+def metrics_url(addr: str, port: int, *, tls: bool = False) -> str:
     host = f"[{addr}]" if ":" in addr else addr
-    return f"http://{host}:{port}/metrics"
+    return f"{'https' if tls else 'http'}://{host}:{port}/metrics"
