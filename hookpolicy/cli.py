@@ -121,12 +121,16 @@ def explain(policies: tuple[str, ...], model_spec: str, fmt: str, strict: bool) 
 
     from .api import PolicySet
     from .engine.measure.history import bounds as history_bounds
+    from .engine.decide.recorder import bounds as ring_bounds
     from .engine.heal.snapshots import config as snapshot_config, describe as describe_snapshots
 
     loaded = PolicySet(_load(_sources(policies)))
     model = _resolve_model(model_spec)
     plan = loaded.plan(model)
     history_notes, history_warnings = history_bounds(loaded.policies, plan.bindings)
+    ring_notes, ring_warnings = ring_bounds(loaded.policies, plan.bindings)
+    history_notes += ring_notes
+    history_warnings += ring_warnings
     snapshots = snapshot_config(loaded.policies)
     if snapshots is not None:
         history_notes.append(describe_snapshots(model, *snapshots))

@@ -32,7 +32,8 @@ FULL: dict[str, Any] = {
     "kind": "HookPolicy",
     "metadata": {"name": "numbers"},
     "spec": {
-        "limits": {"maxSeries": 100, "maxJobSeries": 200, "maxHistoryValues": 1000, "maxSnapshotBytes": 4096},
+        "limits": {"maxSeries": 100, "maxJobSeries": 200, "maxHistoryValues": 1000, "maxSnapshotBytes": 4096,
+                   "maxRingBytes": 1 << 20, "maxDumps": 3, "maxDumpBytes": 1 << 16},
         "snapshots": {"every": 10, "keep": 2},
         "rules": [
             {
@@ -44,7 +45,8 @@ FULL: dict[str, Any] = {
                 "select": [0],
                 "actions": [
                     {"capture": {"stats": ["l2_norm"], "tensors": {"dir": "t", "max_files": 4, "max_bytes": 1000},
-                                 "log": {"path": "a.jsonl", "max_bytes": 1000, "keep": 2}}},
+                                 "log": {"path": "a.jsonl", "max_bytes": 1000, "keep": 2},
+                                 "keep": {"steps": 20, "dump": {"alerts": ["numbers/guard"], "before": 5, "after": 2}}}},
                     {"clip": {"min": -1.0, "max": 1.0}},
                     {"scale": {"factor": 0.5}},
                 ],

@@ -208,7 +208,7 @@ class StepCycle:
             self._agreed(job, agreed, loss, report)
         report.heal = self._heal(report, agreed)
         healed = self.healing.decided(report, self.step, self._steps.mode == "optimizer")
-        self._settle(report, healed, decided=True)
+        self._settle(report, healed, decided=True, step=self.step)
         for key in report.skip_by:
             self.store.inc(SKIPPED_STEPS, key)
         # a skipped step did not happen: its values never become the baseline (an earlier update's did)
@@ -263,9 +263,11 @@ class StepCycle:
             self._faults.fail(rs, exc)
         return report
 
-    def _settle(self, report: StepReport, healed: Mapping[tuple[tuple[str, str], int], str], decided: bool) -> None:
-        """Write the alert records of `report` now that what their `then` did is known; faults to `Faults`."""
-        for rs, exc in self.readback.settle(report, healed, decided):
+    def _settle(self, report: StepReport, healed: Mapping[tuple[tuple[str, str], int], str], decided: bool,
+                step: Optional[int] = None) -> None:
+        """Write the alert records of `report` now that what their `then` did is known (and, at a decided `step`,
+        the flight recorder's dumps); faults to `Faults`."""
+        for rs, exc in self.readback.settle(report, healed, decided, step):
             self._faults.fail(rs, exc)
 
     def _agreed(self, job: Sequence[RuleState], agreed: Agreed, own: Optional[torch.Tensor],

@@ -30,6 +30,7 @@ from ..plan.planner import Plan, build_plan
 from ..policy.model import Policy
 from .decide.agreement import Vote
 from .cycle import Leftovers, StepCycle
+from .decide.recorder import Recorder
 from .heal.healing import Carried
 from .measure.history import History
 from .execute.executor import publish_rule_series
@@ -160,6 +161,11 @@ class Attached:
     def plan(self) -> Plan:
         """What was compiled, bound to the model as it is now (re-planned when its tree changed)."""
         return self._cycle.plan
+
+    @property
+    def recorder(self) -> Recorder:
+        """The flight recorder's rings (`capture.keep`) and the dumps written so far."""
+        return self._cycle.readback.recorder
 
     @property
     def history(self) -> History:

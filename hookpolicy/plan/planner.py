@@ -255,9 +255,11 @@ def _series_notes(policies: Sequence[Policy], bindings: Sequence[Binding]) -> li
     notes = []
     for policy in policies:
         rules = [r.name for r in policy.rules if (policy.name, r.name) in bound and r.trigger.at == "step"
-                 and r.target in PARAM_TARGETS and any(isinstance(a, Capture) and a.series == "job" for a in r.actions)]
+                 and r.target in PARAM_TARGETS and any(isinstance(a, Capture) and a.series == "job" and a.exports
+                                                  for a in r.actions)]
         losses = [r.name for r in policy.rules if (policy.name, r.name) in bound and r.target == LOSS
-                  and r.ranks == "job" and any(isinstance(a, Capture) and a.series == "job" for a in r.actions)]
+                  and r.ranks == "job" and any(isinstance(a, Capture) and a.series == "job" and a.exports
+                                                  for a in r.actions)]
         if rules:
             notes.append(f"{policy.name}: in a process group, the series of {', '.join(rules)} are exported once per "
                          "job, by rank 0, where DDP or FSDP2 over every rank reduces their parameters and an optimizer "

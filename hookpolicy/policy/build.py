@@ -18,7 +18,7 @@ from .document import Document
 from .expr import parse, parse_value
 from .messages import CLIP_NAMES, expression_names, message_fields
 from .model import (
-    HOOK_POINTS, LOSS, Action, Alert, Board, Capture, Clip, CoolDown, LogSink, Match, Policy, Rewind, Rule, Scale,
+    HOOK_POINTS, LOSS, Action, Alert, Board, Capture, Clip, CoolDown, Dump, Keep, LogSink, Match, Policy, Rewind, Rule, Scale,
     Snapshots, TensorFiles, Trigger,
 )
 from .schema import validate
@@ -72,6 +72,9 @@ def _policy(document: Document) -> Policy:
         max_history_values=int(spec.get("limits", {}).get("maxHistoryValues", Policy.max_history_values)),
         max_snapshot_bytes=(int(spec["limits"]["maxSnapshotBytes"]) if "maxSnapshotBytes" in spec.get("limits", {})
                             else None),
+        max_ring_bytes=int(spec.get("limits", {}).get("maxRingBytes", Policy.max_ring_bytes)),
+        max_dumps=int(spec.get("limits", {}).get("maxDumps", Policy.max_dumps)),
+        max_dump_bytes=int(spec.get("limits", {}).get("maxDumpBytes", Policy.max_dump_bytes)),
         snapshots=_snapshots(spec["snapshots"]) if "snapshots" in spec else None,
         labels=dict(metadata.get("labels", {})),
         annotations=dict(metadata.get("annotations", {})),
@@ -142,6 +145,18 @@ def _capture(body: dict[str, Any], at: str, target: str) -> Capture:
             keep=int(log.get("keep", LogSink.keep)),
         ),
         tensorboard=None if board is None else Board(dir=board["dir"], histograms=bool(board.get("histograms", Board.histograms))),
+        keep=None if "keep" not in body else _keep(body["keep"]),
+    )
+
+
+def _keep(body: dict[str, Any]) -> Keep:
+    dump = body.get("dump")
+    return Keep(
+        steps=int(body["steps"]), export=bool(body.get("export", Keep.export)),
+        dump=None if dump is None else Dump(
+            alerts=tuple(dict.fromkeys(dump["alerts"])), before=int(dump.get("before", Dump.before)),
+            after=int(dump.get("after", Dump.after)), dir=dump.get("dir", Dump.dir),
+        ),
     )
 
 

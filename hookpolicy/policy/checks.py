@@ -286,6 +286,17 @@ class _Checker:
         for key in ("max_bytes", "keep"):
             if key in log and "path" not in log:
                 self.add(path + ("log", key), f"{key} rotates a log file: add a path (stderr is not rotated)", key=True)
+        keep = _dict(body.get("keep"))
+        if "keep" in body and "stats" not in body:
+            self.add(path + ("keep",), "keep holds statistics in a ring: add stats to this capture", key=True)
+        dump = _dict(keep.get("dump"))
+        self.relative(dump.get("dir"), path + ("keep", "dump", "dir"))
+        before, after, steps = (_number(dump.get("before", 100)), _number(dump.get("after", 0)),
+                                _number(keep.get("steps")))
+        if dump and before is not None and after is not None and steps is not None and before + after >= steps:
+            self.add(path + ("keep", "steps"), f"the ring keeps {steps:g} steps, too few for a dump of {before:g} "
+                     f"steps before the alert, its step and {after:g} after: keep.steps must be at least "
+                     f"{before + after + 1:g}")
 
     def relative(self, value: Any, path: JsonPath) -> None:
         """A path that must stay inside the output folder: relative, no `..` segment.

@@ -18,7 +18,7 @@ __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "AFTER_UPDATE", "UPDATE", "OPTIMIZER_STATE",
     "UPDATE_RATIO", "LOSS", "ACTIVATIONS", "STATS", "stats_of", "Mode", "OnError", "HookPoint",
     "TriggerPhase", "Per", "Ranks", "Adapters", "Severity", "Then", "HEALS", "DECIDES", "RuleKey", "rule_name", "Match", "Trigger", "Capture", "TensorFiles",
-    "LogSink", "Board", "Clip", "Scale", "CoolDown", "Rewind", "Alert", "Action", "Rule", "Snapshots", "Policy",
+    "LogSink", "Board", "Keep", "Dump", "Clip", "Scale", "CoolDown", "Rewind", "Alert", "Action", "Rule", "Snapshots", "Policy",
 ]
 
 API_VERSION = "hookpolicy/v1"
@@ -146,6 +146,27 @@ class Board:
 
 
 @dataclass(frozen=True)
+class Dump:
+    """`capture.keep.dump`: when an alert of a rule in `alerts` (`policy/rule` names) fires at a decided step S,
+    the ring's steps S - `before` .. S + `after` go to one JSON-lines file under `dir` (per rank)."""
+
+    alerts: tuple[str, ...]
+    before: int = 100
+    after: int = 0
+    dir: str = "dumps"
+
+
+@dataclass(frozen=True)
+class Keep:
+    """`capture.keep`: the statistics of the last `steps` steps kept in a bounded host ring
+    (`engine/decide/recorder.py`); `export`: published to Prometheus as well (else instead)."""
+
+    steps: int
+    export: bool = False
+    dump: Optional[Dump] = None
+
+
+@dataclass(frozen=True)
 class Capture:
     stats: tuple[str, ...] = ()
     per: Per = "module"
@@ -156,6 +177,13 @@ class Capture:
     #: FSDP2's full tensors, the job's loss) is exported by rank 0 only (`engine/decide/replicas.py`); `rank`: every
     #: rank exports its own series, as for statistics that differ by rank
     series: SeriesPer = "job"
+    #: the flight recorder's ring of this capture's statistics, and the alerts that dump it
+    keep: Optional[Keep] = None
+
+    @property
+    def exports(self) -> bool:
+        """Whether the statistics are published to Prometheus (`keep.export: false` keeps them in the ring instead)."""
+        return self.keep is None or self.keep.export
 
     @property
     def copies(self) -> bool:
@@ -338,6 +366,11 @@ class Policy:
     #: `spec.limits.maxSnapshotBytes`: the host memory the snapshots of one model may hold; None: a quarter of the
     #: host memory available at attach
     max_snapshot_bytes: Optional[int] = None
+    #: `spec.limits.maxRingBytes`: the host memory all the policy's rings (`capture.keep`) may hold together
+    max_ring_bytes: int = 256 << 20
+    #: `spec.limits.maxDumps` / `maxDumpBytes`: the dump files (`keep.dump`) the policy writes per rank, and their bytes
+    max_dumps: int = 10
+    max_dump_bytes: int = 64 << 20
     #: what `then: rewind` goes back to; None: no snapshots (and no rewind alert)
     snapshots: Optional[Snapshots] = None
     labels: Mapping[str, str] = field(default_factory=dict)

@@ -44,6 +44,8 @@ _PATTERN_HELP = {
         "with a digit or '__'",
     "^[A-Za-z_][A-Za-z0-9_]*(\\.[A-Za-z_][A-Za-z0-9_]*)*$":
         "a type is a class name such as Linear or a dotted path such as torch.nn.Linear",
+    "^[a-z0-9]([a-z0-9-]*[a-z0-9])?/[a-z0-9]([a-z0-9-]*[a-z0-9])?$":
+        "a rule is named policy/rule, as in loss-spike-guard/loss-spike",
 }
 
 

@@ -39,6 +39,7 @@ from .replicas import Export, job_world
 from ..measure.rulestate import RuleState
 from ..measure.stats import combine, finish, resolve_counts
 from ..execute.updates import state_group_key
+from .recorder import Recorder
 from .writers import Writers
 
 __all__ = ["Readback", "StepReport"]
@@ -66,6 +67,8 @@ class Readback:
         self.writers = Writers(root, rank, policies)
         #: the run every record carries (`environment.run_id`): `hookpolicy report` tells appended runs apart
         self.run_id = run_id(os.environ)
+        #: the rings of the captures with `keep`, and their dumps (`recorder`)
+        self.recorder = Recorder(root, rank, store.model, self.run_id, policies)
 
     def last_values(self) -> Mapping[str, Mapping[Labels, float]]:
         """A read-only copy of the latest value of every statistic series published so far."""
@@ -76,7 +79,11 @@ class Readback:
         self._alerts.restart()
 
     def close(self) -> None:
-        """Close the sinks (at `remove()`); never raises, so `remove()` never does."""
+        """Write the dumps still waiting and close the sinks (at `remove()`); never raises, so `remove()` never does."""
+        try:
+            self.recorder.close(lambda rs, write: self.writers.sink(StepReport(), rs, write))
+        except Exception as exc:  # noqa: BLE001 - a dump at detach that cannot be written is one line, never a raise
+            log.error("hookpolicy: writing the flight recorder's dumps at detach failed: %s: %s", type(exc).__name__, exc)
         self.writers.close()
 
     def run(
@@ -176,8 +183,10 @@ class Readback:
             families = [(s, stat_family(p.target, s)) for s in action.stats] if isinstance(action, Capture) else []
             for (module, tensor), stats in p.statistics(action.per):
                 if isinstance(action, Capture):
+                    if action.keep is not None:
+                        self.recorder.keep(rs, index, action, p.step, now, module, tensor, stats)
                     labels = (*rs.key, module, tensor)
-                    for stat, family in families:
+                    for stat, family in families if action.exports else ():
                         key = (family, labels)
                         published[key] = stats[stat]
                         if whose is not Export.RANK:
@@ -232,15 +241,18 @@ class Readback:
 
     def settle(
         self, report: StepReport, healed: Mapping[tuple[tuple[str, str], int], str], decided: bool,
+        step: Optional[int] = None,
     ) -> list[tuple[RuleState, Exception]]:
         """Write the step's alert records (`report.pending`), in the order they fired, now that the step
         is `decided` (False: an evaluation forward's read-back, which decides no step). A record whose
         `then` was to act says what became of it: a skip or halt the ranks did not take, a cool-down or
         rewind the step did not take (`healed`: by rule and action index, from `Healing.decided`).
-        Returns the faults of these writes."""
+        At a decided `step`, the rings dump around the alerts that fired and write the dumps now complete
+        (`recorder`). Returns the faults of these writes."""
         why = "the ranks hold different rules: no decision at this step" if decided else "not at a training step"
         written = StepReport()
         batch: list[dict[str, Any]] = []
+        records: list[dict[str, Any]] = []
         try:
             for i, pending in enumerate(report.pending):
                 then = pending.action.then
@@ -256,8 +268,12 @@ class Readback:
                     batch.append(pending.settled(healed.get(pending.key) or not_taken(then, why)))
                 following = report.pending[i + 1].rule if i + 1 < len(report.pending) else None
                 if following is not pending.rule:  # one write per rule, as its pass wrote them
+                    records += batch
                     self.writers.write_log(pending.rule, -1, None, batch, written)
                     batch = []
+            if step is not None:
+                self.recorder.alerted(step, {f"{r['policy']}/{r['rule']}" for r in records}, records)
+                self.recorder.flush(lambda rs, write: self.writers.sink(written, rs, write), step)
         except SinkHalts:
             pass
         report.pending.clear()

@@ -39,7 +39,7 @@ from ...policy.expr import Call, Value
 from ...policy.model import OPTIMIZER_STATE, PARAM_TARGETS, Alert, Clip, Policy
 from ...process import Once
 
-__all__ = ["GroupKey", "History", "Observation", "Past", "Series", "SeriesSpec", "Tracked", "bounds", "cost",
+__all__ = ["GroupKey", "History", "Observation", "Past", "Series", "SeriesSpec", "Tracked", "bounds", "cost", "groups_on",
            "group_key", "group_specs", "spec_for"]
 
 log = logging.getLogger("hookpolicy")
@@ -84,6 +84,18 @@ def group_specs(stats: Iterable[str], calls: Iterable[Call], warmup: int) -> dic
     return {stat: spec_for(calls, stat, warmup) for stat in sorted(stats)}
 
 
+def groups_on(per: str, target: str, bound: Sequence[Binding]) -> tuple[int, bool]:
+    """How many groups (`per: rule | module | tensor`) an action of a rule on `target` bound as `bound` has on the
+    model, and whether that is a lower bound: its tensors show only at run time (a module's outputs, a
+    parameter's optimizer state keys)."""
+    at_least = (per == "tensor" and target not in PARAM_TARGETS) or target == OPTIMIZER_STATE
+    if per == "rule":
+        return 1, at_least
+    if per == "module":
+        return len({b.module for b in bound}), at_least
+    return sum(max(1, len(b.params)) for b in bound), at_least
+
+
 def bounds(policies: Sequence[Policy], bindings: Sequence[Binding]) -> tuple[list[str], list[str]]:
     """What `explain` says of the histories: per action that keeps one, a note with its bound (the
     values a group keeps x its groups on the model) against its policy's `maxHistoryValues`, and
@@ -99,14 +111,7 @@ def bounds(policies: Sequence[Policy], bindings: Sequence[Binding]) -> tuple[lis
                     continue
                 stats = action.stats if isinstance(action, Alert) else ("norm",)
                 each = sum(cost(spec) for spec in group_specs(stats, action.calls, action.warmup).values())
-                # its tensors show at run time: a module's outputs, a parameter's optimizer state keys
-                at_least = (action.per == "tensor" and rule.target not in PARAM_TARGETS) or rule.target == OPTIMIZER_STATE
-                if action.per == "rule":
-                    groups = 1
-                elif action.per == "module":
-                    groups = len({b.module for b in bound})
-                else:
-                    groups = sum(max(1, len(b.params)) for b in bound)
+                groups, at_least = groups_on(action.per, rule.target, bound)
                 total += groups * each
                 approximate = approximate or at_least
                 notes.append(f"{policy.name}/{rule.name}: action {index} keeps {each} history values per group "

@@ -1,0 +1,263 @@
+"""The flight recorder (`capture.keep`, `engine/decide/recorder.py`): the ring of the last steps' statistics, the
+dumps alerts write of it, and their bounds.
+
+References: the capture log of the same capture in the same run (a dump's records must be the log's, field for
+field and bit for bit), `torch.linalg.vector_norm` of the gradients the test reads itself, counted entries and
+bytes (never time), and the files on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+import hookpolicy
+from hookpolicy.engine.decide.recorder import VALUE_BYTES
+from hookpolicy.errors import PolicyError
+from helpers.distributed import spawn
+from helpers.library import load_text
+from helpers.models import tiny
+from helpers.outputs import json_lines
+
+POLICY = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {{name: rec}}
+spec:
+  limits: {{maxDumps: {dumps}, maxDumpBytes: {dump_bytes}, maxRingBytes: {ring_bytes}}}
+  rules:
+    - name: layers
+      match: {{types: [Linear]}}
+      trigger: {{at: step}}
+      target: grad
+      actions:
+        - capture:
+            stats: [l2_norm, abs_max, mean]
+            {log}
+            keep: {{steps: {steps}, export: {export}, dump: {{alerts: [rec/guard], before: {before}, after: {after}}}}}
+    - name: guard
+      match: {{root: true}}
+      trigger: {{at: step}}
+      target: loss
+      actions:
+        - alert: {{if: "max > 50"}}
+"""
+
+
+def policy(tmp_path: Path, *, steps: int = 40, before: int = 10, after: int = 3, dumps: int = 10,
+           dump_bytes: int = 1 << 26, ring_bytes: int = 1 << 28, export: str = "false", log: bool = True) -> Any:
+    text = POLICY.format(steps=steps, before=before, after=after, dumps=dumps, dump_bytes=dump_bytes,
+                         ring_bytes=ring_bytes, export=export, log="log: {path: full.jsonl}" if log else "")
+    return load_text(tmp_path, text)
+
+
+def run(model: torch.nn.Module, steps: int, spikes: set[int], grads: dict[int, dict[str, torch.Tensor]] | None = None,
+        each: Any = None) -> None:
+    """`steps` SGD steps of `tiny`; at `spikes` the loss is 1000 times larger (the guard's alert fires)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        loss = model(torch.randn(6, 4, generator=gen)).pow(2).mean() * (1000.0 if step in spikes else 1.0) + 1.0
+        if step in spikes:
+            loss = loss + 100.0
+        loss.backward()
+        if grads is not None:
+            grads[step] = {name: torch.cat([p.grad.reshape(-1) for p in m.parameters()])  # type: ignore[union-attr]
+                           for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        opt.step()
+        opt.zero_grad()
+        if each is not None:
+            each(step)
+
+
+def dump_files(workdir: Path) -> list[Path]:
+    return sorted((workdir / "dumps").glob("*.jsonl"))
+
+
+def test_a_dumps_window_is_the_same_steps_of_the_full_capture_bit_for_bit(workdir: Path) -> None:
+    """The capture logs every step and keeps them; the alert at 25 and 50 dumps steps 15..28 and 40..53: each
+    record of a dump is the log's record of that step and module, every field (time included) equal, the
+    statistics bit for bit; the L2 norms are those of the gradients the test read (vector_norm)."""
+    model = tiny()
+    grads: dict[int, dict[str, torch.Tensor]] = {}
+    reg = CollectorRegistry()
+    with policy(workdir).attach(model, registry=reg, rank=0):
+        run(model, 60, {25, 50}, grads)
+        assert [s.name for m in reg.collect() for s in m.samples if s.name.startswith("hookpolicy_grad_")] == []
+        assert [s.value for m in reg.collect() for s in m.samples if s.name == "hookpolicy_steps_total"] == [60]
+    log = json_lines(workdir / "full.jsonl")
+    by_step = {(r["step"], r["module"]): r for r in log}
+    files = dump_files(workdir)
+    assert [f.name for f in files] == ["rec-layers.step00000025.rank0.jsonl", "rec-layers.step00000050.rank0.jsonl"]
+    for file, spike in zip(files, (25, 50)):
+        lines = [json.loads(line) for line in file.read_text().splitlines()]
+        header, alert, records = lines[0], lines[1], lines[2:]
+        assert header["event"] == "dump" and header["step"] == spike and (header["first"], header["last"]) == (
+            spike - 10, spike + 3)
+        assert alert["event"] == "alert" and alert["step"] == spike and (alert["policy"], alert["rule"]) == ("rec", "guard")
+        window = [r for r in log if spike - 10 <= r["step"] <= spike + 3]
+        assert len(records) == len(window) == 14 * 2
+        for record in records:
+            assert record == by_step[(record["step"], record["module"])]
+            assert all(type(v) is type(by_step[(record["step"], record["module"])]["stats"][k])
+                       for k, v in record["stats"].items())
+            reference = torch.linalg.vector_norm(grads[record["step"]][record["module"]].double()).item()
+            assert record["stats"]["l2_norm"] == pytest.approx(reference, rel=1e-6)
+
+
+def test_keep_with_export_publishes_the_series_as_without_keep(workdir: Path) -> None:
+    model = tiny()
+    reg = CollectorRegistry()
+    with policy(workdir, export="true").attach(model, registry=reg, rank=0) as attached:
+        run(model, 5, set())
+        last = attached.recorder.rings[(("rec", "layers"), 0)].steps[-1]
+        exported = {s.labels["module"]: s.value for m in reg.collect() for s in m.samples
+                    if s.name == "hookpolicy_grad_l2_norm"}
+    assert exported == {module: last.values[row * 3] for row, (module, _) in enumerate(last.groups)}
+    assert set(exported) == {"0", "2"}
+
+
+def test_the_ring_stays_within_its_bound_over_a_long_run(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """1,500 steps of a ring of keep.steps 200 whose maxRingBytes holds 30 steps (2 modules x 3 stats x 8 bytes,
+    and one list of group names, shared by every step after the first): after every step the ring holds at most
+    30 steps and at most its bytes, counted; its bound is said once."""
+    per_step = 2 * 3 * VALUE_BYTES
+    budget = 30 * per_step + 2 * VALUE_BYTES  # the oldest step holds the group list the others share
+    model = tiny()
+    seen: list[tuple[int, int]] = []
+    with policy(workdir, steps=200, ring_bytes=budget, log=False, before=5, after=0).attach(model, rank=0) as attached:
+        def each(step: int) -> None:
+            ring = attached.recorder.rings[(("rec", "layers"), 0)]
+            counted = sum(VALUE_BYTES * len(s.values) + (0 if s.shared else VALUE_BYTES * len(s.groups))
+                          for s in ring.steps)
+            assert ring.bytes == counted <= budget
+            assert [s.step for s in ring.steps] == list(range(max(0, step - 29), step + 1))
+            seen.append((len(ring.steps), ring.bytes))
+        with caplog.at_level(logging.WARNING, logger="hookpolicy"):
+            run(model, 1500, set(), each=each)
+    assert max(seen) == (30, budget)
+    said = [r for r in caplog.records if "keeps fewer than keep.steps=200" in r.getMessage()]
+    assert len(said) == 1
+    # without a byte bound, keep.steps is the bound: 200 entries, every one's bytes counted
+    model = tiny()
+    with policy(workdir, steps=200, log=False, before=5, after=0).attach(model, rank=0) as attached:
+        run(model, 600, set())
+        ring = attached.recorder.rings[(("rec", "layers"), 0)]
+        assert len(ring.steps) == 200 and ring.bytes == 200 * per_step + 2 * VALUE_BYTES
+
+
+def test_dumps_past_max_dumps_are_said_once_and_counted_never_written(
+        workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = tiny()
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"):
+        with policy(workdir, dumps=2, after=0).attach(model, rank=0):
+            run(model, 50, {12, 20, 30, 40})
+    assert [f.name for f in dump_files(workdir)] == ["rec-layers.step00000012.rank0.jsonl",
+                                                     "rec-layers.step00000020.rank0.jsonl"]
+    said = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
+    assert len(said) == 2, said
+    assert "the dump of step 30" in said[0] and "spec.limits.maxDumps=2 reached" in said[0]
+    assert "2 dump(s) not written on rank 0" in said[1]
+
+
+def test_a_dump_past_max_dump_bytes_is_not_written_in_part(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The first dump's size is measured in a run without a byte bound; with a bound of 1.5 of it, the second
+    is not written (no partial file), said once, and counted at detach."""
+    model = tiny()
+    with policy(workdir, after=0).attach(model, rank=0):
+        run(model, 30, {12})
+    (first,) = dump_files(workdir)
+    size = first.stat().st_size
+    first.unlink()
+    model = tiny()
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"):
+        with policy(workdir, after=0, dump_bytes=size * 3 // 2).attach(model, rank=0):
+            run(model, 30, {12, 20})
+    (only,) = dump_files(workdir)
+    assert only.name == "rec-layers.step00000012.rank0.jsonl" and size // 2 < only.stat().st_size <= size * 3 // 2
+    assert len([json.loads(line) for line in only.read_text().splitlines()]) == 2 + 11 * 2
+    assert not list((workdir / "dumps").glob(".tmp-*"))
+    said = [r.getMessage() for r in caplog.records if "the dump of step 20" in r.getMessage()]
+    assert len(said) == 1 and "spec.limits.maxDumpBytes" in said[0]
+
+
+def test_a_dump_waiting_for_its_after_steps_is_written_at_detach_with_what_there_is(workdir: Path) -> None:
+    model = tiny()
+    with policy(workdir, after=5).attach(model, rank=0):
+        run(model, 23, {20})
+    (file,) = dump_files(workdir)
+    lines = [json.loads(line) for line in file.read_text().splitlines()]
+    assert (lines[0]["first"], lines[0]["last"]) == (10, 22)
+    assert sorted({r["step"] for r in lines[2:]}) == list(range(10, 23))
+
+
+def test_a_dump_window_longer_than_the_ring_is_refused_at_check(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError) as error:
+        policy(tmp_path, steps=10, before=8, after=2)
+    text = str(error.value)
+    assert "keep.steps must be at least 11" in text and "$.spec.rules[0].actions[0].capture.keep.steps" in text
+
+
+def test_explain_shows_the_rings_memory_and_its_cap(tmp_path: Path) -> None:
+    from hookpolicy.engine.decide.recorder import bounds
+
+    model = tiny()
+    policies = policy(tmp_path, steps=40, ring_bytes=20 * 2 * 3 * VALUE_BYTES)
+    notes, warnings = bounds(policies.policies, policies.plan(model).bindings)
+    assert any("keeps a ring of 40 steps x 2 groups (per: module) x 3 stats x 8 bytes = 1920 bytes of 960" in n
+               for n in notes), notes
+    assert any("it keeps only the last 20 steps" in w for w in warnings), warnings
+
+
+# -- several ranks -------------------------------------------------------------------------------------------------
+
+def ranks_dump(rank: int, folder: str, text: str) -> dict[str, Any]:
+    """Both ranks train a DDP `tiny` on their own batches; rank 1's loss spikes at step 15 (the loss rule
+    sees the job's loss: the alert fires on both ranks)."""
+    import os
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.chdir(folder)
+    os.environ["HOOKPOLICY_OUTPUT_DIR"] = folder
+    os.environ["HOOKPOLICY_RUN_ID"] = "one-job"  # as `hookpolicy apply` gives every rank of a job
+    path = Path(folder) / "policy.yaml"
+    if rank == 0:
+        path.write_text(text)
+    torch.distributed.barrier()
+    model = DistributedDataParallel(tiny())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(10 + rank)
+    with hookpolicy.load(path).attach(model, rank=rank):
+        for step in range(25):
+            loss = model(torch.randn(6, 4, generator=gen)).pow(2).mean()
+            if rank == 1 and step == 15:
+                loss = loss + 1000.0
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return {"files": sorted(p.name for p in (Path(folder) / "dumps").glob("*.jsonl"))}
+
+
+def test_two_gloo_ranks_dump_at_the_same_step_and_report_merges_them(tmp_path: Path, free_port: int) -> None:
+    text = POLICY.format(steps=40, before=10, after=2, dumps=10, dump_bytes=1 << 26, ring_bytes=1 << 28,
+                         export="false", log="")
+    ranks = spawn(ranks_dump, tmp_path, free_port, str(tmp_path), text)
+    names = ["rec-layers.step00000015.rank0.jsonl", "rec-layers.step00000015.rank1.jsonl"]
+    assert ranks[0]["files"] == ranks[1]["files"] == names
+    from hookpolicy.export.report import read_logs
+
+    records = read_logs([str(tmp_path / "dumps" / n) for n in names])
+    assert {key[6] for key in records.series} == {0, 1}
+    assert {s for points in records.series.values() for s in points} == set(range(5, 18))
+    assert [e[2] for e in records.events] == [15, 15]
+    # after DDP's all-reduce both ranks hold the same gradients: their rings agree bit for bit
+    zero, one = ({(k[3], k[4]): v for k, v in records.series.items() if k[6] == rank} for rank in (0, 1))
+    assert zero == one and all(math.isfinite(v) for points in zero.values() for v in points.values())
