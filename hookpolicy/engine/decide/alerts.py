@@ -17,17 +17,17 @@ import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 from ...errors import Halt
 from ...policy.expr import NO_PAST, Past, Template
-from ...policy.model import Alert
+from ...policy.model import HEALS, Alert
 from ..measure.history import History, Observation, Tracked
 from ..execute.ledger import Entry
 from ..measure.rulestate import MAX_ERRORS, RuleState
 
-__all__ = ["Alerts", "MAX_RENDERED_CHARS", "Pending", "SinkHalts", "StepReport", "alert_line", "json_number", "not_taken",
-           "outcome", "render"]
+__all__ = ["Alerts", "MAX_RENDERED_CHARS", "Pending", "SinkHalts", "StepReport", "alert_line", "fire", "json_number",
+           "not_taken", "outcome", "render", "settled"]
 
 
 class Alerts:
@@ -48,6 +48,19 @@ class Alerts:
         tracked = self.history.tracking(rs.key, index, action.stats, action.calls, action.warmup)
         observed.append(tracked.observe(module, tensor, stats))
         return tracked
+
+    def judge(
+        self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
+        observed: list[Observation],
+    ) -> tuple[bool, Past]:
+        """One group of an alert at one step: whether it fires (`evaluate`), and the past its message reads.
+
+        What it saw goes to `observed` (`observe`). The one evaluation of an alert: a live
+        read-back and `hookpolicy replay` both call it.
+        """
+        tracked = self.observe(rs, index, action, module, tensor, stats, observed)
+        fired = self.evaluate(rs, index, action, module, tensor, stats, tracked)
+        return fired, NO_PAST if tracked is None else tracked.past(module, tensor)
 
     def restart(self) -> None:
         """Every `for:` streak from 0: after a rewind, the steps that made them were dropped."""
@@ -169,6 +182,56 @@ def json_number(value: float) -> Union[float, int]:
     if value.is_integer() and abs(value) < 2**53:
         return int(value)
     return value
+
+
+def fire(
+    report: "StepReport", rs: RuleState, index: int, action: Alert, base: dict[str, Any], stats: dict[str, float],
+    past: Past, final: bool,
+) -> dict[str, Any]:
+    """An alert fired for one group (`base`: the step, module, tensor, ...): its record waits in `report.pending`
+    (`settled` once the step is decided) and, in force (enforce mode, not at `remove()`), its `then` goes into
+    the report's decision: a skip, a heal, a halt. Returns the record as it stands before the step is decided.
+
+    The one place an alert that fired becomes a record and a decision: a live read-back and `hookpolicy
+    replay` both call it.
+    """
+    applied = rs.enforce and not final
+    happened = outcome(action.then, applied, rs.mode)
+    message = render(action, {**base, "outcome": happened}, stats, applied, past)
+    record = {
+        **base, "stats": {k: json_number(v) for k, v in stats.items()}, "event": "alert",
+        "severity": action.severity, "then": action.then, "mode": rs.mode, "outcome": happened,
+        "condition": action.source, "message": message,
+    }
+    report.pending.append(Pending(rs, index, action, base, stats, past, record, settles=applied and action.then != "log"))
+    if applied:
+        if action.then == "skip_step" and rs.key not in report.skip_by:
+            report.skip = True
+            report.skip_rule = report.skip_rule or rs.key
+            report.skip_by.append(rs.key)  # counted once per step and rule, once agreed on
+        elif action.then in HEALS and (rs.key, index) not in report.heals:
+            report.heals.append((rs.key, index))
+        elif action.then == "halt" and report.halt is None:
+            report.halt = Halt(rs.policy.name, rs.rule.name, int(base["step"]), message)
+    return record
+
+
+def settled(
+    pending: Pending, report: "StepReport", healed: Mapping[tuple[tuple[str, str], int], str], decided: bool,
+) -> dict[str, Any]:
+    """The record of an alert that fired, now that its step is decided (`decided`: False for an evaluation
+    forward's read-back, which decides no step): a record whose `then` was to act says what became of it, a
+    skip or halt the ranks did not take, a cool-down or rewind the step did not take (`healed`: by rule and
+    action index, from `Healing.decided`). A live read-back and `hookpolicy replay` both call it."""
+    then = pending.action.then
+    if not pending.settles:
+        return pending.record
+    why = "the ranks hold different rules: no decision at this step" if decided else "not at a training step"
+    if then == "skip_step":
+        return pending.settled(outcome(then, True, "enforce") if decided and report.skip else not_taken(then, why))
+    if then == "halt":
+        return pending.settled(outcome(then, True, "enforce") if report.halt is not None else not_taken(then, why))
+    return pending.settled(healed.get(pending.key) or not_taken(then, why))
 
 
 @dataclass

@@ -24,13 +24,11 @@ import torch
 
 from ..measure.actions import StatsOp
 from ...environment import run_id
-from ...errors import Halt
 from ...export.metrics import ALERT_FIRING, ALERTS, CLIPPED, Labels, stat_family
 from ...export.store import ModelMetrics
 from ...export.tensorboard import scalar_tag
-from ...policy.expr import NO_PAST
-from ...policy.model import HEALS, OPTIMIZER_STATE, Capture, Clip, LogSink, Policy
-from .alerts import Alerts, Pending, SinkHalts, StepReport, json_number, not_taken, outcome, render
+from ...policy.model import OPTIMIZER_STATE, Capture, Clip, LogSink, Policy
+from .alerts import Alerts, SinkHalts, StepReport, fire, json_number, settled
 from ..measure.distributed import reduce_shards
 from ..measure.history import History, group_key
 from ..execute.ledger import ClipEntry, Entry
@@ -204,33 +202,12 @@ class Readback:
                         boarded[index] += [(scalar_tag(*rs.key, p.target, s, module, tensor), stats[s])
                                            for s in action.stats]
                     continue
-                tracked = self._alerts.observe(rs, index, action, module, tensor, stats, report.observed)
-                fired = self._alerts.evaluate(rs, index, action, module, tensor, stats, tracked)
-                past = None if tracked is None else tracked.past(module, tensor)
+                fired, past = self._alerts.judge(rs, index, action, module, tensor, stats, report.observed)
                 firing[action.severity] = firing.get(action.severity, False) or fired
-                if not fired:
-                    continue
-                applied = rs.enforce and not final
-                happened = outcome(action.then, applied, rs.mode)
-                message = render(action, {**base, "outcome": happened}, stats, applied, past or NO_PAST)
-                self.store.inc(ALERTS, (*rs.key, action.severity))
-                record = {
-                    **base, "stats": {k: json_number(v) for k, v in stats.items()}, "event": "alert",
-                    "severity": action.severity, "then": action.then, "mode": rs.mode, "outcome": happened,
-                    "condition": action.source, "message": message,
-                }
-                # written once the step is decided (`settle`): what its `then` did is known only then
-                report.pending.append(Pending(rs, index, action, base, stats, past or NO_PAST, record,
-                                              settles=applied and action.then != "log"))
-                if rs.enforce and not final:
-                    if action.then == "skip_step" and rs.key not in report.skip_by:
-                        report.skip = True
-                        report.skip_rule = report.skip_rule or rs.key
-                        report.skip_by.append(rs.key)  # counted once per step and rule, once agreed on
-                    elif action.then in HEALS and (rs.key, index) not in report.heals:
-                        report.heals.append((rs.key, index))
-                    elif action.then == "halt" and report.halt is None:
-                        report.halt = Halt(rs.policy.name, rs.rule.name, p.step, message)
+                if fired:
+                    self.store.inc(ALERTS, (*rs.key, action.severity))
+                    # its record is written once the step is decided (`settle`): what its `then` did is known only then
+                    fire(report, rs, index, action, base, stats, past, final)
         for (index, sink), records in logged.items():
             if self.writers.write_log(rs, index, sink, records, report) and sink is not None:
                 self.store.wrote(rs.key, sink.path or "", len(records))  # for the run summary
@@ -249,23 +226,12 @@ class Readback:
         rewind the step did not take (`healed`: by rule and action index, from `Healing.decided`).
         At a decided `step`, the rings dump around the alerts that fired and write the dumps now complete
         (`recorder`). Returns the faults of these writes."""
-        why = "the ranks hold different rules: no decision at this step" if decided else "not at a training step"
         written = StepReport()
         batch: list[dict[str, Any]] = []
         records: list[dict[str, Any]] = []
         try:
             for i, pending in enumerate(report.pending):
-                then = pending.action.then
-                if not pending.settles:
-                    batch.append(pending.record)
-                elif then == "skip_step":
-                    batch.append(pending.settled(outcome(then, True, "enforce") if decided and report.skip
-                                                 else not_taken(then, why)))
-                elif then == "halt":
-                    batch.append(pending.settled(outcome(then, True, "enforce") if report.halt is not None
-                                                 else not_taken(then, why)))
-                else:
-                    batch.append(pending.settled(healed.get(pending.key) or not_taken(then, why)))
+                batch.append(settled(pending, report, healed, decided))
                 following = report.pending[i + 1].rule if i + 1 < len(report.pending) else None
                 if following is not pending.rule:  # one write per rule, as its pass wrote them
                     records += batch

@@ -106,12 +106,15 @@ class Healing:
     """The cool-down in force, the rewinds taken, and the snapshots of one attached model."""
 
     def __init__(self, model: torch.nn.Module, policies: Sequence[Policy], store: ModelMetrics,
-                 fail: Optional[Callable[[tuple[str, str], Exception], bool]] = None) -> None:
+                 fail: Optional[Callable[[tuple[str, str], Exception], bool]] = None,
+                 snapshots: Callable[[torch.nn.Module, Sequence[Policy], str], Optional[Snapshots]] = snapshots_of,
+                 ) -> None:
         self.order = heal_order(policies)
         self._store = store
         #: a fault of a rule (a snapshot that cannot be taken or put back): its containment (`Faults.fail`)
         self._fail = fail
-        self.snapshots: Optional[Snapshots] = snapshots_of(model, policies, store.model)
+        #: `snapshots`: `snapshots_of` for a live model; `hookpolicy replay` passes snapshots that are only a schedule
+        self.snapshots: Optional[Snapshots] = snapshots(model, policies, store.model)
         #: what the cycle removes with the model (the snapshots' watch on LR schedulers and GradScalers)
         self.handles: list[Any] = [] if self.snapshots is None else self.snapshots.handles
         self._factor = 1.0
