@@ -23,7 +23,7 @@ from . import environment
 from .environment import LOG_FORMATS, policy_dirs
 from .errors import PolicyError
 from .say import PREFIX, say
-from .policy.model import Policy
+from .policy.model import Policy, rule_name
 
 __all__ = ["cli", "main"]
 
@@ -522,6 +522,93 @@ def report(logs: tuple[str, ...], output: str, png_dir: Optional[str], runs: tup
     if written.others:
         click.echo(f"{output}: the logs hold {len(written.others)} other run(s) (--run ID, or --run all): "
                    + ", ".join(o or "(no run id)" for o in written.others))
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, required=True, metavar="POLICY... LOG...")
+@click.option("--audit", is_flag=True,
+              help="Replay as in audit mode: every step enters the history and nothing is decided, as a run with "
+                   "apply --audit (default: as enforced, each rule in its own mode).")
+@click.option("--run", "run", default=None, metavar="ID",
+              help="The run of the logs to replay (its id or a unique start of it). Default: the last.")
+@click.option("--rank", "rank", type=click.IntRange(0), default=None,
+              help="The rank whose values are replayed. Default: the lowest in the logs.")
+@click.option("--report", "report_page", type=click.Path(dir_okay=False), default=None, metavar="PAGE",
+              help="Also draw the run's figures with the replayed alerts and skipped steps into this HTML page.")
+def replay(paths: tuple[str, ...], audit: bool, run: Optional[str], rank: Optional[int],
+           report_page: Optional[str]) -> None:
+    """Evaluate POLICY's alerts and decisions offline over a recorded capture log.
+
+    POLICY is a policy file (.yaml, .yml) or folder; LOG a capture log (JSON lines, what a
+    capture's `log:` writes; its rotated files and the alert records beside it come along).
+    Prints, per rule, the steps it would have skipped, rewound, cooled down or halted at, and
+    how often each alert fired; a series a rule reads that the log lacks is named, and a rule
+    none of whose alerts can be evaluated makes the exit status 1.
+    """
+    from pathlib import Path
+
+    from .engine.replay import ReplayError, replay as run_replay, summary
+
+    policy_paths, logs = _policies_and_logs(paths)
+    policies = _load(policy_paths)
+    try:
+        replayed = run_replay(policies, logs, run, rank, audit)
+    except ReplayError as exc:
+        raise click.ClickException(str(exc)) from None
+    for line in summary(replayed):
+        click.echo(line)
+    if report_page is not None:
+        from .export.report import ReportError, replayed_page
+
+        try:
+            written = replayed_page(replayed.records, replayed.alerts, summary(replayed), Path(report_page))
+        except ReportError as exc:
+            raise click.ClickException(str(exc)) from None
+        except OSError as exc:
+            raise click.ClickException(f"cannot write the report: {exc}") from None
+        click.echo(f"{report_page}: {written} figure(s) with the replayed alerts")
+    if replayed.unevaluated:
+        names = ", ".join(rule_name(key) for key in replayed.unevaluated)
+        raise click.ClickException(f"{names}: no alert could be evaluated over the logs (the series above are "
+                                   "missing)")
+
+
+def _policies_and_logs(paths: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split `replay`'s arguments: a folder, .yaml or .yml file is a policy; a file whose first line is a JSON
+    object is a log; anything else is an error that says which."""
+    policies: list[str] = []
+    logs: list[str] = []
+    for path in paths:
+        if os.path.isdir(path) or path.endswith((".yaml", ".yml")):
+            policies.append(path)
+            continue
+        if not os.path.isfile(path):
+            raise click.ClickException(f"{path}: no such file")
+        if os.path.getsize(path) == 0:
+            raise click.ClickException(f"{path}: an empty file, no capture log record in it")
+        if not _first_line_is_json(path):
+            raise click.ClickException(f"{path}: neither a capture log (its first line is not a JSON record, as a "
+                                       "capture's `log:` writes) nor a policy (a .yaml or .yml file, or a folder)")
+        logs.append(path)
+    if not policies:
+        raise click.UsageError("no policy given: name POLICY files (.yaml, .yml) or folders before the logs")
+    if not logs:
+        raise click.UsageError("no capture log given: name the LOG files a capture's `log:` wrote")
+    return policies, logs
+
+
+def _first_line_is_json(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        return isinstance(json.loads(line), dict)
+                    except (ValueError, RecursionError):
+                        return False
+    except OSError as exc:
+        raise click.ClickException(f"{path}: {exc.strerror or exc}") from None
+    return False
 
 
 def main(argv: Optional[Sequence[str]] = None) -> NoReturn:

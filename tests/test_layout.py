@@ -55,7 +55,7 @@ ENGINE_PARTS: dict[str, set[str]] = {
 }
 
 #: The modules at the top of the engine, outside its parts: the step and the handle `attach` returns.
-STEP = {"hookpolicy.engine", "hookpolicy.engine.cycle", "hookpolicy.engine.runtime"}
+STEP = {"hookpolicy.engine", "hookpolicy.engine.cycle", "hookpolicy.engine.replay", "hookpolicy.engine.runtime"}
 
 
 def _module_name(path: Path) -> str:

@@ -39,7 +39,7 @@ from .sinks import ALERT_LOG_EVENT, alert_log_beside
 if TYPE_CHECKING:
     from ..policy.model import Policy
 
-__all__ = ["ReportError", "Records", "Runs", "read_logs", "read_runs", "render_report", "MISSING_MATPLOTLIB",
+__all__ = ["ReportError", "Records", "Runs", "read_logs", "read_runs", "render_report", "replayed_page", "MISSING_MATPLOTLIB",
            "PALETTE", "alert_log_beside"]
 
 MISSING_MATPLOTLIB = (
@@ -116,6 +116,8 @@ class Records:
     ignored: int = 0
     #: the run's id (NO_RUN for records that carry none)
     run: str = NO_RUN
+    #: the model the records name (its class: a message calls the root module by it), "" when none does
+    model: str = ""
     #: whether this run's alert records were kept where the report read (an alert file said so, or one was read)
     alerts_known: bool = False
     #: the earliest and latest `time` of the run's records (Unix seconds), when they have one
@@ -138,6 +140,8 @@ class Records:
             values = {str(k): float(v) for k, v in stats.items()}
         except (KeyError, TypeError, ValueError, OverflowError):
             return False
+        if not self.model and isinstance(record.get("model"), str):
+            self.model = record["model"]
         when = record.get("time")
         if isinstance(when, (int, float)) and math.isfinite(when):
             self.started = when if self.started is None else min(self.started, when)
@@ -702,12 +706,15 @@ def _image(f: Figure) -> str:
             f"<figcaption class=\"note\">{esc(f.title)}</figcaption></figure>")
 
 
-def render_report(runs: Sequence[Records], figures: Sequence[Sequence[Figure]], others: Sequence[str] = ()) -> str:
+def render_report(runs: Sequence[Records], figures: Sequence[Sequence[Figure]], others: Sequence[str] = (),
+                  notes: Sequence[str] = ()) -> str:
     """The HTML page: per run its summary table and its constant statistics, then the figures; several
     runs side by side, one column each and a row per figure. No external resource. `others` are the runs
-    of the logs not shown."""
+    of the logs not shown; `notes` lines shown above the tables (`hookpolicy replay`'s summary)."""
     esc = html.escape
     tables = "\n".join(f"<h2>{esc(_run_heading(r))}</h2>\n{_table(r)}" for r in runs)
+    if notes:
+        tables = "<pre class=\"replay\">" + esc("\n".join(notes)) + "</pre>\n" + tables
     if len(runs) == 1:
         if not runs[0].series:
             body = "<p>No statistic was captured (only alerts).</p>"
@@ -796,3 +803,22 @@ def write_report(logs: Sequence[str], out: Path, png_dir: Optional[Path] = None,
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_report(chosen, drawn, others), encoding="utf-8")
     return Written(chosen, drawn, others, png_dir)
+
+
+def replayed_page(records: Records, alerts: Sequence[dict[str, Any]], notes: Sequence[str], out: Path) -> int:
+    """Write the page of `records`' run with the alerts `hookpolicy replay` would have written instead of the
+    run's own (their markers, the steps they skipped, the table's counts), `notes` (the replay's summary) on
+    top. Returns the number of figures."""
+    shown = Records(files=records.files, run=records.run, model=records.model, ignored=records.ignored,
+                    started=records.started, ended=records.ended, order=dict(records.order), alerts_known=True)
+    for series, points in records.series.items():
+        shown.series[series] = dict(points)
+    for rule, summary in records.rules.items():
+        shown.rules[rule] = RuleSummary(set(summary.bindings), set(summary.ranks), set(summary.targets),
+                                       summary.records, summary.first_step, summary.last_step)
+    for record in alerts:
+        shown.add(record)
+    drawn = draw(shown)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_report([shown], [drawn], notes=notes), encoding="utf-8")
+    return len(drawn)
