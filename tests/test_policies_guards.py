@@ -443,3 +443,78 @@ def test_recover_says_what_its_snapshots_hold(workdir: Path, caplog: pytest.LogC
            f"{size(2 * 3 * params)} with Adam; budget " in " ".join(said)  # then the budget (maxSnapshotBytes)
     assert f"GPT: first snapshot for then: rewind after step 49: {size(params + state)} (x 2 kept at most); " \
            "0 LR schedulers, 0 GradScalers with it" in said
+
+
+def test_loss_spike_recorder_dumps_the_100_steps_before_each_skipped_spike(workdir: Path) -> None:
+    """loss-spike-recorder.yaml with loss-spike-guard.yaml, against its header: a dump per step the guard's
+    reference skips (and none other), named as the header says, holding that step and the 100 before it, each
+    Linear, Embedding and LayerNorm module's gradient (its own parameters together) read by the test itself:
+    vector_norm, the largest absolute value, the count of NaN/Inf; nothing exported; a ring of at most 200
+    steps of every such module."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx, targets = batch(0)
+    scrambled = batch(1)[1]
+    spikes = {120, 121, 135}
+    seen: set[int] = set()
+    watched = []  # a parameter two modules share (lm_head's weight is wte's) counts once, under the first
+    for n, m in model.named_modules():
+        own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm)) and own:
+            watched.append((n, own))
+    grads: dict[int, dict[str, torch.Tensor]] = {}
+    applied: list[float] = []
+    skipped: list[int] = []
+    reg = CollectorRegistry()
+    policies = hookpolicy.load([POLICIES / "loss-spike-guard.yaml", POLICIES / "loss-spike-recorder.yaml"])
+    with policies.attach(model, registry=reg, rank=0) as attached:
+        for step in range(140):
+            _, loss = model(idx, scrambled if step in spikes else targets)
+            assert loss is not None
+            loss.backward()
+            grads[step] = {n: torch.cat([p.grad.reshape(-1) for p in own])  # type: ignore[union-attr]
+                           for n, own in watched}
+            if _loss_spike(loss.item(), applied):
+                skipped.append(step)
+            else:
+                applied.append(loss.item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert not [s for m in reg.collect() for s in m.samples if s.name.startswith("hookpolicy_grad_")]
+        ring = attached.recorder.rings[(("loss-spike-recorder", "layers"), 0)]
+        assert len(ring.steps) == 140 and ring.keep.steps == 200
+        assert ring.steps[-1].groups == [(n, "") for n, _ in watched]
+    assert skipped == sorted(spikes)
+    files = sorted((workdir / "dumps").iterdir())
+    assert [f.name for f in files] == [f"loss-spike-recorder-layers.step{s:08d}.rank0.jsonl" for s in skipped]
+    for file, spike in zip(files, skipped):
+        lines = [json.loads(line) for line in file.read_text().splitlines()]
+        assert lines[0]["event"] == "dump" and lines[0]["alerts"] == ["loss-spike-guard/loss-spike"]
+        assert lines[1]["event"] == "alert" and lines[1]["outcome"] == "step skipped" and lines[1]["step"] == spike
+        records = lines[2:]
+        assert [(r["step"], r["module"]) for r in records] == [
+            (s, n) for s in range(spike - 100, spike + 1) for n, _ in watched]
+        for r in records:
+            g = grads[r["step"]][r["module"]].double()
+            assert r["stats"]["l2_norm"] == pytest.approx(torch.linalg.vector_norm(g).item(), rel=1e-5)
+            assert r["stats"]["abs_max"] == pytest.approx(g.abs().max().item(), rel=1e-6)
+            assert r["stats"]["nonfinite"] == 0 == int((~torch.isfinite(g)).sum())
+
+
+def test_loss_spike_recorder_alone_keeps_its_ring_dumps_nothing_and_explain_says_why(workdir: Path) -> None:
+    from hookpolicy.engine.decide.recorder import bounds
+
+    model = make_model()
+    policies = load("loss-spike-recorder.yaml")
+    assert policies.policies[0].max_dumps == 20
+    notes, warnings = bounds(policies.policies, policies.plan(model).bindings)
+    modules = sum(isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm)) for m in model.modules()) - 1  # lm_head: tied
+    assert any(f"200 steps x {modules} groups (per: module) x 3 stats x 8 bytes = {200 * modules * 3 * 8} bytes" in n
+               for n in notes)
+    assert any("names loss-spike-guard/loss-spike, a rule none of the policies given has" in w for w in warnings)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with policies.attach(model, rank=0):
+        for step in range(5):
+            train_step(model, opt, step)
+    assert not (workdir / "dumps").exists()

@@ -261,3 +261,30 @@ def test_two_gloo_ranks_dump_at_the_same_step_and_report_merges_them(tmp_path: P
     # after DDP's all-reduce both ranks hold the same gradients: their rings agree bit for bit
     zero, one = ({(k[3], k[4]): v for k, v in records.series.items() if k[6] == rank} for rank in (0, 1))
     assert zero == one and all(math.isfinite(v) for points in zero.values() for v in points.values())
+
+
+def test_report_of_a_dump_draws_the_layers_around_the_event_with_the_alert_marked(workdir: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from hookpolicy.export.report import figures, read_runs, write_report
+
+    model = tiny()
+    with policy(workdir, log=False).attach(model, rank=0):
+        run(model, 40, {25})
+    (file,) = dump_files(workdir)
+    found = read_runs([str(file)])
+    assert found.ignored == 0  # the header is read as the dump's event, not skipped
+    (records,) = found.pick()
+    assert records.dumps == [(0, "rec", "layers", 25, 15, 28, ("rec/guard",))]
+    assert records.events == [("rec", "guard", 25, "warning")]
+    drawn = {name: fig for _, name, fig in figures(records)}
+    heatmaps = [fig for name, fig in drawn.items() if name.endswith("-layers.png")]
+    assert len(heatmaps) == 3  # l2_norm, abs_max, mean: modules x steps
+    for fig in heatmaps:
+        ax = fig.axes[0]
+        marks = [line.get_xdata()[0] for line in ax.get_lines()]
+        assert marks == [25]
+        assert ax.get_xlim() == (14.5, 28.5)  # the window, each step a column
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "2"]
+    page = workdir / "page.html"
+    write_report([str(file)], page)
+    assert "dump of rec/layers on rank 0 around the alert of rec/guard at step 25 (steps 15-28)" in page.read_text()

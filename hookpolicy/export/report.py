@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
 
-from .sinks import ALERT_LOG_EVENT, alert_log_beside
+from .sinks import ALERT_LOG_EVENT, DUMP_EVENT, alert_log_beside
 
 if TYPE_CHECKING:
     from ..policy.model import Policy
@@ -123,6 +123,8 @@ class Records:
     #: the earliest and latest `time` of the run's records (Unix seconds), when they have one
     started: Optional[float] = None
     ended: Optional[float] = None
+    #: the flight recorder's dumps read (their `{"event": "dump"}` headers): (rank, policy, rule, step, first, last, alerts)
+    dumps: list[tuple[int, str, str, int, Optional[int], Optional[int], tuple[str, ...]]] = field(default_factory=list)
     _seen_alerts: set[str] = field(default_factory=set)
 
     def add(self, record: Any) -> bool:
@@ -130,6 +132,8 @@ class Records:
         if record.get("event") == ALERT_LOG_EVENT:
             self.alerts_known = True
             return True
+        if record.get("event") == DUMP_EVENT:
+            return self._dump(record)
         try:
             policy, rule, module = str(record["policy"]), str(record["rule"]), str(record["module"])
             target, tensor = str(record["target"]), str(record.get("tensor", ""))
@@ -173,6 +177,27 @@ class Records:
         for stat, value in values.items():
             self.series[(policy, rule, target, stat, module, tensor, rank)][step] = value
         return True
+
+    def _dump(self, record: dict[str, Any]) -> bool:
+        """A dump's header: the event it was written for (its alert records follow it in the file)."""
+        try:
+            first, last = record.get("first"), record.get("last")
+            self.dumps.append((int(record.get("rank", 0)), str(record["policy"]), str(record["rule"]),
+                               int(record["step"]), None if first is None else int(first),
+                               None if last is None else int(last), tuple(str(a) for a in record.get("alerts", ()))))
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return False
+        return True
+
+    def marked(self) -> list[int]:
+        """The steps a heatmap marks: every alert's (and every dump's event), when there are at most
+        MAX_MARKED of them (more are the timeline's to show)."""
+        steps = sorted({e[2] for e in self.events} | {d[3] for d in self.dumps})
+        return steps if len(steps) <= MAX_MARKED else sorted({d[3] for d in self.dumps})
+
+
+#: The most alert steps a heatmap marks with a line.
+MAX_MARKED = 20
 
 
 @dataclass
@@ -591,6 +616,10 @@ def _heatmap(records: Records, keys: list[SeriesKey], title: str, target: str, s
     fig.colorbar(mesh, cax=bar, label=word + (" (log scale)" if norm is not None else ""))
     ax.set_yticks(range(len(keys)), [_fit(_series_label(key, several_ranks, target)) for key in keys], fontsize=7)
     ax.set_ylim(len(keys) - 0.5, -0.5)
+    marks = [ax.axvline(step, color=ALERT_COLOUR, linestyle="--", linewidth=1.2, label="alert")
+             for step in records.marked()]
+    if marks:
+        ax.legend(handles=marks[:1], loc="lower left", bbox_to_anchor=(0, 1.0), fontsize=7, frameon=False)
     ax.set_xlim(*span)
     ax.set_xlabel("step")
     ax.set_title(title, fontsize=10, loc="left")
@@ -667,7 +696,10 @@ def _run_heading(records: Records) -> str:
 
         fmt = "%Y-%m-%d %H:%M:%S UTC"
         when = f", {time.strftime(fmt, time.gmtime(records.started))} to {time.strftime(fmt, time.gmtime(records.ended))}"
-    return f"run {_run_name(records.run)}{when}"
+    dumps = "".join(f"; the flight recorder's dump of {p}/{r} on rank {rank} around the alert of {', '.join(on)} "
+                    f"at step {step} (steps {_span(first, last)})"
+                    for rank, p, r, step, first, last, on in sorted(records.dumps))
+    return f"run {_run_name(records.run)}{when}{dumps}"
 
 
 def _table(records: Records) -> str:

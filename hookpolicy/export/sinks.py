@@ -27,7 +27,7 @@ from ..environment import output_dir, run_id
 from ..policy.model import Capture, LogSink, Policy, TensorFiles
 
 __all__ = [
-    "ALERT_LOG_EVENT", "AlertFiles", "BudgetSpent", "SinkError", "TEMP_PREFIX", "alert_log_beside", "file_name",
+    "ALERT_LOG_EVENT", "AlertFiles", "DUMP_EVENT", "BudgetSpent", "SinkError", "TEMP_PREFIX", "alert_log_beside", "file_name",
     "output_root", "safe_path", "JsonLines", "TensorWriter",
 ]
 
@@ -135,6 +135,10 @@ class JsonLines:
                 file.close()
             except OSError:
                 pass
+
+
+#: The header record of a flight recorder's dump (`engine/decide/recorder.py`); `hookpolicy report` reads it.
+DUMP_EVENT = "dump"
 
 
 #: The record an alert file starts a run's part with: this run's alert records are kept here

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from ...export.sinks import TEMP_PREFIX, file_name, safe_path
+from ...export.sinks import DUMP_EVENT, TEMP_PREFIX, file_name, safe_path
 from ...plan.planner import Binding
 from ...policy.model import Capture, Keep, Policy, RuleKey, rule_name
 from ...process import Once
@@ -42,8 +42,6 @@ __all__ = ["DUMP_EVENT", "Recorder", "Ring", "VALUE_BYTES", "bounds", "dump_name
 
 log = logging.getLogger("hookpolicy")
 
-#: The header record a dump file starts with (`hookpolicy report` reads it as the dump's event).
-DUMP_EVENT = "dump"
 #: What one kept value costs: a float64.
 VALUE_BYTES = 8
 
