@@ -9,7 +9,9 @@ no-hook loop: (1) no hooks; (2) the seed's hand-written GradientMonitor and (2p)
 six statistics as a policy; (2b) the statistics of `policies/monitor.yaml` by hand;
 (3) `policies/monitor.yaml` every step; (4) the same with `every: 10`; (5) the clip policy
 against `clip_grad_norm_(foreach=True)`; (6) compile/attach on a 10,001-module model and a
-10,000-series `/metrics` scrape. On CUDA the models run there and host-device syncs per
+10,000-series `/metrics` scrape; (7) the flight recorder's ring (`capture.keep`) on a
+96-layer model every step, against the same loop without a policy and against the capture
+without keep (`recorder.py`). On CUDA the models run there and host-device syncs per
 step are counted too. Timings are reported, never asserted.
 """
 
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hotspots import OpRow, frame_profile, op_profile  # noqa: E402
 from models import WORKLOADS  # noqa: E402
+from recorder import RecorderResult, lines as recorder_lines, markdown as recorder_markdown, measure_recorder  # noqa: E402
 from scale import ScaleResult, measure_scale  # noqa: E402
 from timing import (  # noqa: E402
     Samples, amortized, bootstrap_ratio, count_syncs, interleave, quantile, resampled_amortized,
@@ -228,7 +231,7 @@ def terminal(info: dict[str, str], results: list[WorkloadResult], scale: Optiona
 
 def markdown(info: dict[str, str], command: str, results: list[WorkloadResult], scale: Optional[ScaleResult],
              ops: Optional[tuple[list[OpRow], float, float]], frames: Optional[tuple[dict[str, float], int]],
-             load: tuple[str, str], elapsed: float) -> str:
+             load: tuple[str, str], elapsed: float, recorder: Optional[RecorderResult] = None) -> str:
     cuda = torch.cuda.is_available()
     out = [
         "# Benchmarks", "",
@@ -315,6 +318,8 @@ def markdown(info: dict[str, str], command: str, results: list[WorkloadResult], 
             *(_scale_row(f"`{op}` of the model, {'with `monitor.yaml` attached' if label == 'governed' else 'no policy'}",
                          s) for op, by in scale.copies.items() for label, s in by.items()), "",
         ]
+    if recorder is not None:
+        out += recorder_markdown(recorder)
     out += ["## Targets", "", "| target | measured | goal | |", "|---|---|---|---|"]
     for name, got, goal, ok in checks(results, scale):
         out.append(f"| {name} | {got} | {goal} | {'met' if ok else '**missed**'} |")
@@ -364,6 +369,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="override the rounds of every workload")
     parser.add_argument("--no-scale", action="store_true", help="skip variant 6 (10k modules, 10k series)")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler and py-spy profiles")
+    parser.add_argument("--no-recorder", action="store_true", help="skip the flight recorder's ring on 96 layers")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads or _cores())
@@ -384,6 +390,10 @@ def main() -> None:
     if not args.no_scale:
         print(f"[{time.perf_counter() - start:5.0f}s] plan/attach and scrape at 10k ...", flush=True)
         scale = measure_scale(3 if args.quick else 5, 10 if args.quick else 30, device)
+    recorder = None
+    if not args.no_recorder:
+        print(f"[{time.perf_counter() - start:5.0f}s] the flight recorder's ring on 96 layers ...", flush=True)
+        recorder = measure_recorder(20 if args.quick else 60, 3 if args.quick else 5)
     ops = frames = None
     if not args.no_profile:
         print(f"[{time.perf_counter() - start:5.0f}s] profiling variant 3 on gpt ...", flush=True)
@@ -393,10 +403,13 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     load_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(terminal(info, results, scale))
+    if recorder is not None:
+        print("\n" + "\n".join(recorder_lines(recorder)))
     print(f"\n{elapsed:.0f} s in all; load average before {load_before}, after {load_after}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(markdown(info, command, results, scale, ops, frames, (load_before, load_after), elapsed))
+        args.out.write_text(markdown(info, command, results, scale, ops, frames, (load_before, load_after), elapsed,
+                                           recorder))
         print(f"wrote {args.out}")
 
 

@@ -288,3 +288,36 @@ def test_report_of_a_dump_draws_the_layers_around_the_event_with_the_alert_marke
     page = workdir / "page.html"
     write_report([str(file)], page)
     assert "dump of rec/layers on rank 0 around the alert of rec/guard at step 25 (steps 15-28)" in page.read_text()
+
+
+def test_keeping_costs_no_transfer_and_no_hook_of_its_own(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ring is fed from the values the read-back already fetched: with keep, the same hooks are installed
+    and the same matrices are fetched from the device, as many times with as many values, as without it."""
+    from hookpolicy.engine.decide import readback
+    from helpers.hooks import module_hook_count
+
+    fetched: list[tuple[int, int]] = []
+    original = readback._fetch
+
+    def counted(matrices: Any) -> Any:
+        fetched.append((len(matrices), sum(m.numel() if isinstance(m, torch.Tensor) else len(m) * len(m[0])
+                                           for m in matrices)))
+        return original(matrices)
+
+    monkeypatch.setattr(readback, "_fetch", counted)
+    seen: dict[str, list[tuple[int, int]]] = {}
+    hooks: dict[str, int] = {}
+    for name, text in (("without", POLICY.replace("            keep: {{steps: {steps}, export: {export}, dump: "
+                                                   "{{alerts: [rec/guard], before: {before}, after: {after}}}}}\n",
+                                                   "")),
+                       ("with", POLICY)):
+        fetched.clear()
+        model = tiny()
+        assert ("keep" in text) == (name == "with")
+        with load_text(workdir, text.format(steps=40, before=10, after=3, dumps=10, dump_bytes=1 << 26,
+                                            ring_bytes=1 << 28, export="true", log="")).attach(model, rank=0):
+            hooks[name] = module_hook_count(model)
+            run(model, 30, {12})
+        seen[name] = list(fetched)
+    assert hooks["with"] == hooks["without"]
+    assert seen["with"] == seen["without"] and len(seen["with"]) == 31  # 30 steps, and the last at detach
