@@ -1,6 +1,6 @@
 """docs/operations.md §9's Prometheus snippets for a large fleet, checked by Prometheus's own promtool.
 
-The recording rules are unit-tested with `promtool test rules` on the series two ranks of
+The recording rules (and the straggler alert) are unit-tested with `promtool test rules` on the series two ranks of
 one job export (the job's value is what Prometheus itself computes from them); the
 relabelling is checked inside a scrape configuration by `promtool check config`, and its
 regular expression (anchored, as Prometheus anchors it) against the families and ports it
@@ -58,8 +58,14 @@ def test_the_recording_rules_compute_the_jobs_series_as_prometheus_does(tmp_path
                 {"series": f'hookpolicy_output_abs_max{{{labels}, rank="1", instance="a:9401"}}', "values": "7 1 1 1 1 1"},
                 {"series": f'hookpolicy_alerts_total{{{counter}, rank="0", instance="a:9400"}}', "values": "0 0 0 0 0 0"},
                 {"series": f'hookpolicy_alerts_total{{{counter}, rank="1", instance="a:9401"}}', "values": "0 1 2 3 4 5"},
-                {"series": f'hookpolicy_steps_total{{{steps}, rank="0", instance="a:9400"}}', "values": "10 20 30 40 50 60"},
-                {"series": f'hookpolicy_steps_total{{{steps}, rank="1", instance="a:9401"}}', "values": "10 18 27 36 45 55"},
+                # 60 steps a minute on both ranks; rank 0 waits 0.5 s a step in the agreement, rank 1 (the
+                # straggler) 0.05 s: a minute of rank 0 holds 30 s of waiting, 27 s more than rank 1's
+                {"series": f'hookpolicy_steps_total{{{steps}, rank="0", instance="a:9400"}}', "values": "0+60x30"},
+                {"series": f'hookpolicy_steps_total{{{steps}, rank="1", instance="a:9401"}}', "values": "0+60x30"},
+                {"series": f'hookpolicy_agreement_wait_seconds_total{{{steps}, rank="0", instance="a:9400"}}',
+                 "values": "0+30x30"},
+                {"series": f'hookpolicy_agreement_wait_seconds_total{{{steps}, rank="1", instance="a:9401"}}',
+                 "values": "0+3x30"},
             ],
             "promql_expr_test": [
                 # the job's maximum over both ranks: rank 1's 7 at first, then rank 0's
@@ -70,9 +76,25 @@ def test_the_recording_rules_compute_the_jobs_series_as_prometheus_does(tmp_path
                 # one alert a minute on rank 1 only: the job's rate is 1/60 per second
                 {"expr": "job:hookpolicy_alerts:rate5m", "eval_time": "5m",
                  "exp_samples": [{"labels": f"job:hookpolicy_alerts:rate5m{{{counter}}}", "value": 1 / 60}]},
-                # the slowest rank is 5 steps behind the fastest
-                {"expr": "job:hookpolicy_step_skew:steps", "eval_time": "5m",
-                 "exp_samples": [{"labels": f"job:hookpolicy_step_skew:steps{{{steps}}}", "value": 5}]},
+                # each rank's wait per step, and the share of time the fastest rank loses to the straggler
+                {"expr": "rank:hookpolicy_agreement_wait_seconds:per_step", "eval_time": "5m", "exp_samples": [
+                    {"labels": f'rank:hookpolicy_agreement_wait_seconds:per_step{{{steps}, rank="0", instance="a:9400"}}',
+                     "value": 0.5},
+                    {"labels": f'rank:hookpolicy_agreement_wait_seconds:per_step{{{steps}, rank="1", instance="a:9401"}}',
+                     "value": 0.05}]},
+                {"expr": "bottomk by (job, model) (1, rank:hookpolicy_agreement_wait_seconds:per_step)", "eval_time": "5m",
+                 "exp_samples": [{"labels": f'rank:hookpolicy_agreement_wait_seconds:per_step{{{steps}, rank="1", '
+                                            f'instance="a:9401"}}', "value": 0.05}]},
+                {"expr": "job:hookpolicy_straggler_wait:ratio", "eval_time": "5m",
+                 "exp_samples": [{"labels": f"job:hookpolicy_straggler_wait:ratio{{{steps}}}", "value": 0.45}]},
+            ],
+            # 45 % of the time waited, for 15 minutes: the straggler alert fires (not before its for:)
+            "alert_rule_test": [
+                {"alertname": "HookpolicyStraggler", "eval_time": "10m", "exp_alerts": []},
+                {"alertname": "HookpolicyStraggler", "eval_time": "25m", "exp_alerts": [{
+                    "exp_labels": {"job": "train", "model": "MLP", "severity": "warning"},
+                    "exp_annotations": {
+                        "summary": "train: its fastest ranks wait 45% of their time for the slowest"}}]},
             ],
         }],
     }))

@@ -185,6 +185,9 @@ def test_every_family_says_its_unit() -> None:
         "maxJobSeries was reached: one per series.",
         "hookpolicy_rewinds_total": "Rewinds to an in-memory snapshot by a rule's then: rewind alert: one per rewind "
         "(the steps since the snapshot are dropped).",
+        "hookpolicy_agreement_wait_seconds_total": "Seconds this rank waited in the step's agreement, hookpolicy's one "
+        "collective a step in a process group, from entering it to its result: the ranks that arrive first wait for "
+        "the last, so a straggler waits least and its peers about its delay.",
         "hookpolicy_run_info": "1, labelled with this run's identity (HOOKPOLICY_RUN_ID): a retry is a new run, which "
         "the alerting rules join to tell its counters from the previous attempt's.",
     }

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ..errors import Halt
-from ..export.metrics import ACTIONS, HOOK_SECONDS, LAST_STEP_TIMESTAMP, SKIPPED_STEPS, STEPS
+from ..export.metrics import ACTIONS, AGREEMENT_WAIT, HOOK_SECONDS, LAST_STEP_TIMESTAMP, SKIPPED_STEPS, STEPS
 from ..export.store import ModelMetrics
 from ..export.sinks import output_root
 from ..plan.planner import Plan
@@ -205,6 +205,7 @@ class StepCycle:
         agreed = self.agreement.agree(report, self.step, loss, layout.values(report.held) if held else (),
                                       heal=self.healing.choose(report.heals))
         if agreed is not None:
+            self.store.inc(AGREEMENT_WAIT, (), agreed.waited)
             self._agreed(job, agreed, loss, report)
         report.heal = self._heal(report, agreed)
         healed = self.healing.decided(report, self.step, self._steps.mode == "optimizer")

@@ -209,8 +209,8 @@ def grafana_dashboard(policies: Sequence[Policy]) -> str:
 
     Template variables: `DS_PROMETHEUS` (the data source; also an `__inputs` entry, so
     the import dialog asks for it), `job` and `rank`. Panels: the training engine (step
-    rate, seconds since the last step, hookpolicy's own time per step), alerts (firing, from
-    the counter; skipped steps, rewinds, clips, hook errors, dropped series; a panel the
+    rate, seconds since the last step, hookpolicy's own time per step, the agreement's
+    wait per step), alerts (firing, from the counter; skipped steps, rewinds, clips, hook errors, dropped series; a panel the
     policies cannot fill is left out), then one timeseries per exported statistic family
     (once-per-job rules ignore the rank variable). Every `expr` names only families in
     `exported_families(policies)`.
@@ -239,6 +239,16 @@ def grafana_dashboard(policies: Sequence[Policy]) -> str:
             f" / on (job, instance, rank, model) group_left sum by (job, instance, rank, model) "
             f"(rate(hookpolicy_steps_total{{{f_all}}}[5m]))",
             "{{model}} {{policy}}/{{rule}} rank {{rank}}")],
+        unit="s", min_zero=True))
+    layout.add(_timeseries(
+        "Agreement wait per step (stragglers)",
+        "Seconds each rank waits per step in hookpolicy's step agreement for the last rank to arrive: the straggler "
+        "waits least, its peers about its delay. A rank slow before or in its backward pass is waited for inside "
+        "DDP's or FSDP's own collectives instead (docs/operations.md, stragglers). Empty outside a process group.",
+        [_target(
+            f"sum by (job, instance, rank, model) (rate(hookpolicy_agreement_wait_seconds_total{{{f_all}}}[5m]))"
+            f" / sum by (job, instance, rank, model) (rate(hookpolicy_steps_total{{{f_all}}}[5m]))",
+            "{{instance}} rank {{rank}} {{model}}")],
         unit="s", min_zero=True))
     layout.add(_timeseries(
         "Actions per second", "Actions run by rule, action and mode (audit actions change nothing).",

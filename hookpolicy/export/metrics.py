@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..policy.model import STATS, TARGETS
 
 __all__ = [
-    "ACTIONS", "ALERTS", "ALERT_FIRING", "CLIPPED", "FAMILIES", "Family", "HOOK_ERRORS", "HOOK_SECONDS",
+    "ACTIONS", "AGREEMENT_WAIT", "ALERTS", "ALERT_FIRING", "CLIPPED", "FAMILIES", "Family", "HOOK_ERRORS", "HOOK_SECONDS",
     "LAST_STEP_TIMESTAMP", "POLICY_INFO", "RELOAD_SUCCESSFUL", "REWINDS", "RUN_INFO", "SERIES_DROPPED", "SKIPPED_STEPS",
     "STAT_FAMILIES", "STAT_LABELS", "STEPS", "Labels", "MODEL_FAMILIES", "checked_name", "split_family", "stat_family",
 ]
@@ -89,6 +89,11 @@ SERIES_DROPPED = Family(
     "hookpolicy_series_dropped", "counter",
     "Statistic series not exported because spec.limits.maxSeries or maxJobSeries was reached: one per series.", ("policy",),
 )
+AGREEMENT_WAIT = Family(
+    "hookpolicy_agreement_wait_seconds", "counter", "Seconds this rank waited in the step's agreement, hookpolicy's one "
+    "collective a step in a process group, from entering it to its result: the ranks that arrive first wait for the "
+    "last, so a straggler waits least and its peers about its delay.", ("model",),
+)
 RUN_INFO = Family(
     "hookpolicy_run_info", "gauge", "1, labelled with this run's identity (HOOKPOLICY_RUN_ID): a retry is a new run, "
     "which the alerting rules join to tell its counters from the previous attempt's.", ("run",),
@@ -97,7 +102,7 @@ RUN_INFO = Family(
 #: Every engine family, in exposition order.
 FAMILIES: tuple[Family, ...] = (
     STEPS, LAST_STEP_TIMESTAMP, ACTIONS, ALERTS, ALERT_FIRING, SKIPPED_STEPS, REWINDS, CLIPPED, HOOK_ERRORS,
-    HOOK_SECONDS,
+    HOOK_SECONDS, AGREEMENT_WAIT,
     POLICY_INFO, RELOAD_SUCCESSFUL, SERIES_DROPPED, RUN_INFO,
 )
 _BY_NAME = {f.name: f for f in FAMILIES}

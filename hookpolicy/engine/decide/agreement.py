@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -173,6 +174,9 @@ class Agreed:
     tail: Optional[list[tuple[list[float], int]]] = None
     #: the highest heal code any rank took (`healing.heal_order` place + 1; 0 for none), when `same`
     heal: int = 0
+    #: seconds this rank waited in the collective, from entering it to its result on the host
+    #: (`hookpolicy_agreement_wait_seconds_total`): the wait for the last rank to arrive
+    waited: float = 0.0
 
 
 class Agreement:
@@ -233,8 +237,8 @@ class Agreement:
         carry = (0, 0) if model is None else _CARRIED.get(model, (0, 0))
         follows = carry[1] > 0 and layout.digest == carry[0] and len(tail) == carry[1]
         padded = list(tail) if follows else [0.0] * carry[1]
-        rows = _all_gather([*codes, heal, self._digest, wanted, layout.digest, layout.width, int(follows)], loss,
-                           padded)
+        rows, waited = _all_gather([*codes, heal, self._digest, wanted, layout.digest, layout.width, int(follows)],
+                                   loss, padded)
         head = rows[:, :len(ROW)]
         highest, lowest = head.max(dim=0).values.tolist(), head.min(dim=0).values.tolist()
         if self.vote is not None:
@@ -253,7 +257,7 @@ class Agreement:
         same = highest[_AT["digest"]] == lowest[_AT["digest"]]
         if not same:
             self._differ(report, step, dist.get_rank(), highest[_AT["digest"]], lowest[_AT["digest"]])
-            return Agreed(False, job, merged)
+            return Agreed(False, job, merged, waited=waited)
         if self._apart:
             self._apart = False
             log.info("the ranks hold the same rules again at step %d (generation %d): skip and halt decisions "
@@ -267,7 +271,7 @@ class Agreement:
             (policy, rule), rank = other_halt
             report.halt = Halt(policy, rule, step, f"rank {rank} halted; every rank stops at the same step")
         # the healing alert of the highest place any rank took (`healing.heal_order`, the same list on every rank)
-        return Agreed(True, job, merged, heal=highest[_AT["heal"]])
+        return Agreed(True, job, merged, heal=highest[_AT["heal"]], waited=waited)
 
     def _encode(self, name: Optional[Identity]) -> int:
         """A decision's code: 1 + the rule's place in the sorted identities * world size + this rank; 0 for none."""
@@ -323,12 +327,15 @@ def agreeing(decides: bool) -> bool:
     return (decides or _AGREED) and dist.is_available() and dist.is_initialized()
 
 
-def _all_gather(ints: list[int], loss: Optional[torch.Tensor], tail: Sequence[float]) -> torch.Tensor:
+def _all_gather(ints: list[int], loss: Optional[torch.Tensor], tail: Sequence[float]) -> tuple[torch.Tensor, float]:
     """Every rank's `ROW` (`ints`, then the roots' count and partials) and `tail`, `[world, len(ROW) + len(tail)]`
-    int64 on the host.
+    int64 on the host, and the seconds this rank waited for them.
 
     The one collective of a step's agreement, and its one read-back: an `all_gather` of the
-    same number of int64 on every rank, whether it saw a loss or not.
+    same number of int64 on every rank, whether it saw a loss or not. The wait is timed
+    from the collective's call to its result on the host: a rank that arrives first waits
+    there for the last. On an accelerator the read-back also waits for the work this rank
+    queued before it (the step's kernels), which its peers wait for too.
     """
     import torch.distributed as dist
     global _AGREED
@@ -342,8 +349,10 @@ def _all_gather(ints: list[int], loss: Optional[torch.Tensor], tail: Sequence[fl
     floats = torch.tensor(list(tail), dtype=torch.float64)
     row = torch.cat([head.to(device), partials.view(torch.int64), floats.to(device).view(torch.int64)])
     rows = torch.empty(dist.get_world_size() * row.numel(), dtype=torch.int64, device=device)
+    started = time.perf_counter()
     dist.all_gather_single(rows, row)
-    return rows.view(-1, row.numel()).cpu()
+    gathered = rows.view(-1, row.numel()).cpu()
+    return gathered, time.perf_counter() - started
 
 
 def _job_loss(rows: torch.Tensor) -> Optional[tuple[dict[str, float], int]]:
