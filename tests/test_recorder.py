@@ -321,3 +321,35 @@ def test_keeping_costs_no_transfer_and_no_hook_of_its_own(workdir: Path, monkeyp
         seen[name] = list(fetched)
     assert hooks["with"] == hooks["without"]
     assert seen["with"] == seen["without"] and len(seen["with"]) == 31  # 30 steps, and the last at detach
+
+
+def test_replay_reads_a_dump_as_a_log(workdir: Path) -> None:
+    """A guard on the layers' gradient norms, replayed over a dump, fires at exactly the steps and modules of
+    the window where the gradients the test read have a norm above its threshold."""
+    from hookpolicy.engine.replay import replay
+
+    model = tiny()
+    grads: dict[int, dict[str, torch.Tensor]] = {}
+    with policy(workdir, log=False).attach(model, rank=0):
+        run(model, 40, {25}, grads)
+    (file,) = dump_files(workdir)
+    norms = {(s, m): torch.linalg.vector_norm(g.double()).item() for s in range(15, 29) for m, g in grads[s].items()}
+    ranked = sorted(norms.values())
+    threshold = (ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2  # half-way between two norms
+    guard = load_text(workdir, f"""\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {{name: rec}}
+spec:
+  rules:
+    - name: layers
+      match: {{types: [Linear]}}
+      trigger: {{at: step}}
+      target: grad
+      actions:
+        - alert: {{if: "l2_norm > {threshold!r}"}}
+""", name="guard.yaml")
+    replayed = replay(guard.policies, [str(file)])
+    assert replayed.steps == list(range(15, 29))
+    fired = {(r["step"], r["module"]) for r in replayed.alerts}
+    assert fired == {k for k, v in norms.items() if v > threshold} and len(fired) == len(norms) // 2
