@@ -304,6 +304,10 @@ def check_output(command: str, done: subprocess.CompletedProcess[str], checkout:
     if command.startswith("hookpolicy report "):
         assert (checkout / "runs" / "again.html").is_file()
         assert any((checkout / "runs" / "figures").glob("*.png"))
+    if command.startswith("hookpolicy replay "):
+        said = (REPO / "README.md").read_text("utf-8").split("the log lacks is named (`", 1)[1].split(" ...`)", 1)[0]
+        assert any(line.startswith(f"  {' '.join(said.split())}") for line in done.stdout.splitlines()), done.stdout
+        assert "loss-spike-guard/loss-spike:" in done.stdout.splitlines()
     if "--metrics-port 9400" in command:
         assert "governing Sequential" in done.stderr
 

@@ -230,7 +230,7 @@ def test_the_command_prints_what_the_enforced_run_decided_per_rule(out: Path) ->
     for index, action in enumerate(hookpolicy.load(POLICIES / "loss-spike-guard.yaml").policies[0].rules[0].actions):
         if isinstance(action, Alert):
             steps = sorted(r["step"] for r in live if r["condition"] == action.source)
-            said = f"  alert {index} ({action.source}; then {action.then}): fired {len(steps)} time{'s' if len(steps) != 1 else ''}"
+            said = f"  action {index} (if: {action.source}; then {action.then}): fired {len(steps)} time{'s' if len(steps) != 1 else ''}"
             assert said + (f" at steps {ranges(steps)}" if steps else "") in lines
     # the log's run skipped exactly these steps: its later values are a skipping run's, and the command says so
     assert any(line.startswith("note: the log's own run skipped the same steps") for line in lines)
@@ -295,10 +295,10 @@ def test_series_the_log_lacks_are_named_one_line_each_and_a_rule_with_none_fails
             "series at all") in lines
     assert ("  not evaluated: action 1 (if: abs_max > 10) reads abs_max of the loss: the log has none (its loss "
             "records hold lossonly/loss: mean, nonfinite)") in lines
-    assert "  alert 0 (loss > 2 * median(loss, 10); then skip_step): fired 0 times" in lines
+    assert "  action 0 (if: loss > 2 * median(loss, 10); then skip_step): fired 0 times" in lines
     assert lines[-1] == "Error: reads/layer-norms: no alert could be evaluated over the logs (the series above are missing)"
     # the alert that could be evaluated was: its replay is the loss rule's, with one alert
-    assert sum(line.startswith("  alert ") for line in lines) == 1
+    assert sum(line.startswith("  action ") for line in lines) == 1
 
 
 def test_a_statistic_logged_per_rule_is_not_taken_for_one_per_module(out: Path, tmp_path: Path) -> None:

@@ -415,7 +415,7 @@ def summary(out: Replayed) -> list[str]:
             assert isinstance(action, Alert)
             steps = rule.fired.get(index, [])
             verb = f"then {action.then}" + (" (audit: not taken)" if out.audit and action.then != "log" else "")
-            lines.append(f"  alert {index} ({action.source}; {verb}): fired {rule.counts[index]} time"
+            lines.append(f"  action {index} (if: {action.source}; {verb}): fired {rule.counts[index]} time"
                          f"{'s' if rule.counts[index] != 1 else ''}" + (f" at steps {_steps(steps)}" if steps else ""))
     if out.halt is not None:
         lines.append(f"halted at step {out.halt[0]}: {out.halt[1]}"
