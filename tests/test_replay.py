@@ -29,63 +29,37 @@ from hookpolicy.engine.replay import replay
 from hookpolicy.policy.model import Alert
 from helpers import REPO
 from helpers.outputs import json_lines
+from helpers.policies import policy_text
 
 POLICIES = REPO / "policies"
+
+
+def rule(name: str, target: str, *actions: str) -> str:
+    """One rule at every step on `target` (every module's; the root for the loss), `actions` as YAML flow mappings."""
+    match = "{root: true}" if target == "loss" else '{modules: ["**"]}'
+    return (f"- name: {name}\n  match: {match}\n  trigger: {{at: step}}\n  target: {target}\n  actions:\n"
+            + "".join(f"    - {action}\n" for action in actions))
+
+
+def capture(stats: str, per: str) -> str:
+    return f"capture: {{stats: [{stats}], per: {per}, log: {{path: record.jsonl}}}}"
 #: The shipped policies whose alerts decide steps (skip_step, halt, cool_down, rewind) on a model without adapters.
 GUARDS = ("loss-spike-guard", "nan-guard", "explosion-guard", "recover", "example-monitor")
 
 #: What the guards read, logged: the loss, the gradients per rule (explosion-guard, example-monitor) and per
 #: module (nan-guard's alert has the default per: module).
-RECORDER = """\
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata: {name: record}
-spec:
-  rules:
-    - name: loss
-      match: {root: true}
-      trigger: {at: step}
-      target: loss
-      actions:
-        - capture: {stats: [mean, max, nonfinite], per: rule, log: {path: record.jsonl}}
-    - name: grads
-      match: {modules: ["**"]}
-      trigger: {at: step}
-      target: grad
-      actions:
-        - capture: {stats: [l2_norm, nonfinite], per: rule, log: {path: record.jsonl}}
-    - name: layers
-      match: {modules: ["**"]}
-      trigger: {at: step}
-      target: grad
-      actions:
-        - capture: {stats: [l2_norm, nonfinite], per: module, log: {path: record.jsonl}}
-"""
+RECORDER = policy_text(rule("loss", "loss", capture("mean, max, nonfinite", "rule"))
+                       + rule("grads", "grad", capture("l2_norm, nonfinite", "rule"))
+                       + rule("layers", "grad", capture("l2_norm, nonfinite", "module")), name="record")
 
 #: History functions the shipped guards do not call, a warm-up and a `for:` on a per-module alert.
-TUNED = """\
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata: {name: tuned}
-spec:
-  rules:
-    - name: layers
-      match: {modules: ["**"]}
-      trigger: {at: step}
-      target: grad
-      actions:
-        - alert:
-            if: "l2_norm > ema(l2_norm, 0.9) + 3 * ema_std(l2_norm, 0.9)"
-            warmup: 10
-            severity: info
-            message: "{module}: {l2_norm:.4g} over {ema(l2_norm, 0.9):.4g} + 3 x {ema_std(l2_norm, 0.9):.4g}"
-        - alert:
-            if: "zscore(l2_norm, 15) > 2 or l2_norm > 3 * prev(l2_norm) or l2_norm > 2 * max(l2_norm, 5)"
-            for: 2
-            severity: warning
-            then: skip_step
-            message: "{module}: z {zscore(l2_norm, 15):.3f}, mean {mean(l2_norm, 15):.4g}, std {std(l2_norm, 15):.4g}, min {min(l2_norm, 7):.4g}, mad {mad(l2_norm, 9):.4g}; {outcome}"
-"""
+TUNED = policy_text(rule(
+    "layers", "grad",
+    'alert: {if: "l2_norm > ema(l2_norm, 0.9) + 3 * ema_std(l2_norm, 0.9)", warmup: 10, severity: info, '
+    'message: "{module}: {l2_norm:.4g} over {ema(l2_norm, 0.9):.4g} + 3 x {ema_std(l2_norm, 0.9):.4g}"}',
+    'alert: {if: "zscore(l2_norm, 15) > 2 or l2_norm > 3 * prev(l2_norm) or l2_norm > 2 * max(l2_norm, 5)", for: 2, '
+    'severity: warning, then: skip_step, message: "{module}: z {zscore(l2_norm, 15):.3f}, mean {mean(l2_norm, 15):.4g}, '
+    'std {std(l2_norm, 15):.4g}, min {min(l2_norm, 7):.4g}, mad {mad(l2_norm, 9):.4g}; {outcome}"}'), name="tuned")
 
 #: step -> what the script multiplies its loss by (and divides its gradients by before the update, so the
 #: weights see a normal step): NaN (a non-finite loss and gradients), 5 and 20 (loss spikes), 1e4 (a gradient explosion).
@@ -173,6 +147,33 @@ def test_an_audit_log_replayed_in_audit_mode_gives_the_live_runs_alert_records(o
     assert not result.missing or not any(result.missing.values())
 
 
+def test_lora_gradient_health_replayed_in_audit_mode_gives_the_live_records(out: Path) -> None:
+    """The adapters' guard on a PEFT model: the recorder logs what it reads (`adapters: all`, per module)."""
+    from helpers.models import lora, make_model, train_step
+
+    adapters = rule("adapters", "grad", capture("nonfinite", "module")).replace('{modules: ["**"]}', "{adapters: all}")
+    (out / "record.yaml").write_text(policy_text(adapters, name="record"), encoding="utf-8")
+    model = lora(make_model())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def clean(*_: Any) -> None:  # after hookpolicy measured the step: the weights stay finite
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.nan_to_num_(0.0, 0.0, 0.0)
+
+    optimizer.register_step_pre_hook(clean)
+    policies = hookpolicy.load([out / "record.yaml", POLICIES / "lora-gradient-health.yaml"])
+    with policies.attach(model, registry=CollectorRegistry(), audit=True):
+        for step in range(12):
+            train_step(model, optimizer, step, loss_scale=math.nan if step in (3, 7, 8) else 1.0)
+    live = [r for r in json_lines(out / "record.alerts.jsonl") if r.get("event") == "alert"]
+    assert {r["step"] for r in live} == {3, 7, 8} and len({r["module"] for r in live}) > 1
+    result = replay(hookpolicy.load(POLICIES / "lora-gradient-health.yaml").policies, [str(out / "record.jsonl")],
+                    audit=True)
+    assert_same_records(live, result.alerts)
+    assert any("selects by" in note for note in result.notes)  # a log holds names, not adapters: said
+
+
 @pytest.mark.parametrize("name", ["loss-spike-guard", "nan-guard", "explosion-guard", "recover", "example-monitor"])
 def test_an_enforced_run_replayed_as_enforced_gives_its_decisions(out: Path, name: str) -> None:
     live, halt = recorded(out, (name,), audit=False)
@@ -248,40 +249,11 @@ def test_an_audit_log_replayed_as_enforced_says_the_later_steps_came_from_a_run_
     assert "  skipped:" not in audit.output  # nothing is decided in audit mode: the alerts say what would have been
 
 
-LOSS_ONLY = """\
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata: {name: lossonly}
-spec:
-  rules:
-    - name: loss
-      match: {root: true}
-      trigger: {at: step}
-      target: loss
-      actions:
-        - capture: {stats: [mean, nonfinite], per: rule, log: {path: record.jsonl}}
-"""
+LOSS_ONLY = policy_text(rule("loss", "loss", capture("mean, nonfinite", "rule")), name="lossonly")
 
-READS = """\
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata: {name: reads}
-spec:
-  rules:
-    - name: layer-norms
-      match: {modules: ["**"]}
-      trigger: {at: step}
-      target: grad
-      actions:
-        - alert: {if: "l2_norm > 100", per: module, then: skip_step}
-    - name: loss
-      match: {root: true}
-      trigger: {at: step}
-      target: loss
-      actions:
-        - alert: {if: "loss > 2 * median(loss, 10)", then: skip_step}
-        - alert: {if: "abs_max > 10", then: halt}
-"""
+LAYER_NORMS = rule("layer-norms", "grad", 'alert: {if: "l2_norm > 100", per: module, then: skip_step}')
+READS = policy_text(LAYER_NORMS + rule("loss", "loss", 'alert: {if: "loss > 2 * median(loss, 10)", then: skip_step}',
+                                       'alert: {if: "abs_max > 10", then: halt}'), name="reads")
 
 
 def test_series_the_log_lacks_are_named_one_line_each_and_a_rule_with_none_fails(out: Path, tmp_path: Path) -> None:
@@ -303,7 +275,7 @@ def test_series_the_log_lacks_are_named_one_line_each_and_a_rule_with_none_fails
 
 def test_a_statistic_logged_per_rule_is_not_taken_for_one_per_module(out: Path, tmp_path: Path) -> None:
     recorded(out, ("explosion-guard",))
-    (tmp_path / "reads.yaml").write_text(READS.split("    - name: loss")[0], encoding="utf-8")
+    (tmp_path / "reads.yaml").write_text(policy_text(LAYER_NORMS, name="reads"), encoding="utf-8")
     (out / "record.jsonl").write_text("".join(  # keep the per-rule grad records only
         line + "\n" for line in (out / "record.jsonl").read_text().splitlines() if '"rule": "layers"' not in line))
     result = run_cli(str(tmp_path / "reads.yaml"), str(out / "record.jsonl"))

@@ -253,8 +253,8 @@ def _say_selection(rule: Rule, sources: dict[int, Source], notes: list[str], key
                      "the modules it selects")
     match = rule.match
     if rule.target != LOSS and (match.types or match.params or match.adapters or match.state):
-        notes.append(f"{rule_name(key)} selects by type, parameter or state key too: a log holds module names "
-                     "only, so replay reads every module of the log its name patterns take")
+        notes.append(f"{rule_name(key)} selects by type, parameter, adapter or state key too: a log holds module "
+                     "names only, so replay reads every module of the log its name patterns take")
 
 
 class _Schedule(Snapshots):
