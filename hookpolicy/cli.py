@@ -327,7 +327,7 @@ def _dash_dash_hint(args: Sequence[str]) -> Optional[str]:
     COMMAND is taken to start at the first argument that is neither an option of ours nor
     a policy (an existing folder, or a name ending in .yaml/.yml).
     """
-    ours = {"--metrics-port", "--metrics-addr", "--web-config", "--push-gateway", "--push-job"}
+    ours = {"--metrics-port", "--metrics-addr", "--web-config", "--push-gateway", "--push-job", "--textfile-dir"}
     i = 0
     while i < len(args):
         arg = args[i]
@@ -367,11 +367,14 @@ def _dash_dash_hint(args: Sequence[str]) -> Optional[str]:
                    "Pushgateway, grouped by job, rank and run, so a job shorter than a scrape interval still shows.")
 @click.option("--push-job", default=environment.DEFAULT_PUSH_JOB, show_default=True, metavar="NAME",
               help="The job label of those pushes.")
+@click.option("--textfile-dir", type=click.Path(exists=True, file_okay=False, writable=True), default=None,
+              metavar="DIR", help="At exit (a halt and SIGTERM included) each process writes its final series, with "
+              "its run, to DIR/hookpolicy-RUN-rankR.prom for node_exporter's textfile collector (atomically).")
 @click.pass_context
 def apply(
     ctx: click.Context, policies: tuple[str, ...], metrics_port: Optional[int], metrics_addr: str,
     web_config: Optional[str], audit: bool, watch: bool, strict: bool, report_page: Optional[str], log_format: Optional[str],
-    push_gateway: Optional[str], push_job: str,
+    push_gateway: Optional[str], push_job: str, textfile_dir: Optional[str],
 ) -> None:
     """Run COMMAND with the policies on every model it trains, unmodified.
 
@@ -410,6 +413,7 @@ def apply(
         report=None if report_page is None else os.path.abspath(report_page), report_logs=logs,
         log_format=log_format, push_gateway=push_gateway, push_job=push_job,
         web_config=None if web_config is None else os.path.abspath(web_config),
+        textfile_dir=None if textfile_dir is None else os.path.abspath(textfile_dir),
     )
     ctx.exit(run(launch, command))
 

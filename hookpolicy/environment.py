@@ -35,7 +35,7 @@ from typing import Mapping, Optional, Sequence
 
 __all__ = [
     "ENV_POLICY_DIRS", "ENV_OUTPUT_DIR", "ENV_WATCH_INTERVAL", "ENV_BOOTSTRAP", "ENV_POLICIES",
-    "ENV_AUDIT", "ENV_STRICT", "ENV_WATCH", "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_WEB_CONFIG", "ENV_PUSH_GATEWAY", "ENV_PUSH_JOB", "ENV_RUN_DIR", "ENV_PARENT", "ENV_RANK",
+    "ENV_AUDIT", "ENV_STRICT", "ENV_WATCH", "ENV_METRICS_PORT", "ENV_METRICS_ADDR", "ENV_WEB_CONFIG", "ENV_TEXTFILE_DIR", "ENV_PUSH_GATEWAY", "ENV_PUSH_JOB", "ENV_RUN_DIR", "ENV_PARENT", "ENV_RANK",
     "ENV_LOCAL_RANK", "ENV_LOG_FORMAT", "ENV_ALERT_LOG", "ENV_RUN_ID", "DEFAULT_METRICS_ADDR", "DEFAULT_PUSH_JOB", "LOG_FORMATS", "ChildConfig",
     "alert_log", "apply_variables", "local_rank", "log_format", "new_run_id", "output_dir", "policy_dirs", "rank",
     "rank_identity", "run_id",
@@ -79,6 +79,9 @@ ENV_METRICS_ADDR = "HOOKPOLICY_METRICS_ADDR"
 #: A web config file (exporter-toolkit's format) securing the metrics endpoint with TLS and
 #: basic auth (`--web-config`), absolute.
 ENV_WEB_CONFIG = "HOOKPOLICY_WEB_CONFIG"
+#: A folder node_exporter's textfile collector reads: every process writes its final series
+#: there at exit (`--textfile-dir`), absolute.
+ENV_TEXTFILE_DIR = "HOOKPOLICY_TEXTFILE_DIR"
 #: A Pushgateway every process pushes its final series to at exit (`--push-gateway`).
 ENV_PUSH_GATEWAY = "HOOKPOLICY_PUSH_GATEWAY"
 #: The `job` of those pushes (`--push-job`, default hookpolicy).
@@ -200,7 +203,7 @@ def apply_variables(
     sources: Sequence[str], run_dir: str, *, audit: bool, watch: bool,
     metrics_port: Optional[int], metrics_addr: str, strict: bool = False, log_format: Optional[str] = None,
     alert_log: Optional[str] = None, push_gateway: Optional[str] = None, push_job: str = DEFAULT_PUSH_JOB,
-    web_config: Optional[str] = None,
+    web_config: Optional[str] = None, textfile_dir: Optional[str] = None,
 ) -> dict[str, Optional[str]]:
     """What `hookpolicy apply` sets for its COMMAND; None means "remove it if inherited".
 
@@ -216,6 +219,7 @@ def apply_variables(
         ENV_METRICS_ADDR: metrics_addr,
         ENV_METRICS_PORT: None if metrics_port is None else str(metrics_port),
         ENV_WEB_CONFIG: web_config,
+        ENV_TEXTFILE_DIR: textfile_dir,
         ENV_PUSH_GATEWAY: push_gateway,
         ENV_PUSH_JOB: None if push_gateway is None else push_job,
     }
@@ -240,6 +244,7 @@ class ChildConfig:
     run_dir: Optional[str] = None
     push_gateway: Optional[str] = None
     push_job: str = DEFAULT_PUSH_JOB
+    textfile_dir: Optional[str] = None
     rank: int = 0
     local_rank: int = 0
 
@@ -257,6 +262,7 @@ class ChildConfig:
             run_dir=environ.get(ENV_RUN_DIR) or None,
             push_gateway=environ.get(ENV_PUSH_GATEWAY) or None,
             push_job=environ.get(ENV_PUSH_JOB) or DEFAULT_PUSH_JOB,
+            textfile_dir=environ.get(ENV_TEXTFILE_DIR) or None,
             rank=rank(environ),
             local_rank=local_rank(environ),
         )

@@ -110,7 +110,8 @@ def test_the_installs_are_the_ones_ci_runs() -> None:
     PyTorch's CPU index and from the mirror, the example without the test extra."""
     readme = [command for _, command in commands("README.md") if is_install(command.split(" && ")[0])]
     (apt,) = [c for c in readme if c.startswith("apt-get")]
-    assert apt == "apt-get update && apt-get install -y prometheus prometheus-alertmanager prometheus-pushgateway chromium"
+    assert apt == ("apt-get update && apt-get install -y prometheus prometheus-alertmanager prometheus-pushgateway "
+                   "prometheus-node-exporter chromium")
     ci = ci_script()
     ci_apt = re.findall(r"apt-get install -y -q ([\w .-]+)", ci)
     # (python3-venv: what Debian's python3 needs for the venv, when the image lacks it)

@@ -34,6 +34,7 @@ from ..errors import Halt, PolicyError
 from ..export.exporter import metrics_url, serve
 from ..export.collector import store_for
 from ..export.push import push_final
+from ..export.textfile import write_final
 from ..export.webconfig import WebConfig, WebConfigError, load_web_config
 from ..export.sinks import output_root
 from ..export.summary import summary_lines
@@ -76,13 +77,16 @@ class _Session:
                 signal.signal(signal.SIGHUP, lambda signum, frame: self.reloader.request())
 
     def close(self) -> None:
-        """At exit (normal, Ctrl-C, SIGTERM, halt): push the final series (`--push-gateway`), detach
+        """At exit (normal, Ctrl-C, SIGTERM, halt): push the final series (`--push-gateway`), write them for
+        node_exporter (`--textfile-dir`), detach
         everything, which flushes the logs; say the summary."""
         self.reloader.stop()
         if self._started and self.config.push_gateway is not None:
             said = push_final(self.registry, self.config.push_gateway, job=self.config.push_job,
                               rank=self.discovery.rank, run=run_id(os.environ))
             say(said)
+        if self._started and self.config.textfile_dir is not None:
+            say(write_final(self.registry, self.config.textfile_dir, rank=self.discovery.rank, run=run_id(os.environ)))
         self.discovery.remove()
         if self._started and self.discovery.rank == 0:
             self._summary()

@@ -71,6 +71,8 @@ class Launch:
     push_job: str = DEFAULT_PUSH_JOB
     #: `--web-config`: the exporter-toolkit web config (absolute) securing the metrics endpoint
     web_config: Optional[str] = None
+    #: `--textfile-dir`: the folder each process writes its final series to at exit (absolute)
+    textfile_dir: Optional[str] = None
 
 
 def resolve_command(command: Sequence[str]) -> list[str]:
@@ -95,7 +97,7 @@ def child_environment(launch: Launch, run_dir: str, environ: Mapping[str, str]) 
         launch.sources, run_dir, audit=launch.audit, watch=launch.watch,
         metrics_port=launch.metrics_port, metrics_addr=launch.metrics_addr, strict=launch.strict,
         log_format=launch.log_format, push_gateway=launch.push_gateway, push_job=launch.push_job,
-        web_config=launch.web_config,
+        web_config=launch.web_config, textfile_dir=launch.textfile_dir,
     )
     for name, value in variables.items():
         if value is None:
