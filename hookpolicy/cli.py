@@ -123,6 +123,7 @@ def explain(policies: tuple[str, ...], model_spec: str, fmt: str, strict: bool) 
     from .engine.measure.history import bounds as history_bounds
     from .engine.decide.recorder import bounds as ring_bounds
     from .engine.heal.snapshots import config as snapshot_config, describe as describe_snapshots
+    from .policy.messages import wake_notes
 
     loaded = PolicySet(_load(_sources(policies)))
     model = _resolve_model(model_spec)
@@ -134,6 +135,7 @@ def explain(policies: tuple[str, ...], model_spec: str, fmt: str, strict: bool) 
     snapshots = snapshot_config(loaded.policies)
     if snapshots is not None:
         history_notes.append(describe_snapshots(model, *snapshots))
+    history_notes.extend(wake_notes(loaded.policies))
     plan = replace(plan, notes=plan.notes + tuple(history_notes), warnings=plan.warnings + tuple(history_warnings))
     triggers = {(p.name, r.name): r.trigger for p in loaded.policies for r in p.rules}
     rows = [{**row, "when": _window(triggers[(row["policy"], row["rule"])])} for row in plan.rows()]
@@ -147,19 +149,25 @@ def explain(policies: tuple[str, ...], model_spec: str, fmt: str, strict: bool) 
 
 
 def _window(trigger: Any) -> dict[str, Any]:
-    """When a rule is active: its phase, `every` (steps whose number it divides) and `steps` range."""
-    return {"phase": trigger.phase, "every": trigger.every, "from": trigger.steps_from, "until": trigger.steps_until}
+    """When a rule is active: its phase, `every` (steps whose number it divides), `steps` range and the alert
+    it wakes on (`after`: the rule `POLICY/RULE` and how many steps; None for a rule that is always awake)."""
+    after = trigger.after
+    return {"phase": trigger.phase, "every": trigger.every, "from": trigger.steps_from, "until": trigger.steps_until,
+            "after": None if after is None else {"alert": rule_name(after.rule), "steps": after.steps}}
 
 
 def _window_text(when: dict[str, Any]) -> str:
-    """`train, every step`, `any phase, every 10th step, steps 100-4999` (`until` is exclusive)."""
+    """`train, every step`, `any phase, every 10th step, steps 100-4999` (`until` is exclusive),
+    `train, every step, 50 steps after an alert of loss-spike-guard/loss-spike`."""
     phase = "any phase" if when["phase"] == "any" else when["phase"]
     every = "every step" if when["every"] == 1 else f"every {when['every']}th step"
     if when["until"] is not None:
         span = f", steps {when['from']}-{when['until'] - 1}"
     else:
         span = f", from step {when['from']}" if when["from"] else ""
-    return f"{phase}, {every}{span}"
+    after = when["after"]
+    woken = "" if after is None else f", {after['steps']} steps after an alert of {after['alert']}"
+    return f"{phase}, {every}{span}{woken}"
 
 
 def _explain_text(plan: Any, rows: list[dict[str, Any]], model: Any) -> None:

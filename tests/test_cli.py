@@ -181,8 +181,8 @@ def test_explain_shows_when_each_rule_is_active(tmp_path: Path) -> None:
     data = json.loads(invoke("explain", str(policy), "--model", "examples.train_mlp:build_model",
                              "--format", "json").stdout)
     when = {row["rule"]: row["when"] for row in data["bindings"]}
-    assert when == {"late": {"phase": "train", "every": 5, "from": 100, "until": 5000},
-                    "evals": {"phase": "eval", "every": 1, "from": 20, "until": None}}
+    assert when == {"late": {"phase": "train", "every": 5, "from": 100, "until": 5000, "after": None},
+                    "evals": {"phase": "eval", "every": 1, "from": 20, "until": None, "after": None}}
     text = invoke("explain", str(policy), "--model", "examples.train_mlp:build_model").stdout
     assert "train, every 5th step, steps 100-4999" in text and "eval, every step, from step 20" in text
 
@@ -228,7 +228,7 @@ def test_explain_json_and_warnings(tmp_path: Path) -> None:
         "policy": "example-monitor", "rule": "grad-norms", "priority": 50, "mode": "enforce", "module": "lm_head",
         "type": "Linear", "hook": "step", "target": "grad", "params": ["weight", "bias"], "select": [],
         "actions": ["capture(l2_norm,abs_max per=module)"],
-        "when": {"phase": "train", "every": 1, "from": 0, "until": None},
+        "when": {"phase": "train", "every": 1, "from": 0, "until": None, "after": None},
     }]
     assert any("nothing/convs" in w and "matches no module" in w for w in doc["warnings"])
     text = invoke("explain", str(nothing), "--model", "examples.charlm:build_model")

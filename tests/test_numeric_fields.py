@@ -40,7 +40,8 @@ FULL: dict[str, Any] = {
                 "name": "acts",
                 "priority": 3,
                 "match": {"modules": ["**"]},
-                "trigger": {"at": "forward", "every": 2, "steps": {"from": 1, "until": 50}},
+                "trigger": {"at": "forward", "every": 2, "steps": {"from": 1, "until": 50},
+                            "after": {"alert": "guard", "steps": 50}},
                 "target": "output",
                 "select": [0],
                 "actions": [

@@ -4,12 +4,13 @@ Before the update (`before_update`, the optimizer step pre-hook; or, for a scrip
 steps no optimizer, the end of its backward pass):
 
     scope -> active rules -> loss -> execute -> read back -> decide -> agree (and reduce the loss)
-          -> the job's loss rules -> heal -> write the alert records (what each did) -> commit history
+          -> the job's loss rules -> the alerts that fired, every rank's (wake rules: `trigger.after`)
+          -> heal -> write the alert records (what each did) -> commit history
           -> hide gradients -> lower the lr (a cool-down)
 
 After it (`after_update`): restore the hidden gradients -> measure the update (`updates`,
 read back at the next read-back) -> the lr as it was -> at the step's end, restore a
-snapshot (a rewind) or take one -> count the step -> activate the next step's rules.
+snapshot (a rewind) or take one -> count the step -> activate the next step's rules (the woken among them).
 
 The parts below the cycle do one job each and return what they found; none calls the
 cycle back. `steps.StepTracker` tells where steps begin and end (and which parameters a
@@ -44,7 +45,7 @@ from ..export.metrics import ACTIONS, AGREEMENT_WAIT, HOOK_SECONDS, LAST_STEP_TI
 from ..export.store import ModelMetrics
 from ..export.sinks import output_root
 from ..plan.planner import Plan
-from ..policy.model import AFTER_UPDATE, LOSS, Policy, rule_name
+from ..policy.model import AFTER_UPDATE, LOSS, AlertKey, Policy, rule_name
 from .hooks import module_hooks, optimizer_hooks
 from .decide.agreement import Agreed, Agreement, job_loss_rule, reduced
 from .hooks.wrappers import data_parallel
@@ -202,11 +203,15 @@ class StepCycle:
         layout = self.agreement.layout
         held = bool(layout.slots) and self.agreement.active()  # `ranks: job` statistics wait for the agreement
         report = self._report(final=False, hold=reduced if held else None)
+        own = len(report.pending)
         agreed = self.agreement.agree(report, self.step, loss, layout.values(report.held) if held else (),
-                                      heal=self.healing.choose(report.heals))
+                                      heal=self.healing.choose(report.heals),
+                                      fired=frozenset(p.key for p in report.pending))
         if agreed is not None:
             self.store.inc(AGREEMENT_WAIT, (), agreed.waited)
             self._agreed(job, agreed, loss, report)
+        report.fired = _fired(report, agreed, own)
+        self.installer.wake(report.fired, self.step)
         report.heal = self._heal(report, agreed)
         healed = self.healing.decided(report, self.step, self._steps.mode == "optimizer")
         self._settle(report, healed, decided=True, step=self.step)
@@ -462,6 +467,21 @@ class StepCycle:
             if self._evaluate(frozenset()):
                 self._steps.zero_grads()
             self._end_step()
+
+
+def _fired(report: StepReport, agreed: Optional[Agreed], own: int) -> frozenset[AlertKey]:
+    """The alerts that fired at a step's decision, the same on every rank (`StepReport.fired`).
+
+    Alone, those of `report`. In a group, those any rank saw (`Agreed.fired`, the row's bits)
+    and those of the read-back after the collective (`report.pending` past the first `own`):
+    the job's loss rules and the `ranks: job` statistics, the same values on every rank, so
+    the same alerts. None at a step where the ranks hold different rules.
+    """
+    if agreed is None:
+        return frozenset(p.key for p in report.pending)
+    if not agreed.same:
+        return frozenset()
+    return agreed.fired | frozenset(p.key for p in report.pending[own:])
 
 
 def _ALL(name: str) -> bool:

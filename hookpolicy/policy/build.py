@@ -18,8 +18,8 @@ from .document import Document
 from .expr import parse, parse_value
 from .messages import CLIP_NAMES, expression_names, message_fields
 from .model import (
-    HOOK_POINTS, LOSS, Action, Alert, Board, Capture, Clip, CoolDown, Dump, Keep, LogSink, Match, Policy, Rewind, Rule, Scale,
-    Snapshots, TensorFiles, Trigger,
+    HOOK_POINTS, LOSS, Action, After, Alert, Board, Capture, Clip, CoolDown, Dump, Keep, LogSink, Match, Policy, Rewind,
+    Rule, Scale, Snapshots, TensorFiles, Trigger, woken_by,
 )
 from .schema import validate
 
@@ -62,7 +62,7 @@ def _policy(document: Document) -> Policy:
         source=document.file,
         revision=document.revision,
         rules=tuple(
-            _rule(rule, index, mode, document.position(("spec", "rules", index, "match"), key=True))
+            _rule(rule, index, mode, document.position(("spec", "rules", index, "match"), key=True), metadata["name"])
             for index, rule in enumerate(spec["rules"])
         ),
         mode=mode,
@@ -81,14 +81,14 @@ def _policy(document: Document) -> Policy:
     )
 
 
-def _rule(rule: dict[str, Any], index: int, mode: str, match_at: tuple[int, int]) -> Rule:
+def _rule(rule: dict[str, Any], index: int, mode: str, match_at: tuple[int, int], policy: str) -> Rule:
     trigger = rule["trigger"]
     at = trigger["at"]
     target = rule.get("target", HOOK_POINTS[at][0])
     return Rule(
         name=rule["name"],
         index=index,
-        trigger=_trigger(trigger),
+        trigger=_trigger(trigger, policy),
         target=target,
         match=_match(rule["match"]),
         actions=tuple(_action(item, at, target) for item in rule["actions"]),
@@ -100,16 +100,19 @@ def _rule(rule: dict[str, Any], index: int, mode: str, match_at: tuple[int, int]
     )
 
 
-def _trigger(trigger: dict[str, Any]) -> Trigger:
+def _trigger(trigger: dict[str, Any], policy: str) -> Trigger:
     steps = trigger.get("steps", {})
     until = steps.get("until")
+    after = trigger.get("after")
     return Trigger(
         at=trigger["at"],
         every=int(trigger.get("every", Trigger.every)),
         steps_from=int(steps.get("from", Trigger.steps_from)),
         steps_until=None if until is None else int(until),
         phase=trigger.get("phase", Trigger.phase),
+        after=None if after is None else After(woken_by(after["alert"], policy), int(after["steps"])),
     )
+
 
 
 def _match(match: dict[str, Any]) -> Match:

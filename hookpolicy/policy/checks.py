@@ -18,7 +18,7 @@ from .expr import ExprError, parse, parse_value
 from .messages import CLIP_NAMES, expression_names, message_problem
 from .model import (
     ACTIVATIONS, AFTER_UPDATE, HOOK_POINTS, LOSS, OPTIMIZER_STATE, PARAM_TARGETS, STATS, TARGETS, UPDATE, UPDATE_RATIO,
-    HEALS, Capture, Trigger, stats_of,
+    HEALS, Capture, Trigger, stats_of, woken_by,
 )
 from .patterns import compile_glob, shown
 
@@ -124,6 +124,7 @@ class _Checker:
         if isinstance(rule.get("match"), dict):
             self.match(rule["match"], path + ("match",), target)
         self.steps(_dict(trigger.get("steps")), path + ("trigger", "steps"))
+        self.after(_dict(trigger.get("after")), rule.get("name"), path + ("trigger", "after"))
         if "select" in rule and target in PARAM_TARGETS:
             self.add(
                 path + ("select",),
@@ -265,6 +266,16 @@ class _Checker:
                 f"until ({until:g}) must be greater than from ({start:g}): "
                 "the window is from inclusive, until exclusive",
             )
+
+    def after(self, after: dict[str, Any], name: Any, path: JsonPath) -> None:
+        """A rule cannot wake on its own alert: asleep until then, it never fires one (other policies'
+        rules are looked up where the policies applied together are known: `sources.load_sources`)."""
+        alert, policy = after.get("alert"), _dict(self.document.data.get("metadata")).get("name")
+        if not isinstance(alert, str) or not isinstance(name, str) or not isinstance(policy, str):
+            return
+        if woken_by(alert, policy) == (policy, name):
+            self.add(path + ("alert",), f"rule {name!r} would wake on its own alert, which it never fires while it "
+                                        "sleeps; name the rule whose alert should wake it (POLICY/RULE or RULE)")
 
     def capture(self, body: dict[str, Any], site: _Site) -> None:
         path = site.path

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import re
 import string
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from .expr import ExprError, NO_PAST, Template, Value, names_with, parse_value
-from .model import LOSS, STATS, TARGETS, Capture, Policy, Rule
+from .model import LOSS, STATS, TARGETS, Capture, Policy, Rule, rule_name
 
 __all__ = [
     "CLIP_NAMES", "MAX_FIELD_WIDTH", "MAX_MESSAGE_CHARS", "MESSAGE_FIELDS", "TARGET_ALIASES", "expression_names",
-    "message_fields", "message_problem",
+    "message_fields", "message_problem", "wake_notes",
 ]
 
 #: the fields an alert message may use besides the statistic names.
@@ -135,3 +135,19 @@ def _field_at(message: str, name: str) -> Optional[int]:
     """Where the field `{name...}` starts in the template (its first occurrence)."""
     found = re.search(r"(?<!\{)\{" + re.escape(name) + r"[:!}]", message)
     return None if found is None else found.start()
+
+
+def wake_notes(policies: Sequence[Policy]) -> list[str]:
+    """`explain`'s lines for the rules that wake on an alert (`trigger.after`): which rule wakes which,
+    for how many steps, and what they cost while asleep."""
+    woken: dict[tuple[str, int], list[str]] = {}
+    for policy in policies:
+        for rule in policy.rules:
+            after = rule.trigger.after
+            if after is not None:
+                woken.setdefault((rule_name(after.rule), after.steps), []).append(f"{policy.name}/{rule.name}")
+    return [f"{waker} wakes {', '.join(names)} for {steps} steps after each step whose decision fires one of its "
+            f"alerts (on every rank at the same steps); asleep {'they have' if len(names) > 1 else 'it has'} no "
+            "hook installed and cost nothing, and in a process group the step's agreement carries whether the "
+            "alert fired (its one collective, at every step)"
+            for (waker, steps), names in woken.items()]

@@ -10,15 +10,16 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal, Mapping, Optional, Union
+from typing import Literal, Mapping, Optional, Sequence, Union
 
 from .expr import STATS, UPDATE_RATIO, Call, Condition, Value
 
 __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "AFTER_UPDATE", "UPDATE", "OPTIMIZER_STATE",
     "UPDATE_RATIO", "LOSS", "ACTIVATIONS", "STATS", "stats_of", "Mode", "OnError", "HookPoint",
-    "TriggerPhase", "Per", "Ranks", "Adapters", "Severity", "Then", "HEALS", "DECIDES", "RuleKey", "rule_name", "Match", "Trigger", "Capture", "TensorFiles",
+    "TriggerPhase", "Per", "Ranks", "Adapters", "Severity", "Then", "HEALS", "DECIDES", "RuleKey", "AlertKey", "rule_name", "Match", "After", "Trigger", "Capture", "TensorFiles",
     "LogSink", "Board", "Keep", "Dump", "Clip", "Scale", "CoolDown", "Rewind", "Alert", "Action", "Rule", "Snapshots", "Policy",
+    "alert_keys", "listened", "woken_by",
 ]
 
 API_VERSION = "hookpolicy/v1"
@@ -38,6 +39,8 @@ HEALS: tuple[Then, ...] = ("cool_down", "rewind")
 DECIDES: tuple[Then, ...] = ("skip_step", "halt", *HEALS)
 #: a rule's key: (policy name, rule name), unique in an attachment; `rule_name` is its text form
 RuleKey = tuple[str, str]
+#: an alert's key: its rule's key and the index of the alert in the rule's actions (as `StepReport.heals` holds them)
+AlertKey = tuple[RuleKey, int]
 Adapters = Literal["all", "down", "up"]
 #: whose values a rule's statistics are of in a process group: the job's (every rank's together) or this rank's
 Ranks = Literal["job", "own"]
@@ -95,6 +98,21 @@ class Match:
 
 
 @dataclass(frozen=True)
+class After:
+    """`trigger.after`: the rule sleeps until an alert of rule `rule` fires at a step's decision, and is
+    then active on the `steps` steps after that step (`engine/execute/executor.py`, `HookInstaller.wake`)."""
+
+    rule: RuleKey
+    steps: int
+
+
+def woken_by(alert: str, policy: str) -> RuleKey:
+    """The rule `trigger.after.alert` names: `POLICY/RULE`, or `RULE` of `policy` (the rule's own)."""
+    named, _, rule = alert.rpartition("/")
+    return (named or policy, rule)
+
+
+@dataclass(frozen=True)
 class Trigger:
     """When a rule fires: hook point, step gating and phase."""
 
@@ -103,9 +121,12 @@ class Trigger:
     steps_from: int = 0
     steps_until: Optional[int] = None
     phase: TriggerPhase = "train"
+    #: None: awake whenever `every` and `steps` say; else asleep but on the steps after an alert (`After`)
+    after: Optional[After] = None
 
     def active_at(self, step: int) -> bool:
-        """Whether the rule is evaluated on `step` (phase is checked by the hook itself)."""
+        """Whether `every` and `steps` let the rule run on `step` (a rule with `after` must also be awake;
+        phase is checked by the hook itself)."""
         if step < self.steps_from or (self.steps_until is not None and step >= self.steps_until):
             return False
         return step % self.every == 0
@@ -375,3 +396,17 @@ class Policy:
     snapshots: Optional[Snapshots] = None
     labels: Mapping[str, str] = field(default_factory=dict)
     annotations: Mapping[str, str] = field(default_factory=dict)
+
+
+def alert_keys(policies: Sequence[Policy]) -> list[AlertKey]:
+    """The key of every alert of `policies`, sorted: the same list on every rank holding the same rules."""
+    return sorted(((policy.name, rule.name), index) for policy in policies for rule in policy.rules
+                  for index, action in enumerate(rule.actions) if isinstance(action, Alert))
+
+
+def listened(policies: Sequence[Policy]) -> frozenset[AlertKey]:
+    """The alerts whose firing something acts on at later steps, on every rank alike: every alert of a
+    rule that a `trigger.after` names. A step's agreement carries them (`engine/decide/agreement.py`)."""
+    woken_by = {rule.trigger.after.rule for policy in policies for rule in policy.rules
+                if rule.trigger.after is not None}
+    return frozenset(key for key in alert_keys(policies) if key[0] in woken_by)

@@ -42,6 +42,9 @@ _PATTERN_HELP = {
     "^(?!__)[a-zA-Z_][a-zA-Z0-9_]*$":
         "a label key must be a Prometheus label name: letters, digits and '_', not starting "
         "with a digit or '__'",
+    "^([a-z0-9]([a-z0-9-]*[a-z0-9])?/)?[a-z0-9]([a-z0-9-]*[a-z0-9])?$":
+        "an alert is named by its rule, POLICY/RULE (or RULE of this policy): each part lowercase letters, digits "
+        "and '-', starting and ending with a letter or digit",
     "^[A-Za-z_][A-Za-z0-9_]*(\\.[A-Za-z_][A-Za-z0-9_]*)*$":
         "a type is a class name such as Linear or a dotted path such as torch.nn.Linear",
     "^[a-z0-9]([a-z0-9-]*[a-z0-9])?/[a-z0-9]([a-z0-9-]*[a-z0-9])?$":

@@ -8,6 +8,7 @@ the caller reads with `environment.policy_dirs`), all or nothing. Neither half i
 
 from __future__ import annotations
 
+import difflib
 import os
 import stat
 from typing import Iterable, Optional, Sequence, Union
@@ -16,7 +17,7 @@ from ..errors import PolicyError, Problem
 from .build import build_policy
 from .document import Document
 from .loader import Source, read_document
-from .model import Policy
+from .model import Alert, Policy
 
 __all__ = ["expand_sources", "load_sources"]
 
@@ -102,6 +103,7 @@ def load_sources(sources: Union[Source, Sequence[Source]]) -> tuple[Policy, ...]
         except PolicyError as exc:
             problems.extend(exc.problems)
     problems.extend(_duplicate_names(loaded))
+    problems.extend(_unknown_alerts(loaded))
     if problems:
         raise PolicyError(problems)
     return tuple(policy for _, policy in loaded)
@@ -120,3 +122,38 @@ def _duplicate_names(loaded: Iterable[tuple[Document, Policy]]) -> list[Problem]
         else:
             first[policy.name] = document.file
     return problems
+
+
+def _unknown_alerts(loaded: Sequence[tuple[Document, Policy]]) -> list[Problem]:
+    """A `trigger.after.alert` must name a rule with an alert among the policies loaded together."""
+    policies = {policy.name: policy for _, policy in loaded}
+    problems: list[Problem] = []
+    for document, policy in loaded:
+        for rule in policy.rules:
+            after = rule.trigger.after
+            if after is None:
+                continue
+            named, wanted = after.rule
+            path = ("spec", "rules", rule.index, "trigger", "after", "alert")
+            other = policies.get(named)
+            if other is None:
+                problems.append(document.problem(path, (
+                    f"no policy named {named!r} is applied with this one (loaded: {', '.join(sorted(policies))}); "
+                    f"load the file of {named!r} beside it, or name a rule of a loaded policy (POLICY/RULE)"
+                    + _did_you_mean(named, policies))))
+                continue
+            target = next((r for r in other.rules if r.name == wanted), None)
+            if target is None:
+                problems.append(document.problem(path, (
+                    f"policy {named!r} ({other.source}) has no rule {wanted!r}; its rules: "
+                    f"{', '.join(r.name for r in other.rules)}" + _did_you_mean(wanted, [r.name for r in other.rules]))))
+            elif not any(isinstance(action, Alert) for action in target.actions):
+                problems.append(document.problem(path, (
+                    f"rule {named}/{wanted} ({other.source}) has no alert, so nothing would ever wake this rule; "
+                    "name a rule with an alert action")))
+    return problems
+
+
+def _did_you_mean(name: str, names: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(names), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""

@@ -51,6 +51,17 @@ the partials of those rules' captures per module. Its width is the one every ran
 on every rank; a rank whose layout is not that one sends padding and `ok` 0, and nobody
 publishes that step's slots (`Agreed.tail` is None).
 
+**The alerts that fired (`Agreed.fired`).** A rule woken by an alert (`trigger.after`) must
+wake on every rank at the same step, and the recorder dumps every rank's ring at the same
+step, though an alert may fire on one rank only (its own gradients, its own shard). So the
+row carries the alerts this rank saw fire at the step's decision, one bit per alert in
+`FIRED_WORDS` words, at its place in `fired_places` (the same list on every rank holding the
+same rules: the alerts something listens to first, `model.listened`, then the others, sorted);
+every rank ORs the same rows, and `Agreed.fired` is the alerts that fired on any rank. An
+attachment that listens to an alert agrees at every step. At a step where the ranks hold
+different rules, no alert is agreed on (`fired` is empty on every rank). An attachment with more
+alerts than the words hold (252) agrees on the first 252 places only, said once.
+
 **A hot reload goes in on every rank at once.** Under `hookpolicy apply` a data-parallel
 model's agreement also carries a `Vote`: a digest of the newest policy version this rank
 has (0 without a vote), so that every rank knows, at the same step, whether all ranks want
@@ -96,19 +107,20 @@ import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol, Sequence
+from typing import Collection, Iterable, Optional, Protocol, Sequence
 
 import torch
 
 from ...errors import Halt
-from ...policy.model import ACTIVATIONS, DECIDES, LOSS, Alert, Policy, rule_name, stats_of
+from ...policy.model import ACTIVATIONS, DECIDES, LOSS, Alert, AlertKey, Policy, alert_keys, listened, rule_name, stats_of
 from .alerts import StepReport
 from ..execute.ledger import Entry
 from ..measure.actions import StatsOp
 from ..measure.rulestate import RuleState
 from ..measure.stats import combine, partials_for, tensor_partials
 
-__all__ = ["Agreed", "Agreement", "JOB_TARGETS", "Layout", "ROW", "Slot", "Vote", "digest", "identities", "job_loss_rule", "reduced"]
+__all__ = ["Agreed", "Agreement", "FIRED_WORDS", "JOB_TARGETS", "Layout", "ROW", "Slot", "Vote", "digest", "fired_places",
+           "identities", "job_loss_rule", "reduced"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -119,6 +131,13 @@ Identity = tuple[str, str]
 def identities(policies: Sequence[Policy]) -> list[Identity]:
     """The identities of every rule of `policies`, sorted: the same list on every rank holding the same rules."""
     return sorted((policy.name, rule.name) for policy in policies for rule in policy.rules)
+
+
+def fired_places(policies: Sequence[Policy]) -> list[AlertKey]:
+    """The alerts in the order of their bits in the row: those something listens to first, then the others."""
+    heard = listened(policies)
+    keys = alert_keys(policies)
+    return [key for key in keys if key in heard] + [key for key in keys if key not in heard]
 
 
 def digest(names: Sequence[Identity], generation: int) -> int:
@@ -140,6 +159,11 @@ class Vote(Protocol):
 #: Every partial the statistics a loss rule may capture need.
 LOSS_PARTIALS: tuple[str, ...] = partials_for(stats_of(LOSS))
 
+#: int64 words of the row that carry the alerts a rank saw fire, 63 bits each (the sign bit unused):
+#: at most `FIRED_WORDS * 63` alerts of an attachment are agreed on (`fired_places`).
+FIRED_WORDS = 4
+_BITS = 63
+
 #: The row each rank contributes to the step's one collective, int64 each (the loss's partials
 #: travel as the bits of their float64): the decision codes (a rule's code, 0 for none; a new
 #: decision that every rank must take at the same step is one more name here, before "digest"),
@@ -149,8 +173,9 @@ LOSS_PARTIALS: tuple[str, ...] = partials_for(stats_of(LOSS))
 #: it saw none). Then the tail: the slots of `ranks: job` activation statistics, float64 bits,
 #: as wide as the layout every rank announced at the previous step (0 when they differed).
 #: The same length on every rank, every step.
-ROW: tuple[str, ...] = ("skip", "halt", "heal", "digest", "vote", "layout", "width", "ok", "roots",
-                        *(f"loss_{p}" for p in LOSS_PARTIALS))
+#: The `fired_*` words are the alerts this rank saw fire (`FIRED_WORDS`, below), one bit each.
+ROW: tuple[str, ...] = ("skip", "halt", "heal", "digest", "vote", "layout", "width", "ok",
+                        *(f"fired_{w}" for w in range(FIRED_WORDS)), "roots", *(f"loss_{p}" for p in LOSS_PARTIALS))
 _AT = {name: place for place, name in enumerate(ROW)}
 _LOSS_AT = _AT["loss_" + LOSS_PARTIALS[0]]
 
@@ -177,6 +202,8 @@ class Agreed:
     #: seconds this rank waited in the collective, from entering it to its result on the host
     #: (`hookpolicy_agreement_wait_seconds_total`): the wait for the last rank to arrive
     waited: float = 0.0
+    #: the alerts that fired on any rank at this step's decision (empty unless `same`); see the module docstring
+    fired: frozenset[AlertKey] = frozenset()
 
 
 class Agreement:
@@ -202,6 +229,14 @@ class Agreement:
         #: the governed model, weakly: the key of its `_CARRIED` layout
         self._model = None if model is None else weakref.ref(model)
         self._apart = False  # the ranks held different rules at the last agreement
+        #: the alerts of the row's bits, by place (`fired_places`); past the words' room they are not agreed on
+        places = fired_places(policies)
+        self._unplaced = places[FIRED_WORDS * _BITS:]
+        self._places = places[:FIRED_WORDS * _BITS]
+        self._place = {key: place for place, key in enumerate(self._places)}
+        self._said_unplaced = False
+        #: an alert's firing wakes a rule (or dumps a recorder) at later steps: agreed at every step
+        self.listens = bool(listened(policies))
         #: set by a reload protocol before the first step (`Attached.vote_on_reloads`)
         self.vote: Optional[Vote] = None
 
@@ -211,18 +246,20 @@ class Agreement:
 
     def active(self) -> bool:
         """Whether this attachment agrees at its steps (a process group is up and something needs it)."""
-        return agreeing(self._decides or self.vote is not None or self.reduces_loss or bool(self.layout.slots))
+        return agreeing(self._decides or self.listens or self.vote is not None or self.reduces_loss
+                        or bool(self.layout.slots))
 
     def agree(
         self, report: StepReport, step: int, loss: Optional[torch.Tensor] = None, tail: Sequence[float] = (),
-        heal: int = 0,
+        heal: int = 0, fired: Collection[AlertKey] = (),
     ) -> Optional[Agreed]:
         """Make a skip or halt decided on any rank every rank's (in `report`), and reduce the loss; None without a group.
 
         `loss` is this rank's roots of the step (`loss.LossTap.take`), None where it saw none;
         `tail` its `ranks: job` slots (`Layout.values`), empty where it has none;
         `heal` the heal this rank took (`healing.Healing.choose`), which goes back as `Agreed.heal`:
-        the step cycle sets the step's heal (`report.heal` is not written here).
+        the step cycle sets the step's heal (`report.heal` is not written here);
+        `fired` the alerts this rank saw fire, which go back as `Agreed.fired`, every rank's together.
         `report.skip_by` gets the rule another rank skipped by; at a step where the ranks hold
         different rules, `report` ends with no skip and no halt on every rank.
         """
@@ -237,8 +274,8 @@ class Agreement:
         carry = (0, 0) if model is None else _CARRIED.get(model, (0, 0))
         follows = carry[1] > 0 and layout.digest == carry[0] and len(tail) == carry[1]
         padded = list(tail) if follows else [0.0] * carry[1]
-        rows, waited = _all_gather([*codes, heal, self._digest, wanted, layout.digest, layout.width, int(follows)],
-                                   loss, padded)
+        rows, waited = _all_gather([*codes, heal, self._digest, wanted, layout.digest, layout.width, int(follows),
+                                    *self._words(fired, step)], loss, padded)
         head = rows[:, :len(ROW)]
         highest, lowest = head.max(dim=0).values.tolist(), head.min(dim=0).values.tolist()
         if self.vote is not None:
@@ -271,7 +308,39 @@ class Agreement:
             (policy, rule), rank = other_halt
             report.halt = Halt(policy, rule, step, f"rank {rank} halted; every rank stops at the same step")
         # the healing alert of the highest place any rank took (`healing.heal_order`, the same list on every rank)
-        return Agreed(True, job, merged, heal=highest[_AT["heal"]], waited=waited)
+        return Agreed(True, job, merged, heal=highest[_AT["heal"]], waited=waited, fired=self._fired(rows))
+
+    def _words(self, fired: Collection[AlertKey], step: int) -> list[int]:
+        """This rank's `fired` alerts as the row's `FIRED_WORDS` words: bit `place % 63` of word `place // 63`."""
+        words = [0] * FIRED_WORDS
+        for key in fired:
+            place = self._place.get(key)
+            if place is not None:
+                words[place // _BITS] |= 1 << (place % _BITS)
+            elif self._unplaced:
+                self._say_unplaced(key, step)
+        return words
+
+    def _fired(self, rows: torch.Tensor) -> frozenset[AlertKey]:
+        """The alerts whose bit any rank's row set (an OR over the same rows on every rank)."""
+        first = _AT["fired_0"]
+        fired: set[AlertKey] = set()
+        for w, column in enumerate(rows[:, first:first + FIRED_WORDS].T.tolist()):
+            word = 0
+            for bits in column:
+                word |= bits
+            fired.update(self._places[w * _BITS + b] for b in range(_BITS)
+                         if word >> b & 1 and w * _BITS + b < len(self._places))
+        return frozenset(fired)
+
+    def _say_unplaced(self, key: AlertKey, step: int) -> None:
+        if not self._said_unplaced:
+            self._said_unplaced = True
+            log.warning(
+                "an alert of %s fired at step %d: the step's agreement carries %d of this attachment's %d alerts "
+                "(those that wake a rule first), and the other %d are agreed on by no rank: the alerts that fired at "
+                "a step leave them out on every rank (said once)", rule_name(key[0]), step,
+                len(self._places), len(self._places) + len(self._unplaced), len(self._unplaced))
 
     def _encode(self, name: Optional[Identity]) -> int:
         """A decision's code: 1 + the rule's place in the sorted identities * world size + this rank; 0 for none."""

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional, Union
 
 from ...errors import Halt
 from ...policy.expr import NO_PAST, Past, Template
-from ...policy.model import HEALS, Alert
+from ...policy.model import HEALS, Alert, AlertKey
 from ..measure.history import History, Observation, Tracked
 from ..execute.ledger import Entry
 from ..measure.rulestate import MAX_ERRORS, RuleState
@@ -259,6 +259,9 @@ class StepReport:
     observed: list[Observation] = field(default_factory=list)
     #: entries the read-back was told to hold (`ranks: job` statistics), with their fetched rows, unpublished
     held: list[tuple[Entry, list[list[float]]]] = field(default_factory=list)
+    #: the alerts that fired at this step's decision, the same on every rank (set by the step cycle once the
+    #: ranks agreed: `StepCycle._decide`); what wakes rules (`trigger.after`) and dumps the recorder
+    fired: frozenset[AlertKey] = frozenset()
 
     def join(self, later: "StepReport", decisions: bool) -> None:
         """Take in a later read-back of the same step (the job's loss): its skip, halt and heals when

@@ -19,13 +19,22 @@ for nesting. `select` keeps the tensors whose first path component is listed.
 one of its rules is active.
 
 At each step boundary `activate(step)` recomputes the set of active rules (their `every`
-and `steps` window, minus rules switched off by errors). If the set is unchanged nothing
+and `steps` window, minus rules switched off by errors, minus the rules with `trigger.after`
+that no alert woke). If the set is unchanged nothing
 happens; otherwise every module hook is removed and re-registered for exactly the active
 rules, grouped per module: one forward pre-hook (`forward_pre` targets, and the identity
 views of `grad_input`) and one forward hook (`forward` and `backward` targets). A rule
 with `every: 100` therefore has no hook installed on 99 steps out of 100. The hooks go
 through `module_hooks`, so copies and saves of the model never carry them; `rebind(plan)`
 installs them anew for a model whose tree changed.
+
+**Rules that wake on an alert** (`trigger.after`): such a rule is asleep, with no hook
+installed, until `wake(fired, step)` hears that an alert of the rule it names fired at the
+decision of `step` (the step cycle hands it the alerts every rank agreed fired, so every rank
+wakes the same rules at the same step). It is then awake on the steps `step + 1` to
+`step + steps`, at the next `activate`; an alert that fires while it is awake moves the end to
+`steps` steps after the later alert. The window counts step numbers (`hookpolicy_steps_total`),
+so a step that was skipped or rewound is one of them.
 
 **Re-binding** (`Rebinding`): the rules bound anew when the model's tree changes, at a step boundary only.
 
@@ -41,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -49,7 +58,7 @@ from ...export.metrics import ALERT_FIRING, ALERTS, HOOK_ERRORS, REWINDS, SKIPPE
 from ...export.store import ModelMetrics
 from ...plan.planner import Binding, Plan, build_plan
 from ...process import Once
-from ...policy.model import Alert, Policy, Rule
+from ...policy.model import Alert, AlertKey, Policy, Rule, RuleKey
 from ..hooks import module_hooks
 from .programs import Faults, Programs
 from ..measure.rulestate import RuleState, rebind
@@ -232,6 +241,26 @@ class HookInstaller:
         self._executor = executor
         self._active: Optional[frozenset[tuple[str, str]]] = None
         self._handles: list[module_hooks.OwnHandle] = []
+        #: per rule with `trigger.after`: the steps it is awake on, `range(first, end)` (none until woken)
+        self.awake: dict[RuleKey, tuple[int, int]] = {}
+
+    def wake(self, fired: Collection[AlertKey], step: int) -> None:
+        """The alerts that `fired` at the decision of `step` (every rank's): wake the rules that wait for them."""
+        rules = {rule for rule, _ in fired}
+        for key, rs in self._rules.items():
+            after = rs.rule.trigger.after
+            if after is None or after.rule not in rules:
+                continue
+            first, end = self.awake.get(key, (0, 0))
+            if end <= step + 1:  # asleep (or awake to this step at most): a new window after this step
+                first = step + 1
+            self.awake[key] = (first, step + 1 + after.steps)
+
+    def _awake(self, key: RuleKey, rs: RuleState, step: int) -> bool:
+        if rs.rule.trigger.after is None:
+            return True
+        first, end = self.awake.get(key, (0, 0))
+        return first <= step < end
 
     def rebind(self, plan: Plan) -> None:
         """Bind to `plan` (the model changed); the next `activate` installs its hooks whatever the set."""
@@ -242,7 +271,7 @@ class HookInstaller:
         """Install hooks for the rules active at `step`; nothing changes if the set is the same."""
         active = frozenset(
             key for key, rs in self._rules.items()
-            if not rs.off and rs.rule.trigger.active_at(step)
+            if not rs.off and rs.rule.trigger.active_at(step) and self._awake(key, rs, step)
         )
         if active == self._active:
             return
