@@ -6,10 +6,8 @@ Alertmanager of a 5-second job is in tests/test_alerting_e2e.py."""
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 from typing import Iterator
@@ -18,23 +16,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import REPO
-from helpers.policies import policy_text
-from helpers.processes import Proc, child_env, start_apply
+from helpers.processes import Proc, child_env, end_training
 from hookpolicy.export.push import push_final
 
 PUSHGATEWAY = shutil.which("prometheus-pushgateway")
 needs_pushgateway = pytest.mark.skipif(
     PUSHGATEWAY is None, reason="prometheus-pushgateway (Debian package prometheus-pushgateway) is not installed")
 
-HALT_ON_NAN = """\
-- name: nan
-  match: {modules: ["**"]}
-  trigger: {at: step}
-  target: grad
-  actions:
-    - alert: {if: "nonfinite > 0", severity: critical, then: halt}
-"""
 
 Samples = list[tuple[str, dict[str, str], float]]
 
@@ -114,21 +102,7 @@ def test_a_push_that_fails_is_one_line() -> None:
 def test_apply_pushes_the_final_series_at_every_end(
     tmp_path: Path, procs: list[Proc], pushgateway: str, end: str,
 ) -> None:
-    policy = tmp_path / "guard.yaml"
-    policy.write_text(policy_text(HALT_ON_NAN if end == "halt" else HALT_ON_NAN.replace("halt", "skip_step"),
-                                  name="guard"))
-    hold = tmp_path / "hold"
-    script = [sys.executable, str(REPO / "examples" / "train_mlp.py"), "--steps", "12", "--nan-at", "4"]
-    if end == "sigterm":
-        script += ["--hold-file", str(hold)]  # waits after training until SIGTERM
-    proc = start_apply(procs, tmp_path / "apply", [
-        str(policy), "--push-gateway", pushgateway, "--push-job", "training", "--", *script],
-        HOOKPOLICY_RUN_ID="attempt-7")
-    if end == "sigterm":
-        proc.wait_for(lambda: "step 11 loss " in proc.stdout, 120, "the 12 steps")
-        proc.proc.send_signal(signal.SIGTERM)
-    status = proc.wait(120)
-    assert status == {"exit": 0, "halt": 3, "sigterm": 143}[end], proc.stderr
+    proc = end_training(procs, tmp_path, end, ["--push-gateway", pushgateway, "--push-job", "training"])
     assert "hookpolicy: pushed the final series to " + pushgateway in proc.stderr
     samples = pushed(pushgateway)
     group = {"job": "training", "rank": "0", "run": "attempt-7"}

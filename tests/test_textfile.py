@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
 import sys
 import urllib.request
 from pathlib import Path
@@ -17,21 +15,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import REPO
-from helpers.policies import policy_text
-from helpers.processes import Proc, child_env, start_apply
+from helpers.processes import Proc, child_env, end_training
 from hookpolicy.export.collector import store_for
 from hookpolicy.export.metrics import STEPS
 from hookpolicy.export.textfile import textfile_name, write_final
 
 NODE_EXPORTER = shutil.which("prometheus-node-exporter")
-GUARD = """\
-- name: nan
-  match: {modules: ["**"]}
-  trigger: {at: step}
-  target: grad
-  actions:
-    - alert: {if: "nonfinite > 0", severity: critical, then: halt}
-"""
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -82,31 +71,12 @@ def test_apply_refuses_a_folder_that_does_not_exist(tmp_path: Path) -> None:
     assert done.returncode == 2 and "--textfile-dir" in done.stderr and "does not exist" in done.stderr, done.stderr
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("end", ["exit", "halt", "sigterm"])
 def test_apply_writes_the_final_series_at_every_end(tmp_path: Path, procs: list[Proc], end: str) -> None:
     folder = tmp_path / "textfiles"
     folder.mkdir()
-    policy = tmp_path / "guard.yaml"
-    policy.write_text(policy_text(GUARD if end == "halt" else GUARD.replace("halt", "skip_step"), name="guard"))
-    hold = tmp_path / "hold"
-    script = [sys.executable, str(REPO / "examples" / "train_mlp.py"), "--steps", "12", "--nan-at", "4"]
-    if end == "sigterm":
-        script += ["--hold-file", str(hold)]  # waits after training until SIGTERM
-    proc = start_apply(procs, tmp_path / "apply", [str(policy), "--textfile-dir", str(folder), "--", *script],
-                       HOOKPOLICY_RUN_ID="attempt-7")
-    if end == "sigterm":
-        proc.wait_for(lambda: "step 11 loss " in proc.stdout, 120, "the 12 steps")
-        proc.proc.send_signal(signal.SIGTERM)
-    status = proc.wait(120)
-    assert status == {"exit": 0, "halt": 3, "sigterm": 143}[end], proc.stderr
+    proc = end_training(procs, tmp_path, end, ["--textfile-dir", str(folder)])
     path = folder / "hookpolicy-attempt-7-rank0.prom"
     assert f"hookpolicy: wrote the final series to {path}" in proc.stderr
     assert os.listdir(folder) == [path.name]  # the temporary file was renamed, not left
@@ -123,7 +93,7 @@ def test_apply_writes_the_final_series_at_every_end(tmp_path: Path, procs: list[
 
 @pytest.mark.skipif(NODE_EXPORTER is None,
                     reason="prometheus-node-exporter (Debian package prometheus-node-exporter) is not installed")
-def test_node_exporter_serves_the_files_as_written(tmp_path: Path, procs: list[Proc]) -> None:
+def test_node_exporter_serves_the_files_as_written(tmp_path: Path, procs: list[Proc], free_port: int) -> None:
     """Two runs' files in one folder: node_exporter serves both, every series as written, and reads them
     without error (it refuses the whole folder when two files hold one series)."""
     from hookpolicy.export.metrics import ALERTS
@@ -136,7 +106,7 @@ def test_node_exporter_serves_the_files_as_written(tmp_path: Path, procs: list[P
         store.inc(ALERTS, ("guard", "nan", "critical", "MLP"), 2)
         write_final(registry, str(tmp_path), rank=0, run=run)
         written.update(parsed((tmp_path / textfile_name(run, 0)).read_text()))
-    port = _port()
+    port = free_port
     exporter = Proc(tmp_path / "node-exporter", [
         str(NODE_EXPORTER), "--collector.disable-defaults", "--collector.textfile",
         f"--collector.textfile.directory={tmp_path}", f"--web.listen-address=127.0.0.1:{port}"], child_env())

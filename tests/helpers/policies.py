@@ -95,3 +95,15 @@ LOG_EVERY_STEP = """\
   actions:
     - capture: {stats: [rms]}
 """
+
+
+#: A NaN in any gradient halts the step (`.replace("halt", "skip_step")` skips it instead): the policy of
+#: the tests of what a process leaves at exit (tests/test_push.py, tests/test_textfile.py).
+HALT_ON_NAN = """\
+- name: nan
+  match: {modules: ["**"]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - alert: {if: "nonfinite > 0", severity: critical, then: halt}
+"""

@@ -171,3 +171,28 @@ def scrape_text(port: int, timeout: float = 5) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as response:
         assert response.status == 200
         return response.read().decode("utf-8")
+
+
+#: `end_training`'s ends and the status `apply` exits with at each.
+END_STATUS = {"exit": 0, "halt": 3, "sigterm": 143}
+
+
+def end_training(procs: list[Proc], folder: Path, end: str, options: list[str]) -> Proc:
+    """`apply OPTIONS` on examples/train_mlp.py, 12 steps with a NaN gradient at step 4, ended by `end`:
+    `exit` (the NaN skips its step), `halt` (it halts at step 4) or `sigterm` (after the 12 steps, while the
+    script waits). Run with HOOKPOLICY_RUN_ID=attempt-7; returns the ended process, its status checked."""
+    from .policies import HALT_ON_NAN, policy_text
+
+    policy = folder / "guard.yaml"
+    policy.write_text(policy_text(HALT_ON_NAN if end == "halt" else HALT_ON_NAN.replace("halt", "skip_step"),
+                                  name="guard"))
+    script = [sys.executable, str(REPO / "examples" / "train_mlp.py"), "--steps", "12", "--nan-at", "4"]
+    if end == "sigterm":
+        script += ["--hold-file", str(folder / "hold")]  # waits after training until SIGTERM
+    proc = start_apply(procs, folder / "apply", [str(policy), *options, "--", *script], HOOKPOLICY_RUN_ID="attempt-7")
+    if end == "sigterm":
+        proc.wait_for(lambda: "step 11 loss " in proc.stdout, 120, "the 12 steps")
+        proc.proc.send_signal(signal.SIGTERM)
+    status = proc.wait(120)
+    assert status == END_STATUS[end], proc.stderr
+    return proc
