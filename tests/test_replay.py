@@ -325,3 +325,20 @@ def test_report_draws_the_replayed_decisions_on_the_runs_figures(out: Path, tmp_
     assert row.endswith(f"<td>{skipped}</td>") and int(skipped) > 0
     assert 'alt="alerts and skipped steps"' in text and text.count("data:image/png;base64,") >= 2
     assert f"{page}: " in result.output.splitlines()[-1]
+
+
+def test_the_replayed_rewinds_cool_downs_and_halt_are_drawn_where_the_live_run_took_them(out: Path) -> None:
+    from hookpolicy.export.report import figures, replayed
+
+    live, halt = recorded(out, ("recover",), audit=False)
+    assert halt is not None
+    result = replay(hookpolicy.load(POLICIES / "recover.yaml").policies, [str(out / "record.jsonl")])
+    (timeline,) = [fig for title, name, fig in figures(replayed(result.records, result.alerts)) if name == "alerts.png"]
+    drawn: dict[str, set[float]] = {}
+    for line in timeline.axes[0].get_lines():
+        drawn.setdefault(line.get_label(), set()).add(float(line.get_xdata()[0]))
+    taken = {outcome: {float(r["step"]) for r in live if r["outcome"] == outcome}
+             for outcome in ("step skipped", "rewinding", "cooling down")}
+    assert all(taken.values())  # the live run took every kind of decision
+    assert drawn == {"skipped step": taken["step skipped"], "rewound step": taken["rewinding"],
+                     "cool-down (set or extended)": taken["cooling down"], "halt": {float(halt.step)}}

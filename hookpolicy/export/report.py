@@ -2,7 +2,8 @@
 
 For researchers who look at pictures, not at scrapes: per rule, target and statistic one
 figure over steps with one line per module (and tensor, and rank), alert markers on the
-statistic the alert's condition reads, skipped steps as dashed verticals, and a summary
+statistic the alert's condition reads, skipped steps as dashed verticals (rewinds, cool-downs and
+halts in styles of their own), and a summary
 table per rule. Every figure puts its plot at the same pixels, so a step sits at the same
 place in every figure; a statistic that never changes is one line of the table. The
 figures are PNGs drawn with matplotlib (an optional extra, `hookpolicy[report]`) and
@@ -39,7 +40,7 @@ from .sinks import ALERT_LOG_EVENT, DUMP_EVENT, alert_log_beside
 if TYPE_CHECKING:
     from ..policy.model import Policy
 
-__all__ = ["ReportError", "Records", "Runs", "read_logs", "read_runs", "render_report", "replayed_page", "MISSING_MATPLOTLIB",
+__all__ = ["ReportError", "Records", "Runs", "read_logs", "read_runs", "render_report", "replayed", "replayed_page", "MISSING_MATPLOTLIB",
            "PALETTE", "alert_log_beside"]
 
 MISSING_MATPLOTLIB = (
@@ -111,6 +112,9 @@ class Records:
     events: list[tuple[str, str, int, str]] = field(default_factory=list)
     #: rank -> steps an enforcing alert skipped
     skipped: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
+    #: the steps an alert rewound, set or extended a cool-down at, or halted at (`DECISIONS`; a rewind past its
+    #: max_rewinds halts) -> rank -> steps
+    decided: dict[str, dict[int, set[int]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(set)))
     rules: dict[tuple[str, str], RuleSummary] = field(default_factory=dict)
     files: list[Path] = field(default_factory=list)
     ignored: int = 0
@@ -172,6 +176,10 @@ class Records:
                                              and record.get("mode") == "enforce"):
                 summary.skipped.add(step)
                 self.skipped[rank].add(step)
+            elif isinstance(outcome, str) and outcome.endswith("; halting)"):  # a rewind past its max_rewinds
+                self.decided["halting"][rank].add(step)
+            elif outcome in DECISIONS:
+                self.decided[str(outcome)][rank].add(step)
             return True
         summary.saw(step)
         for stat, value in values.items():
@@ -557,10 +565,7 @@ def _lines(records: Records, keys: list[SeriesKey], title: str, target: str, sta
     fig, ax = _figure(mpl_figure, height)
     ranks = {key[6] for key in keys}
     handles: list[Any] = []
-    skipped: list[Any] = []
-    for rank in sorted(ranks):
-        for step in sorted(records.skipped.get(rank, ())):
-            skipped.append(ax.axvline(step, color="0.45", linestyle="--", linewidth=0.8, label="skipped step"))
+    skipped = _decisions(ax, records, ranks)
     finite: list[float] = []
     alerts: list[Any] = []
     for n, key in enumerate(keys):
@@ -584,7 +589,7 @@ def _lines(records: Records, keys: list[SeriesKey], title: str, target: str, sta
     ax.set_xlabel("step")
     ax.set_ylabel(_STAT_WORDS.get(stat.split(" = ")[0], stat) if target != "loss" else "loss")
     ax.grid(True, alpha=0.3)
-    _legend(fig, ax, handles + skipped[:1] + alerts[:1], height)
+    _legend(fig, ax, handles + skipped + alerts[:1], height)
     return fig
 
 
@@ -637,19 +642,38 @@ def _png(fig: Any) -> bytes:
     return buffer.getvalue()
 
 
+#: the outcomes of an alert's `then` besides a skip that a figure marks: outcome -> (label, line style, colour)
+DECISIONS = {"rewinding": ("rewound step", "-.", "tab:purple"), "cooling down": ("cool-down (set or extended)", ":", "tab:blue"),
+             "halting": ("halt", "-", "black")}
+
+
+def _decisions(ax: Any, records: Records, ranks: Optional[set[int]] = None) -> list[Any]:
+    """Skipped steps dashed, rewinds, cool-downs and halts in their own styles, on `ranks` (all by default):
+    one legend handle per kind."""
+    kinds = [("skipped step", "--", "0.45", records.skipped)]
+    kinds += [(label, style, colour, records.decided.get(outcome, {})) for outcome, (label, style, colour)
+              in DECISIONS.items()]
+    handles = []
+    for label, style, colour, by_rank in kinds:
+        steps = set().union(*(steps for rank, steps in by_rank.items() if ranks is None or rank in ranks))
+        lines = [ax.axvline(step, color=colour, linestyle=style, linewidth=0.8, label=label) for step in sorted(steps)]
+        handles += lines[:1]
+    return handles
+
+
 _SEVERITY_COLORS = {"info": "tab:blue", "warning": "tab:orange", "critical": ALERT_COLOUR}
 
 
 def _timeline(records: Records, mpl_figure: Any, span: tuple[float, float]) -> Any:
-    """Every alert over steps, one row per rule, coloured by severity; skipped steps dashed.
+    """Every alert over steps, one row per rule, coloured by severity; skipped steps dashed, rewinds,
+    cool-downs and halts in their own styles (`DECISIONS`).
 
     An alert of a rule that captures nothing (a bare guard) has no line to sit on; here it shows.
     """
     rules = sorted(records.rules)
     height = TOP + BOTTOM + 0.4 + 0.35 * len(rules)
     fig, ax = _figure(mpl_figure, height)
-    skipped = [ax.axvline(step, color="0.45", linestyle="--", linewidth=0.8, label="skipped step")
-               for step in sorted(set().union(*records.skipped.values()))]
+    skipped = _decisions(ax, records)
     by_severity: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
     for policy, rule, step, severity in records.events:
         xs, ys = by_severity[severity]
@@ -664,7 +688,7 @@ def _timeline(records: Records, mpl_figure: Any, span: tuple[float, float]) -> A
     ax.set_xlabel("step")
     ax.set_title("alerts, by rule", fontsize=10, loc="left")
     ax.grid(True, axis="x", alpha=0.3)
-    _legend(fig, ax, skipped[:1] + handles, height)
+    _legend(fig, ax, skipped + handles, height)
     return fig
 
 
@@ -837,19 +861,25 @@ def write_report(logs: Sequence[str], out: Path, png_dir: Optional[Path] = None,
     return Written(chosen, drawn, others, png_dir)
 
 
-def replayed_page(records: Records, alerts: Sequence[dict[str, Any]], notes: Sequence[str], out: Path) -> int:
-    """Write the page of `records`' run with the alerts `hookpolicy replay` would have written instead of the
-    run's own (their markers, the steps they skipped, the table's counts), `notes` (the replay's summary) on
-    top. Returns the number of figures."""
+def replayed(records: Records, alerts: Sequence[dict[str, Any]]) -> Records:
+    """`records`' run with the alert records `alerts` (what `hookpolicy replay` would have written) instead of the
+    run's own: their markers, the steps they skipped, rewound, cooled down or halted at, the table's counts."""
     shown = Records(files=records.files, run=records.run, model=records.model, ignored=records.ignored,
                     started=records.started, ended=records.ended, order=dict(records.order), alerts_known=True)
     for series, points in records.series.items():
         shown.series[series] = dict(points)
     for rule, summary in records.rules.items():
         shown.rules[rule] = RuleSummary(set(summary.bindings), set(summary.ranks), set(summary.targets),
-                                       summary.records, summary.first_step, summary.last_step)
+                                        summary.records, summary.first_step, summary.last_step)
     for record in alerts:
         shown.add(record)
+    return shown
+
+
+def replayed_page(records: Records, alerts: Sequence[dict[str, Any]], notes: Sequence[str], out: Path) -> int:
+    """Write the page of `records`' run with the replayed `alerts` (`replayed`), `notes` (the replay's summary)
+    on top. Returns the number of figures."""
+    shown = replayed(records, alerts)
     drawn = draw(shown)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_report([shown], [drawn], notes=notes), encoding="utf-8")
