@@ -157,8 +157,12 @@ def test_dumps_past_max_dumps_are_said_once_and_counted_never_written(
         workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = tiny()
     with caplog.at_level(logging.WARNING, logger="hookpolicy"):
-        with policy(workdir, dumps=2, after=0).attach(model, rank=0):
+        with policy(workdir, dumps=2, after=0).attach(model, rank=0) as attached:
             run(model, 50, {12, 20, 30, 40})
+    summary = "\n".join(attached.summary())
+    for step in (12, 20):  # the run summary names each dump written, with its records (the alert, 11 steps x 2)
+        assert f"wrote 23 records to {workdir / 'dumps' / f'rec-layers.step{step:08d}.rank0.jsonl'}" in summary
+    assert "step00000030" not in summary
     assert [f.name for f in dump_files(workdir)] == ["rec-layers.step00000012.rank0.jsonl",
                                                      "rec-layers.step00000020.rank0.jsonl"]
     said = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]

@@ -83,7 +83,7 @@ def stat_families(policies: Sequence[Policy]) -> dict[str, list[tuple[Policy, Ru
     for policy in policies:
         for rule in policy.rules:
             for action in rule.actions:
-                if isinstance(action, Capture):
+                if isinstance(action, Capture) and action.exports:  # `keep.export: false`: the ring only
                     for stat in action.stats:
                         found.setdefault(stat_family(rule.target, stat), []).append((policy, rule, action))
     return found

@@ -28,7 +28,7 @@ from ..policy.model import Capture, LogSink, Policy, TensorFiles
 
 __all__ = [
     "ALERT_LOG_EVENT", "AlertFiles", "DUMP_EVENT", "BudgetSpent", "SinkError", "TEMP_PREFIX", "alert_log_beside", "file_name",
-    "output_root", "safe_path", "JsonLines", "TensorWriter",
+    "output_root", "safe_path", "JsonLines", "TensorWriter", "write_whole",
 ]
 
 
@@ -291,14 +291,19 @@ class TensorWriter:
             name = file_name(f"{stem}.{count}{suffix}")
             self._names[name] = 1
         final = safe_path(self.folder, name)
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=TEMP_PREFIX, suffix=".partial")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, final)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_whole(final, data)
         self.files += 1
         self.bytes += len(data)
         return final
+
+
+def write_whole(final: Path, data: bytes) -> None:
+    """Write `data` as `final` through a temporary file in its folder, renamed: the file is whole or absent."""
+    fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=TEMP_PREFIX, suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, final)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

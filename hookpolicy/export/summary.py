@@ -120,7 +120,7 @@ def summary_lines(
     if metrics is None:
         for policy, rule in rules:
             if any(isinstance(a, Capture) and a.log is None and a.tensorboard is None and a.tensors is None
-                   for a in rule.actions):
+                   and a.keep is None for a in rule.actions):
                 lines.append(f"  {policy.name}/{rule.name}: its capture goes nowhere "
                              f"(no log, tensorboard or tensors, and {no_metrics})")
     return lines
@@ -178,4 +178,6 @@ def _files(policies: Sequence[Policy], root: Path) -> list[tuple[str, str]]:
                     out.append(("TensorBoard", str(root / action.tensorboard.dir)))
                 if action.tensors is not None:
                     out.append(("tensors", str(root / action.tensors.dir)))
+                if action.keep is not None and action.keep.dump is not None:
+                    out.append(("dumps", str(root / action.keep.dump.dir)))
     return out

@@ -66,7 +66,7 @@ class Readback:
         #: the run every record carries (`environment.run_id`): `hookpolicy report` tells appended runs apart
         self.run_id = run_id(os.environ)
         #: the rings of the captures with `keep`, and their dumps (`recorder`)
-        self.recorder = Recorder(root, rank, store.model, self.run_id, policies)
+        self.recorder = Recorder(root, rank, store.model, self.run_id, policies, store.wrote)
 
     def last_values(self) -> Mapping[str, Mapping[Labels, float]]:
         """A read-only copy of the latest value of every statistic series published so far."""

@@ -23,14 +23,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
-from ...export.sinks import DUMP_EVENT, TEMP_PREFIX, file_name, safe_path
+from ...export.sinks import DUMP_EVENT, file_name, safe_path, write_whole
 from ...plan.planner import Binding
 from ...policy.model import Capture, Keep, Policy, RuleKey, rule_name
 from ...process import Once
@@ -172,8 +171,10 @@ Write = Callable[[RuleState, Callable[[], object]], bool]
 class Recorder:
     """Every ring of one attachment, its pending dumps and what they wrote."""
 
-    def __init__(self, root: Path, rank: int, model: str, run: str, policies: Sequence[Policy]) -> None:
+    def __init__(self, root: Path, rank: int, model: str, run: str, policies: Sequence[Policy],
+                 wrote: Callable[[RuleKey, str, int], None] = lambda key, path, records: None) -> None:
         self.root, self.rank, self.model, self.run = root, rank, model, run
+        self._wrote = wrote  # (rule, path relative to the output folder, records): for the run summary
         self.rings: dict[RingKey, Ring] = {}
         self._shares = {p.name: p.max_ring_bytes // max(1, sum(1 for r in p.rules for a in r.actions
                                                                if isinstance(a, Capture) and a.keep is not None))
@@ -248,6 +249,7 @@ class Recorder:
         if write(rs, lambda: self.written.append(_write_new(safe_path(self.root, dump.dir), name, data))):
             spent.files += 1
             spent.bytes += len(data)
+            self._wrote(rs.key, os.path.relpath(self.written[-1], self.root), len(lines) - 1)
 
     def _records(self, ring: Ring, steps: Sequence[_Step]) -> Iterable[dict[str, Any]]:
         """The capture log's records (`readback._report_pass`) of `steps`, group by group."""
@@ -286,14 +288,7 @@ def _write_new(folder: Path, name: str, data: bytes) -> Path:
     while final.exists():
         n += 1
         final = safe_path(folder, file_name(f"{stem}.{n}{suffix}"))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=TEMP_PREFIX, suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, final)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_whole(final, data)
     return final
 
 
