@@ -12,6 +12,7 @@ import ssl
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -27,7 +28,7 @@ from helpers import REPO
 from helpers.outputs import served
 from helpers.processes import Proc, child_env, start_apply
 from helpers.tls import Pki, make_pki
-from hookpolicy.export.webconfig import WebConfigError, load_web_config
+from hookpolicy.export.webconfig import LiveWebConfig, WebConfigError, load_web_config
 
 PROMTOOL = shutil.which("promtool")
 PROMETHEUS = shutil.which("prometheus")
@@ -142,6 +143,57 @@ def test_basic_auth_without_tls_still_refuses_a_wrong_password(free_port: int, t
         assert _get(free_port, context=None, auth=("prometheus", "wrong"), scheme="http")[0] == 401
         status, _, body = _get(free_port, context=None, auth=("prometheus", PASSWORD), scheme="http")
         assert status == 200 and _probe_value(body) == 7.0
+
+
+def test_a_renewed_certificate_and_a_changed_password_are_taken_without_a_restart(free_port: int, pki: Pki) -> None:
+    """As cert-manager renews a Secret: the same file names, new contents (another CA here, so that which
+    certificate is served shows), and a new password; the next connections get them."""
+    folder = pki.ca.parent
+    path = _web_config(folder, pki)
+    with served(_registry(), free_port, web=load_web_config(str(path))):
+        assert _get(free_port, context=_client_context(pki), auth=("prometheus", PASSWORD))[0] == 200
+        (folder / "renewed").mkdir()
+        renewed = make_pki(folder / "renewed", name="renewed")
+        shutil.copy(renewed.server_cert, pki.server_cert)
+        shutil.copy(renewed.server_key, pki.server_key)
+        path.write_text(json.dumps({"tls_server_config": {"cert_file": pki.server_cert.name,
+                                                          "key_file": pki.server_key.name},
+                                    "basic_auth_users": {"prometheus": _hash("renewed-password")}}))
+        deadline = time.monotonic() + 30
+        while True:  # the exporter looks at the files at most once a second
+            try:
+                status = _get(free_port, context=_client_context(renewed), auth=("prometheus", "renewed-password"))[0]
+            except urllib.error.URLError:
+                status = 0
+            if status == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert status == 200
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            _get(free_port, context=_client_context(pki), auth=("prometheus", "renewed-password"))
+        assert _get(free_port, context=_client_context(renewed), auth=("prometheus", PASSWORD))[0] == 401
+
+
+def test_a_changed_file_that_does_not_load_or_drops_tls_is_not_taken(
+        pki: Pki, capfd: pytest.CaptureFixture[str]) -> None:
+    path = _web_config(pki.ca.parent, pki)
+    first = load_web_config(str(path))
+    now = [0.0]
+    live = LiveWebConfig(first, clock=lambda: now[0])
+    for text, said in ((f"basic_auth_users:\n  prometheus: {PASSWORD}\n", "does not load"),
+                       (f"basic_auth_users:\n  prometheus: {_hash(PASSWORD)}\n", "between TLS and plain HTTP")):
+        path.write_text(text)
+        now[0] += 2
+        assert live.current() is first
+        err = capfd.readouterr().err
+        assert said in err and "keeps the previous one" in err, err
+    path.write_text(json.dumps({"tls_server_config": {"cert_file": pki.server_cert.name, "key_file": pki.server_key.name}}))
+    now[0] += 0.5  # looked at most once a second: not yet
+    assert live.current() is first
+    now[0] += 1
+    renewed = live.current()
+    assert renewed is not first and renewed.tls is not None and renewed.credentials is None
+    assert "read again: TLS" in capfd.readouterr().err
 
 
 # -- files that cannot secure the endpoint: one problem each, at its line, and what would be right

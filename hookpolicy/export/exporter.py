@@ -29,6 +29,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 import weakref
@@ -39,7 +40,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from ..process import Once, start_thread
 from ..say import say
-from .webconfig import WebConfig
+from .webconfig import LiveWebConfig, WebConfig
 
 __all__ = [
     "BACKLOG", "Exporter", "MAX_ANSWERS_PER_SECOND", "MAX_CONNECTIONS", "RENDER_INTERVAL", "REQUEST_DEADLINE",
@@ -135,8 +136,13 @@ class Exporter:
         self, app: WSGIApp, sock: socket.socket, *, deadline: Optional[float] = None,
         max_connections: Optional[int] = None, rate: Optional[float] = None, web: Optional[WebConfig] = None,
     ) -> None:
-        self._app, self._sock, self._web = app, sock, web
+        self._app, self._sock = app, sock
         self._checking: Optional[asyncio.Lock] = None  # one bcrypt check at a time
+        #: the web config, read again when its files change; each handshake takes the current TLS context
+        self._web = None if web is None else LiveWebConfig(web)
+        self._tls = None if web is None else web.tls
+        if self._tls is not None:
+            self._tls.sni_callback = self._handshake  # called at every ClientHello, with SNI or without
         self.server_address = sock.getsockname()
         self.deadline = REQUEST_DEADLINE if deadline is None else deadline
         self.max_connections = MAX_CONNECTIONS if max_connections is None else max_connections
@@ -171,10 +177,9 @@ class Exporter:
             self._loop.close()
 
     async def _main(self) -> None:
-        tls = None if self._web is None else self._web.tls
         # the TLS handshake has the request's deadline too: a client that stalls it is cut off
-        server = await asyncio.start_server(self._client, sock=self._sock, limit=MAX_REQUEST_BYTES, ssl=tls,
-                                            ssl_handshake_timeout=None if tls is None else self.deadline)
+        server = await asyncio.start_server(self._client, sock=self._sock, limit=MAX_REQUEST_BYTES, ssl=self._tls,
+                                            ssl_handshake_timeout=None if self._tls is None else self.deadline)
         async with server:
             await self._stopped.wait()
         for writer in list(self._open):
@@ -221,13 +226,22 @@ class Exporter:
         flood of wrong passwords neither stalls the other connections nor takes more than
         one core; a password that passed once is remembered and costs nothing again.
         """
-        credentials = None if self._web is None else self._web.credentials
+        credentials = None if self._web is None else self._web.current().credentials
         if credentials is None or credentials.remembered(header):
             return True
         if self._checking is None:  # made on the loop's own thread
             self._checking = asyncio.Lock()
         async with self._checking:
             return await self._loop.run_in_executor(None, credentials.check, header)
+
+    def _handshake(self, connection: ssl.SSLObject, server_name: Optional[str], context: ssl.SSLContext) -> None:
+        """A TLS ClientHello: serve it with the web config's current context (a renewed certificate)."""
+        try:
+            current = None if self._web is None else self._web.current().tls
+            if current is not None and current is not context:
+                connection.context = current
+        except Exception as exc:  # noqa: BLE001 - never a traceback from inside OpenSSL's callback
+            say(f"metrics endpoint: cannot take the renewed web config: {type(exc).__name__}: {exc}", logging.ERROR)
 
     async def _turn(self) -> None:
         """Wait until the answer rate allows one more (answers are spaced 1/rate apart)."""

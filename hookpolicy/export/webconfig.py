@@ -20,6 +20,8 @@ secure what its author believes. Checking bcrypt hashes needs the `bcrypt` packa
 
 `load_web_config` raises `WebConfigError` (one `Problem` per thing wrong, with file, line
 and what is expected); `Credentials.check` is what the exporter asks of each request.
+`LiveWebConfig` reads the file again when it or a file it names changes (a renewed
+certificate, a changed user), as exporter-toolkit does, so a long job needs no restart.
 """
 
 from __future__ import annotations
@@ -31,14 +33,17 @@ import os
 import re
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from ..errors import HookPolicyError, PolicyError, Problem
 from ..policy.document import Document, JsonPath
 from ..policy.loader import read_document
+from ..process import Once
+from ..say import say
 
-__all__ = ["Credentials", "WebConfig", "WebConfigError", "load_web_config"]
+__all__ = ["Credentials", "LiveWebConfig", "WebConfig", "WebConfigError", "load_web_config"]
 
 #: exporter-toolkit's TLS versions by name, and the one it picks when none is given.
 TLS_VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
@@ -148,6 +153,8 @@ class WebConfig:
     file: str
     tls: Optional[ssl.SSLContext]
     credentials: Optional[Credentials]
+    #: the files it was read from: the config itself, then the certificate, key and client CA files
+    files: tuple[str, ...] = ()
 
     def describe(self) -> str:
         parts = []
@@ -178,12 +185,75 @@ def load_web_config(file: str) -> WebConfig:
                 (key,), f"unknown key {key!r}; a web config holds {' and '.join(_TOP_KEYS)}", key=True))
     if not any(key in data for key in _TOP_KEYS) and not problems:
         problems.append(Problem(file, 1, 1, "$", _EMPTY))
-    tls = _tls(document, data.get("tls_server_config"), folder, problems) if "tls_server_config" in data else None
+    files: list[str] = [file]
+    tls = (_tls(document, data.get("tls_server_config"), folder, problems, files)
+           if "tls_server_config" in data else None)
     credentials = (_credentials(document, data.get("basic_auth_users"), problems)
                    if "basic_auth_users" in data else None)
     if problems:
         raise WebConfigError(problems)
-    return WebConfig(file, tls, credentials)
+    return WebConfig(file, tls, credentials, tuple(files))
+
+
+#: Seconds between two looks at a live web config's files (a `stat` each).
+CHECK_INTERVAL = 1.0
+
+
+def _fingerprint(files: tuple[str, ...]) -> tuple[Optional[tuple[int, int, int]], ...]:
+    """What changes when a file is rewritten or replaced (a Kubernetes Secret's `..data` swap too)."""
+    prints: list[Optional[tuple[int, int, int]]] = []
+    for name in files:
+        try:
+            st = os.stat(name)
+        except OSError:
+            prints.append(None)
+        else:
+            prints.append((st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(prints)
+
+
+class LiveWebConfig:
+    """A web config read again when one of its files changes, looked at most every `interval` seconds.
+
+    A new version that does not load, or that would switch between TLS and plain HTTP
+    (the listening socket's protocol is fixed), is said once and not taken: the endpoint
+    keeps the version it serves, never less secured than before.
+    """
+
+    def __init__(self, config: WebConfig, interval: float = CHECK_INTERVAL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._config, self._interval, self._clock = config, interval, clock
+        self._seen = _fingerprint(config.files)
+        self._checked = clock()
+        self._lock = threading.Lock()
+        self._said = Once(limit=16)
+
+    def current(self) -> WebConfig:
+        with self._lock:
+            now = self._clock()
+            if now - self._checked < self._interval:
+                return self._config
+            self._checked = now
+            seen = _fingerprint(self._config.files)
+            if seen == self._seen:
+                return self._config
+            self._seen = seen
+            try:
+                new = load_web_config(self._config.file)
+            except WebConfigError as exc:
+                reason = "; ".join(str(p) for p in exc.problems)
+                if self._said(reason):
+                    say(f"web config {self._config.file} changed but does not load, the metrics endpoint keeps the "
+                        f"previous one: {reason}")
+                return self._config
+            if (new.tls is None) != (self._config.tls is None):
+                if self._said("tls"):
+                    say(f"web config {self._config.file} changed between TLS and plain HTTP, which takes a restart; "
+                        f"the metrics endpoint keeps the previous one")
+                return self._config
+            self._config, self._seen = new, _fingerprint(new.files)
+            say(f"web config {new.file} read again: {new.describe()}")
+            return new
 
 
 _EMPTY = ("the web config sets neither tls_server_config nor basic_auth_users: the exporter would serve "
@@ -204,7 +274,8 @@ def _not_implemented(path: JsonPath) -> str:
             f"({_NOT_IMPLEMENTED[path]}); remove it rather than have it ignored")
 
 
-def _tls(document: Document, section: Any, folder: str, problems: list[Problem]) -> Optional[ssl.SSLContext]:
+def _tls(document: Document, section: Any, folder: str, problems: list[Problem],
+         files: list[str]) -> Optional[ssl.SSLContext]:
     at: JsonPath = ("tls_server_config",)
     if not isinstance(section, dict):
         problems.append(document.problem(at, "tls_server_config must be a mapping with cert_file and key_file"))
@@ -254,6 +325,7 @@ def _tls(document: Document, section: Any, folder: str, problems: list[Problem])
         problems.append(document.problem(at + ("max_version",), "max_version is below min_version"))
     if len(problems) > before:
         return None
+    files.extend(paths.values())
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = versions["min_version"]
     if "max_version" in versions:
@@ -267,8 +339,8 @@ def _tls(document: Document, section: Any, folder: str, problems: list[Problem])
         except (OSError, ssl.SSLError) as exc:
             what = ("cert_file and key_file must be a PEM certificate and its unencrypted PEM private key"
                     if key == "cert_file" else "client_ca_file must be PEM CA certificates")
-            files = f"{paths['cert_file']}, {paths['key_file']}" if key == "cert_file" else paths[key]
-            problems.append(document.problem(at + (key,), f"cannot load {files}: {_reason(exc)}; {what}"))
+            named = f"{paths['cert_file']}, {paths['key_file']}" if key == "cert_file" else paths[key]
+            problems.append(document.problem(at + (key,), f"cannot load {named}: {_reason(exc)}; {what}"))
             return None
     context.verify_mode = CLIENT_AUTH[auth]
     return context
