@@ -342,3 +342,18 @@ def test_the_replayed_rewinds_cool_downs_and_halt_are_drawn_where_the_live_run_t
     assert all(taken.values())  # the live run took every kind of decision
     assert drawn == {"skipped step": taken["step skipped"], "rewound step": taken["rewinding"],
                      "cool-down (set or extended)": taken["cooling down"], "halt": {float(halt.step)}}
+
+
+def test_a_rule_that_wakes_on_an_alert_is_replayed_on_exactly_its_awake_steps(out: Path) -> None:
+    woke = policy_text(
+        rule("spike", "loss", 'alert: {if: "loss > 3 * median(loss, 20)", severity: info}')
+        + rule("after", "grad", 'alert: {if: "l2_norm >= 0", per: rule, severity: info}').replace(
+            "trigger: {at: step}", "trigger: {at: step, after: {alert: spike, steps: 3}}"), name="woke")
+    (out / "woke.yaml").write_text(woke, encoding="utf-8")
+    live, _ = recorded(out, (), (out / "woke.yaml",))
+    spikes = sorted(r["step"] for r in live if r["rule"] == "spike")
+    awake = sorted({s + k for s in spikes for k in (1, 2, 3)})  # the test's own windows: the 3 steps after each
+    assert spikes and [r["step"] for r in live if r["rule"] == "after"] == awake
+    result = replay(hookpolicy.load(out / "woke.yaml").policies, [str(out / "record.jsonl")], audit=True)
+    assert_same_records(live, result.alerts)
+    assert result.rules[("woke", "after")].fired[0] == awake

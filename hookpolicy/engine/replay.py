@@ -39,6 +39,7 @@ from ..export.store import MetricsStore, ModelMetrics
 from ..policy.model import AFTER_UPDATE, LOSS, Alert, Policy, Rule, RuleKey, rule_name
 from ..policy.patterns import compile_glob
 from .decide.alerts import Alerts, StepReport, fire, settled
+from .execute.executor import woken
 from .heal.healing import Healing
 from .heal.snapshots import Snapshot, Snapshots, config
 from .measure.actions import compile_rule
@@ -160,6 +161,10 @@ def replay(policies: Sequence[Policy], logs: Sequence[str], run: Optional[str] =
             out.notes.append(f"{rule_name(rs.key)} runs at {rule.trigger.at} ({rule.trigger.phase}): replay takes the "
                              "log's one value per step for it (an evaluation forward's values, if any, are not told apart)")
         _say_selection(rule, sources, out.notes, rs.key)
+        after = rule.trigger.after
+        if after is not None and not any((p.name, r.name) == after.rule for p in policies for r in p.rules):
+            out.notes.append(f"{rule_name(rs.key)} wakes on alerts of {rule_name(after.rule)}, which is not among the "
+                             "policies replayed: it stays asleep (name that policy too)")
         if sources:
             states.append((rs, sources))
     _run(out, states, records, chosen)
@@ -303,10 +308,11 @@ def _run(out: Replayed, states: list[tuple[RuleState, dict[int, Source]]], recor
                              "one optimizer steps the model and every snapshot fits spec.limits.maxSnapshotBytes")
         steps = sorted({s for _, sources in states for source in sources.values() for s in source.steps})
         changed: Optional[tuple[int, str]] = None
+        awake: dict[RuleKey, tuple[int, int]] = {}  # rules with trigger.after: the steps [first, end) they are awake on
         for n, step in enumerate(steps):
             report = StepReport()
             for rs, sources in states:
-                if not rs.rule.trigger.active_at(step):
+                if not rs.rule.trigger.active_at(step) or not _awake(rs, awake, step):
                     continue
                 base_rule = {"run": records.run, "time": None, "step": step, "rank": rank, "model": model,
                              "policy": rs.policy.name, "rule": rs.rule.name}
@@ -323,6 +329,11 @@ def _run(out: Replayed, states: list[tuple[RuleState, dict[int, Source]]], recor
                             outcome.counts[index] += 1
                             if not outcome.fired[index] or outcome.fired[index][-1] != step:
                                 outcome.fired[index].append(step)
+            waking = {p.rule.key for p in report.pending}  # every alert that fired, any mode: rules wake on them
+            for rs, _ in states:
+                after = rs.rule.trigger.after
+                if after is not None and after.rule in waking:
+                    awake[rs.key] = woken(awake.get(rs.key, (0, 0)), step, after.steps)
             report.heal = healing.choose(report.heals)
             healed = healing.decided(report, step, True)
             written = [settled(p, report, healed, True) for p in report.pending]
@@ -350,6 +361,14 @@ def _run(out: Replayed, states: list[tuple[RuleState, dict[int, Source]]], recor
         log.removeFilter(quiet)
     if changed is not None:
         out.notes.append(_after_change(out, records, rank, *changed))
+
+
+def _awake(rs: RuleState, awake: dict[RuleKey, tuple[int, int]], step: int) -> bool:
+    """Whether `rs` is awake at `step`: always, without `trigger.after`; else in the window its alert opened."""
+    if rs.rule.trigger.after is None:
+        return True
+    first, end = awake.get(rs.key, (0, 0))
+    return first <= step < end
 
 
 def _updated(key: RuleKey, states: list[tuple[RuleState, dict[int, Source]]]) -> bool:

@@ -64,7 +64,7 @@ from .programs import Faults, Programs
 from ..measure.rulestate import RuleState, rebind
 from .steps import Phase, recomputing
 
-__all__ = ["Executor", "HookInstaller", "Rebinding", "named_tensors", "publish_rule_series", "replace_tensors", "selector"]
+__all__ = ["Executor", "HookInstaller", "Rebinding", "named_tensors", "publish_rule_series", "replace_tensors", "selector", "woken"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -232,6 +232,16 @@ def replace_tensors(obj: Any, new: Mapping[str, torch.Tensor], prefix: str = "")
     return obj
 
 
+def woken(window: tuple[int, int], step: int, steps: int) -> tuple[int, int]:
+    """The steps `[first, end)` a rule is awake on once an alert it waits for fired at the decision of `step`,
+    given the window it had (`(0, 0)`: none): the `steps` steps after `step`, a window still open extended.
+    `HookInstaller.wake` and `hookpolicy replay` both call it."""
+    first, end = window
+    if end <= step + 1:  # asleep (or awake to this step at most): a new window after this step
+        first = step + 1
+    return first, step + 1 + steps
+
+
 class HookInstaller:
     """The module hooks of one attachment; their bodies are the executor's."""
 
@@ -251,10 +261,7 @@ class HookInstaller:
             after = rs.rule.trigger.after
             if after is None or after.rule not in rules:
                 continue
-            first, end = self.awake.get(key, (0, 0))
-            if end <= step + 1:  # asleep (or awake to this step at most): a new window after this step
-                first = step + 1
-            self.awake[key] = (first, step + 1 + after.steps)
+            self.awake[key] = woken(self.awake.get(key, (0, 0)), step, after.steps)
 
     def _awake(self, key: RuleKey, rs: RuleState, step: int) -> bool:
         if rs.rule.trigger.after is None:
