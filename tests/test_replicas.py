@@ -452,6 +452,90 @@ def test_the_jobs_series_stay_within_max_job_series_on_every_rank(tmp_path: Path
     assert f"maxJobSeries={JOB_SERIES} in a job of 2 rank(s)" in zero["lines"][0]
 
 
+#: A `ranks: job` activation rule, the job's loss and each rank's own activations: the three
+#: kinds of series a step publishes, two of them known only after the step's agreement.
+ADMITTED = """\
+- name: loss
+  match: {root: true}
+  trigger: {at: step}
+  target: loss
+  actions:
+    - capture: {stats: [mean]}
+- name: acts
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  target: output
+  ranks: job
+  actions:
+    - capture: {stats: [mean]}
+- name: mine
+  match: {types: [Linear]}
+  trigger: {at: forward}
+  target: output
+  actions:
+    - capture: {stats: [mean]}
+"""
+
+
+def admitted_series(rank: int, policy: str) -> dict[str, Any]:
+    """Three DDP steps: the (rule, module) of every statistic series this rank exports after each, its drops."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(build_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = make_data(0)
+    x, y = x[rank::2], y[rank::2]
+    reg = CollectorRegistry()
+    lines = listen()
+    exported: list[list[list[str]]] = []
+    with hookpolicy.load(policy).attach(model, registry=reg, rank=rank):
+        for step in range(3):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x[step * 32:(step + 1) * 32]), y[step * 32:(step + 1) * 32]).backward()
+            optimizer.step()
+            exported.append(sorted(
+                [s.labels["rule"], s.labels["module"]] for family in reg.collect() for s in family.samples
+                if s.name in ("hookpolicy_output_mean", "hookpolicy_loss_mean")))
+        dropped = sum(s.value for family in reg.collect() for s in family.samples
+                      if s.name == "hookpolicy_series_dropped_total" and s.labels["policy"] == "p")
+    return {"exported": exported, "dropped": dropped,
+            "lines": [line for line in lines.lines if "spec.limits.max" in line]}
+
+
+_LOSS, _ACTS, _MINE = [["loss", ""]], [["acts", m] for m in LINEARS], [["mine", m] for m in LINEARS]
+
+
+@pytest.mark.parametrize("limit, budget, zero, one", [
+    # maxSeries, per process, in the order the step publishes: this rank's own activations (3), then
+    # what the agreement reduced: the job's loss (rank 0 exports it: dropped there) and, from the
+    # second step on (the first announces the layout), the `ranks: job` activations (dropped)
+    ("maxSeries", 3, [_MINE, _MINE, _MINE], [_MINE, _MINE, _MINE]),
+    # maxJobSeries, for the whole job: a rank's own series cost 2 (the ranks), the job's 1. The
+    # step's rank series come first (6 of 6), the job's loss and activations find no room
+    ("maxJobSeries", 6, [_MINE, _MINE, _MINE], [_MINE, _MINE, _MINE]),
+    # room for all: every series, at the step it first appears
+    ("maxJobSeries", 13, [_MINE + _LOSS, _MINE + _LOSS + _ACTS, _MINE + _LOSS + _ACTS], [_MINE, _MINE, _MINE]),
+])
+def test_which_series_a_step_admits_under_each_budget(
+    tmp_path: Path, free_port: int, limit: str, budget: int, zero: list[Any], one: list[Any],
+) -> None:
+    """The series a budget admits, and drops, at a step with a loss rule and a `ranks: job` rule.
+
+    Pinned on both ranks step by step: which series each exports, how many it drops
+    (`hookpolicy_series_dropped_total`: each once, by the rank that would export it) and which
+    limit the one warning names (maxSeries: the rank that drops; maxJobSeries: rank 0 for the job).
+    """
+    path = write_policy(tmp_path, ADMITTED, spec=f"limits: {{{limit}: {budget}}}\n")
+    ranks = spawn(admitted_series, tmp_path, free_port, str(path))
+    expected = [zero, one]
+    uncapped = [[_MINE + _LOSS, _MINE + _LOSS + _ACTS, _MINE + _LOSS + _ACTS], [_MINE, _MINE, _MINE]]
+    for rank, got in enumerate(ranks):
+        assert got["exported"] == [sorted(s) for s in expected[rank]], rank
+        assert got["dropped"] == len(uncapped[rank][-1]) - len(expected[rank][-1]), rank
+    full = expected[0] != uncapped[0]
+    assert len(ranks[0]["lines"]) == full and all(f"spec.limits.{limit}={budget}" in s for s in ranks[0]["lines"])
+    assert ranks[1]["lines"] == []  # maxSeries: rank 1 drops none here; maxJobSeries: rank 0 says it for the job
+
+
 def loss_at_a_no_sync_step(rank: int, policy: str) -> dict[str, Any]:
     """Two DDP steps, the second inside no_sync: the job's loss rank 0 exports after each, and each rank's loss."""
     torch.manual_seed(0)
