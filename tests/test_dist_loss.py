@@ -24,7 +24,7 @@ from torch import nn
 import hookpolicy
 from helpers import REPO
 from helpers.distributed import spawn
-from helpers.outputs import Said
+from helpers.outputs import Said, json_lines
 from helpers.policies import write_policy
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -163,3 +163,62 @@ def test_a_loss_rule_sees_the_jobs_loss_and_decides_the_same_on_every_rank(
         assert ranks[0]["params"] == ranks[1]["params"]
     said = [[line for line in r["lines"] if "holds no DDP, FSDP or DTensor parameters" in line] for r in ranks]
     assert [len(s) for s in said] == ([1, 1] if how == "plain" else [0, 0]), said
+
+
+#: A rule on the job's loss that fires at every step (an MSE loss is positive) and skips it.
+ALWAYS = """\
+- name: always
+  match: {root: true}
+  trigger: {at: step}
+  target: loss
+  actions:
+    - alert: {if: "loss > 0", then: skip_step}
+"""
+#: One more rule, on rank 0 only in the first case: the ranks hold different rules.
+WATCH = """\
+- name: watch
+  match: {root: true}
+  trigger: {at: step}
+  target: loss
+  ranks: own
+  actions:
+    - capture: {stats: [mean]}
+"""
+
+
+def decided_on_the_jobs_loss(rank: int, policies: list[str]) -> dict[str, Any]:
+    """Three DDP steps under this rank's policy: whether each step left the parameters as they were."""
+    torch.manual_seed(0)
+    model = wrap(build_model(), "ddp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = make_data(rank)
+    unchanged: list[bool] = []
+    with hookpolicy.load(policies[rank]).attach(model, registry=CollectorRegistry(), rank=rank):
+        for step in range(3):
+            before = [p.detach().clone() for p in model.parameters()]
+            nn.functional.mse_loss(model(x[16 * step:16 * (step + 1)]), y[16 * step:16 * (step + 1)]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            unchanged.append(all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
+    return {"unchanged": unchanged}
+
+
+@pytest.mark.parametrize("differ", [True, False])
+def test_a_decision_on_the_jobs_loss_is_taken_only_when_the_ranks_hold_the_same_rules(
+    tmp_path: Path, free_port: int, differ: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The job's loss rules are evaluated after the step's agreement, in the step's one read-back: their
+    skip is every rank's when the ranks hold the same rules (the parameters stay as they were on both),
+    and, as any decision, no rank's when they differ (the parameters move; each record says why)."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    for folder in ("r0", "r1"):
+        (tmp_path / folder).mkdir()
+    first = write_policy(tmp_path / "r0", ALWAYS + (WATCH if differ else ""))
+    second = write_policy(tmp_path / "r1", ALWAYS)
+    ranks = spawn(decided_on_the_jobs_loss, tmp_path, free_port, [str(first), str(second)])
+    for r in ranks:
+        assert r["unchanged"] == [not differ] * 3, r
+    outcome = "step not skipped (the ranks hold different rules: no decision at this step)" if differ else "step skipped"
+    records = json_lines(tmp_path / "alerts.jsonl")
+    assert sorted((r["rank"], r["step"], r["outcome"]) for r in records) == [
+        (rank, step, outcome) for rank in (0, 1) for step in range(3)]

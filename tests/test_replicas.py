@@ -391,9 +391,8 @@ BUDGETED = yaml.safe_dump([rule for rule in yaml.safe_load(RULES)
 
 #: Without a budget the job exports 3 activation and 3 `series: rank` gradient series on
 #: each of the 2 ranks, and once (rank 0) 3 gradient series and the job's loss: 16. A
-#: budget of 12 keeps, at the step's first read-back, the job's gradients first (3), then in
-#: publish order the activations (9) and one gradient of each rank (11); the job's loss,
-#: read back after the agreement, takes the last place (12).
+#: budget of 12 keeps, at the first step, the job's gradients and the job's loss first (4),
+#: then in publish order the activations (10) and one gradient of each rank (12).
 JOB_SERIES = 12
 UNCAPPED = 16
 
@@ -509,9 +508,13 @@ _LOSS, _ACTS, _MINE = [["loss", ""]], [["acts", m] for m in LINEARS], [["mine", 
     # what the agreement reduced: the job's loss (rank 0 exports it: dropped there) and, from the
     # second step on (the first announces the layout), the `ranks: job` activations (dropped)
     ("maxSeries", 3, [_MINE, _MINE, _MINE], [_MINE, _MINE, _MINE]),
-    # maxJobSeries, for the whole job: a rank's own series cost 2 (the ranks), the job's 1. The
-    # step's rank series come first (6 of 6), the job's loss and activations find no room
-    ("maxJobSeries", 6, [_MINE, _MINE, _MINE], [_MINE, _MINE, _MINE]),
+    # maxJobSeries, for the whole job: a rank's own series cost 2 (the ranks), the job's 1. Of the
+    # series new at a step, the job's first, the job's loss included (the step's one read-back
+    # publishes after the agreement; before, the loss came after the step's rank series and was
+    # dropped), then each rank's: the loss (1), two of the three own activations (5), the third
+    # dropped on both ranks; at the second step the first `ranks: job` activation takes the last place
+    ("maxJobSeries", 6, [_LOSS + _MINE[:2], _LOSS + _MINE[:2] + _ACTS[:1], _LOSS + _MINE[:2] + _ACTS[:1]],
+     [_MINE[:2], _MINE[:2], _MINE[:2]]),
     # room for all: every series, at the step it first appears
     ("maxJobSeries", 13, [_MINE + _LOSS, _MINE + _LOSS + _ACTS, _MINE + _LOSS + _ACTS], [_MINE, _MINE, _MINE]),
 ])

@@ -4,8 +4,8 @@ Before the update (`before_update`, the optimizer step pre-hook; or, for a scrip
 steps no optimizer, the end of its backward pass):
 
     scope -> active rules -> loss -> execute -> read back -> decide -> agree (and reduce the loss)
-          -> the job's loss rules -> the alerts that fired, every rank's (wake rules: `trigger.after`)
-          -> heal -> write the alert records (what each did) -> commit history
+          -> the job's loss rules (the same read-back) -> publish -> the alerts that fired, every rank's
+          (wake rules: `trigger.after`) -> heal -> write the alert records (what each did) -> commit history
           -> hide gradients -> lower the lr (a cool-down)
 
 After it (`after_update`): restore the hidden gradients -> measure the update (`updates`,
@@ -56,7 +56,7 @@ from .heal.healing import Healing
 from .measure.history import History
 from .execute.ledger import Ledger
 from .hooks.loss import LossTap
-from .decide.readback import Readback
+from .decide.readback import Reading, Readback
 from .decide.replicas import Replicas
 from .measure.rulestate import RuleState, rule_states
 from .execute.steps import HiddenGrads, Phase, Scopes, StepTracker
@@ -192,24 +192,30 @@ class StepCycle:
         """The step's read-back and decision, top to bottom; True to skip the step.
 
         Read back what the ledger holds (one transfer) -> agree with every rank on the skip,
-        halt and heal, reducing this rank's `loss` with every rank's -> publish what the
-        agreement reduced (the job's loss to the rules `job`, the `ranks: job` statistics) ->
-        the step's heal (`_heal`, the one place that sets it) and what became of each alert
-        that could heal -> the alert records -> skips counted -> the history committed.
+        halt and heal, reducing this rank's `loss` with every rank's -> the same read-back
+        takes what the agreement reduced (the job's loss to the rules `job`, the `ranks: job`
+        statistics: host-side values) -> publish the step's statistics, all at once -> the
+        step's heal (`_heal`, the one place that sets it) and what became of each alert that
+        could heal -> the alert records -> skips counted -> the history committed.
         A sink that failed is a fault of its rule (`Faults.fail`: counted, maybe a Halt).
         """
         if not job and loss is None and self.ledger.empty() and not self.agreement.active():
             return False  # an inactive step: nothing measured, nothing to report, agree on or decide
         layout = self.agreement.layout
         held = bool(layout.slots) and self.agreement.active()  # `ranks: job` statistics wait for the agreement
-        report = self._report(final=False, hold=reduced if held else None)
+        done = self.ledger.close()
+        reading = self.readback.read(done.entries, self.step, final=False, hold=reduced if held else None)
+        report = reading.report
         own = len(report.pending)
         agreed = self.agreement.agree(report, self.step, loss, layout.values(report.held) if held else (),
                                       heal=self.healing.choose(report.heals),
                                       fired=frozenset(p.key for p in report.pending))
         if agreed is not None:
             self.store.inc(AGREEMENT_WAIT, (), agreed.waited)
-            self._agreed(job, agreed, loss, report)
+            later = self._agreed(job, agreed, loss)
+            self.readback.add(reading, later.entries, decides=agreed.same)
+            done.join(later)
+        self._publish(reading, done)
         report.fired = _fired(report, agreed, own)
         self.installer.wake(report.fired, self.step)
         report.heal = self._heal(report, agreed)
@@ -238,8 +244,7 @@ class StepCycle:
 
     def _evaluation(self) -> None:
         """An evaluation forward's read-back (no optimizer steps): publish what it measured; it decides no step."""
-        held = bool(self.agreement.layout.slots) and self.agreement.active()
-        report = self._report(final=False, hold=reduced if held else None)
+        report = self._read_and_publish(final=False)
         self._say_held(report)
         self._settle(report, {}, decided=False)
         for key in report.skip_by:
@@ -250,8 +255,7 @@ class StepCycle:
 
     def _last(self) -> None:
         """At `remove()`: publish what the ledger still holds; no decision, nothing committed to the history."""
-        held = bool(self.agreement.layout.slots) and self.agreement.active()
-        report = self._report(final=True, hold=reduced if held else None)
+        report = self._read_and_publish(final=True)
         self._say_held(report)
         self._settle(report, {}, decided=False)
 
@@ -260,10 +264,19 @@ class StepCycle:
             log.info("ranks: job statistics measured outside a training step (an unfinished step at detach) "
                      "are not reduced across ranks nor published")
 
-    def _report(self, final: bool, hold: Optional[Callable[[RuleState], bool]] = None) -> StepReport:
-        """Read back what the ledger holds (one transfer), count it, hand its sink faults to `Faults`."""
+    def _read_and_publish(self, final: bool) -> StepReport:
+        """Read back what the ledger holds (one transfer) and publish it, outside a step's decision.
+
+        The `ranks: job` statistics are held back (not reduced across ranks: the other ranks
+        may be gone, or elsewhere) and not published (`_say_held`).
+        """
+        held = bool(self.agreement.layout.slots) and self.agreement.active()
         done = self.ledger.close()
-        report = self.readback.run(done.entries, self.step, final, hold)
+        return self._publish(self.readback.read(done.entries, self.step, final, hold=reduced if held else None), done)
+
+    def _publish(self, reading: Reading, done: Ledger) -> StepReport:
+        """Publish a read-back's statistics, count what its ledger `done` recorded, hand its sink faults to `Faults`."""
+        report = self.readback.publish(reading)
         self._count(done, report.seconds)
         for rs, exc in report.errors:
             self._faults.fail(rs, exc)
@@ -276,13 +289,12 @@ class StepCycle:
         for rs, exc in self.readback.settle(report, healed, decided, step):
             self._faults.fail(rs, exc)
 
-    def _agreed(self, job: Sequence[RuleState], agreed: Agreed, own: Optional[torch.Tensor],
-                report: StepReport) -> None:
-        """Publish what the agreement reduced: the job's loss to the rules `job` (joining what they decided
-        to `report`), and the `ranks: job` activation statistics.
+    def _agreed(self, job: Sequence[RuleState], agreed: Agreed, own: Optional[torch.Tensor]) -> Ledger:
+        """What the agreement reduced, as the ledger records it: the job's loss as the entries of the rules
+        `job`, and the `ranks: job` activation statistics.
 
-        These values exist only after the collective, so they are reported after it, from the
-        host (the agreement's rows): no transfer from the device.
+        These values exist only after the collective; they are host-side (the agreement's
+        rows), so the step's read-back takes them in with no transfer from the device.
         """
         if job and agreed.loss is None and self._loss is not None:
             self._loss.missing(self.step, [rule_name(rs.key) for rs in job], job=True)
@@ -290,8 +302,7 @@ class StepCycle:
             self.programs.record_job_loss(job, *agreed.loss, own)
         if agreed.tail is not None:
             self.ledger.entries.extend(self.agreement.layout.entries(agreed.tail))
-        if self.ledger.entries:
-            report.join(self._report(final=False), decisions=agreed.same)
+        return self.ledger.close()
 
     def _say_not_data_parallel(self, job: Sequence[RuleState]) -> None:
         """Once: a model in a process group in which no data parallelism shows still gets the job's loss; say so."""
@@ -473,7 +484,7 @@ def _fired(report: StepReport, agreed: Optional[Agreed], own: int) -> frozenset[
     """The alerts that fired at a step's decision, the same on every rank (`StepReport.fired`).
 
     Alone, those of `report`. In a group, those any rank saw (`Agreed.fired`, the row's bits)
-    and those of the read-back after the collective (`report.pending` past the first `own`):
+    and those the read-back evaluated after the collective (`report.pending` past the first `own`):
     the job's loss rules and the `ranks: job` statistics, the same values on every rank, so
     the same alerts. None at a step where the ranks hold different rules.
     """

@@ -186,11 +186,13 @@ def json_number(value: float) -> Union[float, int]:
 
 def fire(
     report: "StepReport", rs: RuleState, index: int, action: Alert, base: dict[str, Any], stats: dict[str, float],
-    past: Past, final: bool,
+    past: Past, final: bool, decides: bool = True,
 ) -> dict[str, Any]:
     """An alert fired for one group (`base`: the step, module, tensor, ...): its record waits in `report.pending`
     (`settled` once the step is decided) and, in force (enforce mode, not at `remove()`), its `then` goes into
     the report's decision: a skip, a heal, a halt. Returns the record as it stands before the step is decided.
+    `decides` False (the job's loss rules at a step where the ranks hold different rules): the record
+    waits as in force, but no decision is taken (its record then says why).
 
     The one place an alert that fired becomes a record and a decision: a live read-back and `hookpolicy
     replay` both call it.
@@ -204,7 +206,7 @@ def fire(
         "condition": action.source, "message": message,
     }
     report.pending.append(Pending(rs, index, action, base, stats, past, record, settles=applied and action.then != "log"))
-    if applied:
+    if applied and decides:
         if action.then == "skip_step" and rs.key not in report.skip_by:
             report.skip = True
             report.skip_rule = report.skip_rule or rs.key
@@ -262,19 +264,6 @@ class StepReport:
     #: the alerts that fired at this step's decision, the same on every rank (set by the step cycle once the
     #: ranks agreed: `StepCycle._decide`); what wakes rules (`trigger.after`) and dumps the recorder
     fired: frozenset[AlertKey] = frozenset()
-
-    def join(self, later: "StepReport", decisions: bool) -> None:
-        """Take in a later read-back of the same step (the job's loss): its skip, halt and heals when
-        `decisions`, what it observed always. Its errors and seconds are acted on apart."""
-        if decisions:
-            if later.skip and not self.skip:
-                self.skip, self.skip_rule = True, later.skip_rule
-            self.skip_by.extend(key for key in later.skip_by if key not in self.skip_by)
-            if self.halt is None:
-                self.halt = later.halt
-            self.heals.extend(heal for heal in later.heals if heal not in self.heals)
-        self.pending.extend(later.pending)
-        self.observed.extend(later.observed)
 
     def off(self, rs: RuleState) -> bool:
         """Whether `rs` is switched off, counting the errors this report still has to hand over."""

@@ -1,13 +1,18 @@
 """The once-per-step readback: buffered device partials in, statistics and decisions out.
 
 The hook bodies leave `Entry` objects (small partial matrices, still on the device) in
-the step's ledger. At a step boundary `Readback.run` fetches all of them with one transfer per
-device, finishes the statistics per group (`per: tensor | module | rule`), publishes
-them to the metrics store, has the alerts evaluated (`alerts`) and the sinks written
-(`writers`), and returns the step's decision: skip it, halt, or go
-on. Nothing here runs inside a hook, and nothing here calls back into the step cycle: the
-outcome is a `StepReport` (skip? halt? which rules' sinks failed? time spent per rule)
-that the step cycle acts on.
+the step's ledger. At a step boundary `Readback.read` fetches all of them with one transfer per
+device, finishes the statistics per group (`per: tensor | module | rule`), has the alerts
+evaluated (`alerts`) and the sinks written (`writers`), and returns the step's decision so
+far (skip it, halt, heal, or go on) in a `Reading`, whose statistics are not published yet.
+The step cycle agrees on that decision with the other ranks, then hands the read-back what
+the agreement reduced (the job's loss, the `ranks: job` statistics: host-side entries, no
+transfer) with `Readback.add`, and `Readback.publish` puts every statistic of the step into
+the metrics store at once: one read-back a step, one admission order under `maxSeries` and
+`maxJobSeries` (`store.MetricsStore.set_stats`: the job's series first, then each rank's, in
+the order they were read). Nothing here runs inside a hook, and nothing here calls back
+into the step cycle: the outcome is a `StepReport` (skip? halt? which rules' sinks failed?
+time spent per rule) that the step cycle acts on.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from ..execute.updates import state_group_key
 from .recorder import Recorder
 from .writers import Writers
 
-__all__ = ["Readback", "StepReport"]
+__all__ = ["Reading", "Readback", "StepReport"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -84,29 +89,63 @@ class Readback:
             log.error("hookpolicy: writing the flight recorder's dumps at detach failed: %s: %s", type(exc).__name__, exc)
         self.writers.close()
 
-    def run(
+    def read(
         self, entries: Sequence[Union[Entry, ClipEntry]], step: int, final: bool,
         hold: Optional[Callable[[RuleState], bool]] = None,
-    ) -> StepReport:
-        """Report one step's entries and decide the step.
+    ) -> "Reading":
+        """Fetch and evaluate one step's entries; nothing is published until `publish`.
 
-        `final` (at `remove()`) publishes what is left but takes no skip or halt decision.
-        The entries of rules `hold` names are fetched with the others but not published:
+        `final` (at `remove()`) reads what is left but takes no skip or halt decision.
+        The entries of rules `hold` names are fetched with the others but not evaluated:
         they go to `StepReport.held` (`ranks: job` statistics, reduced across ranks first).
         A sink error of a rule with `onError: halt` ends the read-back at that point.
         """
-        report = StepReport()
+        reading = Reading(step, final)
+        self._evaluate(reading, entries, hold, decides=True)
+        return reading
+
+    def add(self, reading: "Reading", entries: Sequence[Union[Entry, ClipEntry]], decides: bool) -> None:
+        """Evaluate what the step's agreement reduced (host-side entries) into the same read-back.
+
+        Their alerts fire, log and take their place among the step's records; their skip,
+        halt and heals count only when `decides` (every rank holds the same rules).
+        """
+        self._evaluate(reading, entries, None, decides)
+
+    def publish(self, reading: "Reading") -> StepReport:
+        """Publish every statistic `reading` evaluated, in one admission, write its tensor copies; its report."""
+        report = reading.report
+        if reading.stopped:
+            return report
         try:
-            self._run(entries, step, final, report, hold)
+            for entry in reading.copies:
+                self.writers.write_copies(entry, reading.step if entry.step is None else entry.step, report)
+            self._export(reading.published, reading.jobs)
+            for (family, labels), value in reading.published.items():
+                self._last[family][labels] = value
+            self.writers.flush_boards(report)
         except SinkHalts:
-            pass
+            reading.stopped = True
         return report
 
-    def _run(
-        self, buffered: Sequence[Union[Entry, ClipEntry]], step: int, final: bool, report: StepReport,
-        hold: Optional[Callable[[RuleState], bool]],
+    def _evaluate(
+        self, reading: "Reading", buffered: Sequence[Union[Entry, ClipEntry]],
+        hold: Optional[Callable[[RuleState], bool]], decides: bool,
+    ) -> None:
+        """Fetch `buffered` (one transfer per device) and evaluate it into `reading`; a sink's halt stops it."""
+        if reading.stopped:
+            return
+        try:
+            self._evaluate_entries(reading, buffered, hold, decides)
+        except SinkHalts:
+            reading.stopped = True
+
+    def _evaluate_entries(
+        self, reading: "Reading", buffered: Sequence[Union[Entry, ClipEntry]],
+        hold: Optional[Callable[[RuleState], bool]], decides: bool,
     ) -> None:
         start = time.perf_counter()
+        step, final, report = reading.step, reading.final, reading.report
         passes: dict[tuple[tuple[str, str], int], _Pass] = {}
         entries = [e for e in buffered if isinstance(e, Entry)]
         clips = [e for e in buffered if isinstance(e, ClipEntry)]
@@ -132,25 +171,16 @@ class Readback:
                 pass_ = passes[pkey] = _Pass(entry.rule, entry.op, entry.target, step if entry.step is None else entry.step)
             pass_.add(entry, rows)
         fetch_share = (time.perf_counter() - start) / max(1, len(passes))  # the transfer serves every pass
-        published: dict[tuple[str, tuple[str, ...]], float] = {}
-        jobs: dict[tuple[str, Labels], Export] = {}  # published here, the job's (`Export`); the others each rank's
-        now = time.time()
         for p in passes.values():
             pass_start = time.perf_counter()
             try:
-                self._report_pass(p, now, final, published, jobs, report)
+                self._report_pass(p, reading, decides)
             except SinkHalts:
                 raise
             except Exception as exc:  # noqa: BLE001 - a fault of this rule (a bug, a message), never of the training
                 self.writers.fault(report, p.rule, exc)
             report.seconds[p.rule.key] += fetch_share + time.perf_counter() - pass_start
-        for entry in entries:
-            if entry.copies:
-                self.writers.write_copies(entry, step if entry.step is None else entry.step, report)
-        self._export(published, jobs)
-        for (family, labels), value in published.items():
-            self._last[family][labels] = value
-        self.writers.flush_boards(report)
+        reading.copies.extend(entry for entry in entries if entry.copies)
 
     def _export(self, published: dict[tuple[str, Labels], float], jobs: dict[tuple[str, Labels], Export]) -> None:
         """Publish the step's statistics this rank exports; drop those it leaves to rank 0 (`replicas`).
@@ -167,12 +197,10 @@ class Readback:
         if self._withheld:
             self._withheld.difference_update(k for k in published if k not in withheld)
 
-    def _report_pass(
-        self, p: "_Pass", now: float, final: bool, published: dict[tuple[str, tuple[str, ...]], float],
-        jobs: dict[tuple[str, Labels], Export], report: StepReport,
-    ) -> None:
-        """Publish, log and decide one rule's statistics pass into `report`."""
+    def _report_pass(self, p: "_Pass", reading: "Reading", decides: bool) -> None:
+        """Log and decide one rule's statistics pass into `reading` (its statistics published with the step's)."""
         rs = p.rule
+        now, final, report, published, jobs = reading.now, reading.final, reading.report, reading.published, reading.jobs
         firing: dict[str, bool] = {}
         logged: dict[tuple[int, Optional[LogSink]], list[dict[str, Any]]] = defaultdict(list)  # one write per sink
         boarded: dict[int, list[tuple[str, float]]] = defaultdict(list)
@@ -207,7 +235,7 @@ class Readback:
                 if fired:
                     self.store.inc(ALERTS, (*rs.key, action.severity))
                     # its record is written once the step is decided (`settle`): what its `then` did is known only then
-                    fire(report, rs, index, action, base, stats, past, final)
+                    fire(report, rs, index, action, base, stats, past, final, decides)
         for (index, sink), records in logged.items():
             if self.writers.write_log(rs, index, sink, records, report) and sink is not None:
                 self.store.wrote(rs.key, sink.path or "", len(records))  # for the run summary
@@ -300,6 +328,21 @@ def _fetch(matrices: Sequence[Union[torch.Tensor, list[list[float]]]]) -> list[l
             out[i] = [flat[pos + r * cols: pos + (r + 1) * cols] for r in range(rows)]
             pos += rows * cols
     return out
+
+
+class Reading:
+    """One read-back under way: the entries read so far, evaluated into `report`, their statistics not yet published."""
+
+    def __init__(self, step: int, final: bool) -> None:
+        self.step, self.final = step, final
+        self.report = StepReport()
+        self.now = time.time()  # the time every record of this read-back carries
+        #: {(family, labels): value}, in the order read: published at once by `Readback.publish`
+        self.published: dict[tuple[str, Labels], float] = {}
+        #: those of `published` that are the job's (`replicas.Export`); the others each rank's
+        self.jobs: dict[tuple[str, Labels], Export] = {}
+        self.copies: list[Entry] = []  # entries with tensor copies to write
+        self.stopped = False  # a sink of an `onError: halt` rule failed: the read-back ends there
 
 
 class _Pass:

@@ -89,6 +89,13 @@ class Ledger:
         self.entries, self.ran, self.seconds = [], set(), defaultdict(float)
         return done
 
+    def join(self, later: "Ledger") -> None:
+        """Take in what a later close of the same step gave (what the step's agreement reduced)."""
+        self.entries.extend(later.entries)
+        self.ran.update(later.ran)
+        for key, spent in later.seconds.items():
+            self.seconds[key] += spent
+
     def discard(self) -> None:
         """Forget the statistics of a step no optimizer took (what ran and its time still count).
 
