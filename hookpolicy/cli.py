@@ -483,12 +483,17 @@ def export_grafana(policies: tuple[str, ...]) -> None:
               help="Base port: LOCAL_RANK r serves on port + r.")
 @click.option("--image", default="registry.example.com/hookpolicy:0.1.0", show_default=True,
               help="The example Job's image.")
-def export_kubernetes(policies: tuple[str, ...], name: str, ranks: int, port: int, image: str) -> None:
+@click.option("--web-config-secret", "web_secret", default=None, metavar="SECRET",
+              help="Serve the metrics over TLS with basic auth: the Job mounts web.yml, tls.crt and tls.key of this "
+                   "Secret (--web-config), the PodMonitor scrapes over https with its ca.crt, username and password.")
+def export_kubernetes(policies: tuple[str, ...], name: str, ranks: int, port: int, image: str,
+                      web_secret: Optional[str]) -> None:
     """PrometheusRule and PodMonitor (monitoring.coreos.com/v1), the policies' ConfigMap and an example Job."""
     from .export.kubernetes import kubernetes_objects
 
     try:
-        text = kubernetes_objects(_load(_sources(policies)), name=name, ranks=ranks, port=port, image=image)
+        text = kubernetes_objects(_load(_sources(policies)), name=name, ranks=ranks, port=port, image=image,
+                                  web_secret=web_secret)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     click.echo(text, nl=not text.endswith("\n"))

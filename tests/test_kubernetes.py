@@ -19,7 +19,7 @@ from cloudcoil.models.prometheus_operator import v1 as operator_v1
 import hookpolicy
 from helpers import REPO
 from hookpolicy.cli import cli
-from hookpolicy.export.kubernetes import POLICY_MOUNT, kubernetes_objects
+from hookpolicy.export.kubernetes import POLICY_MOUNT, WEB_MOUNT, WEB_SECRET_KEYS, kubernetes_objects
 
 PROMTOOL = shutil.which("promtool")
 POLICIES = [REPO / "policies" / "nan-guard.yaml", REPO / "policies" / "gradient-monitor.yaml"]
@@ -37,8 +37,9 @@ def _operator_reads(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("kind", ["PrometheusRule", "PodMonitor"])
-def test_the_operator_objects_pass_the_operators_crd_models(kind: str) -> None:
-    obj = objects(ranks=8)[kind]
+@pytest.mark.parametrize("web_secret", [None, "training-metrics-tls"])
+def test_the_operator_objects_pass_the_operators_crd_models(kind: str, web_secret: str | None) -> None:
+    obj = objects(ranks=8, web_secret=web_secret)[kind]
     assert _operator_reads(kind, obj) == obj  # every field is one of the CRD's, of its type
     typo = objects()[kind]
     field = "podMetricsEndpoints" if kind == "PodMonitor" else "groups"
@@ -104,3 +105,47 @@ def test_the_cli_writes_them_and_refuses_what_does_not_fit(tmp_path: Path) -> No
     done = runner.invoke(cli, ["export", "kubernetes", str(POLICIES[0]), "--metrics-port", "65535",
                                "--nproc-per-node", "2"])
     assert done.exit_code == 2 and "do not fit the port range" in done.output
+
+
+def test_with_a_web_config_secret_the_pod_serves_tls_and_the_pod_monitor_scrapes_it(tmp_path: Path) -> None:
+    """The Job mounts only the pod's three files of the Secret and passes --web-config; every endpoint of the
+    PodMonitor scrapes over https with the Secret's CA, for the Job's name, with its username and password.
+    A Secret made as the header says (web.yml naming tls.crt and tls.key beside it) loads in apply."""
+    import bcrypt
+
+    from helpers.tls import make_pki
+    from hookpolicy.export.webconfig import load_web_config
+
+    text = kubernetes_objects(hookpolicy.load([str(p) for p in POLICIES]).policies, name="llm", ranks=2,
+                              web_secret="llm-metrics")
+    assert "the Secret llm-metrics must hold web.yml, tls.crt, tls.key, ca.crt, username, password" in text
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(text)}
+    pod = docs["Job"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    web = args[args.index("--web-config") + 1]
+    assert web == f"{WEB_MOUNT}/web.yml" and args.index("--web-config") < args.index("--")
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == WEB_MOUNT)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert mount["readOnly"] and volume["secret"]["secretName"] == "llm-metrics"
+    assert [i["key"] for i in volume["secret"]["items"]] == ["web.yml", "tls.crt", "tls.key"]  # never the password
+    endpoints = docs["PodMonitor"]["spec"]["podMetricsEndpoints"]
+    assert [e["port"] for e in endpoints] == ["hookpolicy-0", "hookpolicy-1"]
+    for e in endpoints:
+        assert e["scheme"] == "https" and e["tlsConfig"]["serverName"] == "llm"
+        assert e["tlsConfig"]["ca"]["secret"] == {"name": "llm-metrics", "key": "ca.crt"}
+        assert e["basicAuth"] == {"username": {"name": "llm-metrics", "key": "username"},
+                                  "password": {"name": "llm-metrics", "key": "password"}}
+    used = {i["key"] for i in volume["secret"]["items"]} | {"ca.crt", "username", "password"}
+    assert used == set(WEB_SECRET_KEYS)
+    # the Secret's pod side, as files at the mount's names
+    pki = make_pki(tmp_path)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    shutil.copy(pki.server_cert, secret / "tls.crt")
+    shutil.copy(pki.server_key, secret / "tls.key")
+    hashed = bcrypt.hashpw(b"scrape", bcrypt.gensalt(rounds=4)).decode()
+    (secret / "web.yml").write_text(yaml.safe_dump({"tls_server_config": {"cert_file": "tls.crt", "key_file": "tls.key"},
+                                                    "basic_auth_users": {"prometheus": hashed}}))
+    loaded = load_web_config(str(secret / "web.yml"))
+    assert loaded.tls is not None and loaded.credentials is not None

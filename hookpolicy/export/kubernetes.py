@@ -8,13 +8,19 @@ updates), runs `apply` under torchrun with one named container port per local ra
 (`hookpolicy-<r>`, at most 15 characters, on `port + r`) and gives each attempt its
 own run identity (the pod's uid, `HOOKPOLICY_RUN_ID`). The Job is an example to adapt
 (image, command, resources), the other objects are meant to be applied as they are.
+
+With `web_secret` (`--web-config-secret NAME`) the endpoints are served over TLS with basic
+auth: the Job mounts only `web.yml`, `tls.crt` and `tls.key` of that Secret and passes
+`--web-config`, and the PodMonitor scrapes over https, verifying the certificate against
+the Secret's `ca.crt` for the name `server_name` and authenticating with its `username` and
+`password` (`WEB_SECRET_KEYS`). The Secret itself is the operator's to make: it holds keys.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import yaml
 
@@ -22,15 +28,21 @@ from .rules import prometheus_rules
 from ..environment import ENV_RUN_ID
 from ..policy.model import Policy
 
-__all__ = ["POLICY_MOUNT", "kubernetes_objects"]
+__all__ = ["POLICY_MOUNT", "WEB_MOUNT", "WEB_SECRET_KEYS", "kubernetes_objects"]
 
 #: Where the example Job mounts the policies' ConfigMap.
 POLICY_MOUNT = "/etc/hookpolicy/policies"
+#: Where it mounts the web config Secret's files the pod needs.
+WEB_MOUNT = "/etc/hookpolicy/web"
+#: The keys of the web config Secret: the pod's files (an exporter-toolkit web.yml naming tls.crt and tls.key
+#: beside it, with a bcrypt hash of the password), then what Prometheus reads (the CA, the user, the password).
+WEB_SECRET_KEYS = ("web.yml", "tls.crt", "tls.key", "ca.crt", "username", "password")
 
 
 def kubernetes_objects(
     policies: Sequence[Policy], *, name: str = "hookpolicy", ranks: int = 1, port: int = 9400,
     image: str = "registry.example.com/hookpolicy:0.1.0", command: Sequence[str] = ("/work/train.py",),
+    web_secret: Optional[str] = None,
 ) -> str:
     """The objects as one multi-document YAML stream: PrometheusRule, PodMonitor, ConfigMap, Job.
 
@@ -49,6 +61,21 @@ def kubernetes_objects(
     selector = {"app.kubernetes.io/name": name}
     labels = {**selector, "app.kubernetes.io/component": "training"}
     ports = [{"name": f"hookpolicy-{r}", "containerPort": port + r} for r in range(ranks)]
+    endpoint: dict[str, Any] = {"path": "/metrics", "interval": "15s"}
+    web_args: list[str] = []
+    mounts = [{"name": "policies", "mountPath": POLICY_MOUNT, "readOnly": True}]
+    # a folder mount, never subPath: only a folder receives the ConfigMap's updates
+    volumes: list[dict[str, Any]] = [{"name": "policies", "configMap": {"name": f"{name}-policies"}}]
+    if web_secret is not None:
+        # the pod reads its three files (never the password itself); Prometheus the other three
+        endpoint.update(scheme="https", tlsConfig={"ca": {"secret": {"name": web_secret, "key": "ca.crt"}},
+                                                   "serverName": name},
+                        basicAuth={"username": {"name": web_secret, "key": "username"},
+                                   "password": {"name": web_secret, "key": "password"}})
+        web_args = ["--web-config", f"{WEB_MOUNT}/web.yml"]
+        mounts.append({"name": "web-config", "mountPath": WEB_MOUNT, "readOnly": True})
+        volumes.append({"name": "web-config", "secret": {
+            "secretName": web_secret, "items": [{"key": k, "path": k} for k in WEB_SECRET_KEYS[:3]]}})
     objects: list[dict[str, Any]] = [
         {
             "apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
@@ -60,7 +87,7 @@ def kubernetes_objects(
             "metadata": {"name": name, "labels": dict(selector)},
             "spec": {
                 "selector": {"matchLabels": dict(selector)},
-                "podMetricsEndpoints": [{"port": p["name"], "path": "/metrics", "interval": "15s"} for p in ports],
+                "podMetricsEndpoints": [{"port": p["name"], **endpoint} for p in ports],
             },
         },
         {
@@ -80,15 +107,14 @@ def kubernetes_objects(
                         "containers": [{
                             "name": "train", "image": image,
                             "args": ["apply", POLICY_MOUNT, "--watch", "--metrics-addr", "0.0.0.0", "--metrics-port",
-                                     str(port), "--", "torchrun", "--standalone", "--nproc_per_node", str(ranks),
+                                     str(port), *web_args, "--", "torchrun", "--standalone", "--nproc_per_node", str(ranks),
                                      *command],
                             "env": [{"name": ENV_RUN_ID,  # one per attempt: a retried pod is a new run
                                      "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}],
                             "ports": ports,
-                            "volumeMounts": [{"name": "policies", "mountPath": POLICY_MOUNT, "readOnly": True}],
+                            "volumeMounts": mounts,
                         }],
-                        # a folder mount, never subPath: only a folder receives the ConfigMap's updates
-                        "volumes": [{"name": "policies", "configMap": {"name": f"{name}-policies"}}],
+                        "volumes": volumes,
                     },
                 },
             },
@@ -96,7 +122,10 @@ def kubernetes_objects(
     ]
     header = ("# Kubernetes objects generated by `hookpolicy export kubernetes` from "
               + (", ".join(_one_line(p.source) for p in policies) or "no policy") + ".\n"
-              "# PrometheusRule and PodMonitor need the Prometheus Operator; the Job is an example to adapt.\n")
+              "# PrometheusRule and PodMonitor need the Prometheus Operator; the Job is an example to adapt.\n"
+              + ("" if web_secret is None else
+                 f"# TLS and basic auth: the Secret {_one_line(web_secret)} must hold {', '.join(WEB_SECRET_KEYS)}; its "
+                 f"certificate must name {_one_line(name)} (the PodMonitor's serverName).\n"))
     return header + yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False, width=100000,
                                        allow_unicode=True)
 
