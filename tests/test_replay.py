@@ -357,3 +357,16 @@ def test_a_rule_that_wakes_on_an_alert_is_replayed_on_exactly_its_awake_steps(ou
     result = replay(hookpolicy.load(out / "woke.yaml").policies, [str(out / "record.jsonl")], audit=True)
     assert_same_records(live, result.alerts)
     assert result.rules[("woke", "after")].fired[0] == awake
+
+
+def test_steps_the_log_lacks_where_the_rule_is_active_are_said(out: Path) -> None:
+    every3 = policy_text(rule("loss", "loss", capture("mean, max, nonfinite", "rule")).replace(
+        "trigger: {at: step}", "trigger: {at: step, every: 3}"), name="sparse")
+    (out / "sparse.yaml").write_text(every3, encoding="utf-8")
+    train(hookpolicy.load(out / "sparse.yaml"), audit=True, steps=20)  # logged at 0, 3, ..., 18
+    result = replay(hookpolicy.load(POLICIES / "loss-spike-guard.yaml").policies, [str(out / "record.jsonl")])
+    missing = [s for s in range(0, 19) if s % 3]
+    assert (f"loss-spike-guard/loss-spike: action 1 reads sparse/loss, which has no value at {len(missing)} of the "
+            f"19 steps 0-18 the rule is active on (e.g. 1-2, 4-5, 7): replayed, its history and for: count only the "
+            "logged steps, live they counted them all") in result.notes
+    assert result.steps == list(range(0, 19, 3))

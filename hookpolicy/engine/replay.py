@@ -167,8 +167,29 @@ def replay(policies: Sequence[Policy], logs: Sequence[str], run: Optional[str] =
                              "policies replayed: it stays asleep (name that policy too)")
         if sources:
             states.append((rs, sources))
+    _say_gaps(out, states)
     _run(out, states, records, chosen)
     return out
+
+
+def _say_gaps(out: Replayed, states: list[tuple[RuleState, dict[int, "Source"]]]) -> None:
+    """Per alert, the steps of the log's span its rule is active on and its source has no value at, said:
+    live, its history and `for:` counted those steps."""
+    logged = sorted({s for _, sources in states for source in sources.values() for s in source.steps})
+    if not logged:
+        return
+    for rs, sources in states:
+        if rs.rule.trigger.after is not None:  # asleep but on its windows: a gap there is said by its waker's alerts
+            continue
+        active = [s for s in range(logged[0], logged[-1] + 1) if rs.rule.trigger.active_at(s)]
+        for index, source in sources.items():
+            gaps = [s for s in active if s not in source.steps]
+            if gaps:
+                out.notes.append(
+                    f"{rule_name(rs.key)}: action {index} reads {rule_name(source.rule.key)}, which has no value at "
+                    f"{len(gaps)} of the {len(active)} steps {logged[0]}-{logged[-1]} the rule is active on (e.g. "
+                    f"{_steps(gaps[:5])}): replayed, its history and for: count only the logged steps, live they "
+                    "counted them all")
 
 
 def _log_rules(records: Records, rank: int) -> dict[tuple[RuleKey, str], LogRule]:
