@@ -357,3 +357,71 @@ spec:
     assert replayed.steps == list(range(15, 29))
     fired = {(r["step"], r["module"]) for r in replayed.alerts}
     assert fired == {k for k, v in norms.items() if v > threshold} and len(fired) == len(norms) // 2
+
+
+ONE_RANK = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {name: rec}
+spec:
+  rules:
+    - name: layers
+      match: {types: [Linear]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - capture: {stats: [l2_norm], keep: {steps: 40, dump: {alerts: [rec/act], before: 5, after: 1}}}
+    - name: act
+      match: {modules: ["0"]}
+      trigger: {at: forward}
+      target: output
+      actions:
+        - alert: {if: "abs_max > 1000"}
+"""
+
+
+def ranks_one_alert(rank: int, folder: str) -> dict[str, Any]:
+    """DDP `tiny` on 2 ranks; at step 15 only rank 1's input is huge: its own activation alert fires there alone."""
+    import os
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ["HOOKPOLICY_OUTPUT_DIR"] = folder
+    os.environ["HOOKPOLICY_RUN_ID"] = "one-job"
+    path = Path(folder) / "one-rank.yaml"
+    if rank == 0:
+        path.write_text(ONE_RANK)
+    torch.distributed.barrier()
+    model = DistributedDataParallel(tiny())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    gen = torch.Generator().manual_seed(10 + rank)
+    with hookpolicy.load(path).attach(model, rank=rank):
+        for step in range(20):
+            x = torch.randn(6, 4, generator=gen) * (1e5 if rank == 1 and step == 15 else 1.0)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    files = sorted((Path(folder) / "dumps").glob(f"*.rank{rank}.jsonl"))
+    return {"files": [p.name for p in files],
+            "lines": [[json.loads(line) for line in p.read_text().splitlines()] for p in files]}
+
+
+def test_an_alert_of_one_rank_dumps_every_ranks_ring_at_the_same_step(tmp_path: Path, free_port: int) -> None:
+    """The alerts a dump names are agreed on at each step (the step's agreement, `StepReport.fired`): an
+    activation alert that fired on rank 1 alone dumps rank 0's ring too, at the same step, with the same window;
+    only rank 1's dump holds the alert record; `report` merges both ranks' dumps."""
+    zero, one = spawn(ranks_one_alert, tmp_path, free_port, str(tmp_path))
+    assert zero["files"] == ["rec-layers.step00000015.rank0.jsonl"]
+    assert one["files"] == ["rec-layers.step00000015.rank1.jsonl"]
+    (z,), (o,) = zero["lines"], one["lines"]
+    for lines, rank in ((z, 0), (o, 1)):
+        assert {k: lines[0][k] for k in ("event", "step", "first", "last", "alerts", "rank")} == {
+            "event": "dump", "step": 15, "first": 10, "last": 16, "alerts": ["rec/act"], "rank": rank}
+    assert [r["rank"] for r in o if r.get("event") == "alert"] == [1]
+    assert not [r for r in z if r.get("event") == "alert"]
+    from hookpolicy.export.report import read_logs
+
+    records = read_logs([str(tmp_path / "dumps" / n) for n in zero["files"] + one["files"]])
+    assert sorted(d[0] for d in records.dumps) == [0, 1] and {d[3] for d in records.dumps} == {15}
+    assert {key[6] for key in records.series} == {0, 1}
+    assert records.marked() == [15]

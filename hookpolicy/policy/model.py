@@ -406,7 +406,11 @@ def alert_keys(policies: Sequence[Policy]) -> list[AlertKey]:
 
 def listened(policies: Sequence[Policy]) -> frozenset[AlertKey]:
     """The alerts whose firing something acts on at later steps, on every rank alike: every alert of a
-    rule that a `trigger.after` names. A step's agreement carries them (`engine/decide/agreement.py`)."""
+    rule that a `trigger.after` names, or that a flight recorder's `keep.dump.alerts` names (every rank
+    dumps its ring at the same step). A step's agreement carries them (`engine/decide/agreement.py`)."""
     woken_by = {rule.trigger.after.rule for policy in policies for rule in policy.rules
                 if rule.trigger.after is not None}
-    return frozenset(key for key in alert_keys(policies) if key[0] in woken_by)
+    dumped_by = {tuple(name.split("/", 1)) for policy in policies for rule in policy.rules for action in rule.actions
+                 if isinstance(action, Capture) and action.keep is not None and action.keep.dump is not None
+                 for name in action.keep.dump.alerts}
+    return frozenset(key for key in alert_keys(policies) if key[0] in woken_by or key[0] in dumped_by)

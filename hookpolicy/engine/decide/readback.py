@@ -32,7 +32,7 @@ from ...environment import run_id
 from ...export.metrics import ALERT_FIRING, ALERTS, CLIPPED, Labels, stat_family
 from ...export.store import ModelMetrics
 from ...export.tensorboard import scalar_tag
-from ...policy.model import OPTIMIZER_STATE, Capture, Clip, LogSink, Policy
+from ...policy.model import OPTIMIZER_STATE, Capture, Clip, LogSink, Policy, rule_name
 from .alerts import Alerts, SinkHalts, StepReport, fire, json_number, settled
 from ..measure.distributed import reduce_shards
 from ..measure.history import History, group_key
@@ -265,8 +265,8 @@ class Readback:
                     records += batch
                     self.writers.write_log(pending.rule, -1, None, batch, written)
                     batch = []
-            if step is not None:
-                self.recorder.alerted(step, {f"{r['policy']}/{r['rule']}" for r in records}, records)
+            if step is not None:  # the alerts that fired at this step on any rank (`StepReport.fired`, agreed)
+                self.recorder.alerted(step, {rule_name(key[0]) for key in report.fired}, records)
                 self.recorder.flush(lambda rs, write: self.writers.sink(written, rs, write), step)
         except SinkHalts:
             pass

@@ -13,7 +13,9 @@ JSON-lines file, written once the ring holds step S + after (or at detach, with 
 holds): a `{"event": "dump"}` header, the alert records of S, then one record per step and
 group in exactly the capture log's format (`export/sinks.py`, `readback._report_pass`), so
 `hookpolicy report` and `replay` read a dump as they read a log. Each rank dumps its own
-ring. The files a policy writes per rank are bounded by `spec.limits.maxDumps` and their
+ring, all at the same step: the alerts that fired are the step's agreed ones
+(`StepReport.fired`; the dumped rules' alerts are in `policy.model.listened`), so an alert
+of one rank dumps every rank's ring, and only that rank's file holds its record. The files a policy writes per rank are bounded by `spec.limits.maxDumps` and their
 bytes by `maxDumpBytes`: a dump past either is not written (never a partial file), said
 once, and the count of those not written is said at detach.
 """
