@@ -285,7 +285,7 @@ def test_a_statistic_logged_per_rule_is_not_taken_for_one_per_module(out: Path, 
 
 
 @pytest.mark.parametrize("case", ["missing", "text", "empty", "json-not-ours", "bad-policy", "no-log", "no-policy",
-                                  "rank", "run"])
+                                  "rank", "run", "no-alert"])
 def test_bad_input_is_one_clear_error_and_no_traceback(out: Path, tmp_path: Path, case: str) -> None:
     (out / "lossonly.yaml").write_text(LOSS_ONLY, encoding="utf-8")
     train(hookpolicy.load(out / "lossonly.yaml"), audit=True, steps=3)
@@ -304,6 +304,8 @@ def test_bad_input_is_one_clear_error_and_no_traceback(out: Path, tmp_path: Path
         "no-policy": ([log], 2, "no policy given"),
         "rank": (["--rank", "3", guard, log], 1, "Error: no records of rank 3 in the logs (ranks: 0)"),
         "run": (["--run", "nosuchrun", guard, log], 1, "Error: no run 'nosuchrun' in"),
+        "no-alert": ([str(POLICIES / "observe.yaml").replace("observe", "clip-global"), log], 1,
+                     "Error: clip-global: no rule has an alert; replay evaluates alerts"),
     }[case]
     result = run_cli(*args)
     assert result.exit_code == code, result.output
@@ -370,3 +372,15 @@ def test_steps_the_log_lacks_where_the_rule_is_active_are_said(out: Path) -> Non
             f"19 steps 0-18 the rule is active on (e.g. 1-2, 4-5, 7): replayed, its history and for: count only the "
             "logged steps, live they counted them all") in result.notes
     assert result.steps == list(range(0, 19, 3))
+
+
+def test_a_second_run_in_the_log_is_named_and_the_last_replayed(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (out / "lossonly.yaml").write_text(LOSS_ONLY, encoding="utf-8")
+    for n in range(2):
+        monkeypatch.setenv("HOOKPOLICY_RUN_ID", f"run-{n}")
+        train(hookpolicy.load(out / "lossonly.yaml"), audit=True, steps=3)
+    runs = list(dict.fromkeys(r["run"] for r in json_lines(out / "record.jsonl")))
+    assert runs == ["run-0", "run-1"]
+    result = replay(hookpolicy.load(POLICIES / "loss-spike-guard.yaml").policies, [str(out / "record.jsonl")])
+    assert result.records.run == runs[1]
+    assert f"the logs hold 1 other run(s), not replayed (--run ID): {runs[0]}" in result.notes

@@ -36,7 +36,7 @@ import torch
 
 from ..export.report import Records, ReportError, read_runs
 from ..export.store import MetricsStore, ModelMetrics
-from ..policy.model import AFTER_UPDATE, LOSS, Alert, Policy, Rule, RuleKey, rule_name
+from ..policy.model import AFTER_UPDATE, LOSS, Alert, Clip, Policy, Rule, RuleKey, Scale, rule_name
 from ..policy.patterns import compile_glob
 from .decide.alerts import Alerts, StepReport, fire, settled
 from .execute.executor import woken
@@ -126,8 +126,12 @@ def replay(policies: Sequence[Policy], logs: Sequence[str], run: Optional[str] =
            audit: bool = False) -> Replayed:
     """Evaluate the alerts of `policies` over the logs' run `run` (default: the last) on `rank` (default: the
     lowest), as enforced (`audit` False: the rules' own modes) or as in audit mode."""
+    if not any(isinstance(a, Alert) for p in policies for r in p.rules for a in r.actions):
+        raise ReplayError(f"{', '.join(p.name for p in policies)}: no rule has an alert; replay evaluates alerts and "
+                          "the decisions they take (captures, clips and scales are not replayed)")
     try:
-        records = read_runs(logs).pick([run] if run else [])[0]
+        runs = read_runs(logs)
+        records = runs.pick([run] if run else [])[0]
     except ReportError as exc:
         raise ReplayError(str(exc)) from None
     ranks = sorted({key[6] for key in records.series})
@@ -138,6 +142,9 @@ def replay(policies: Sequence[Policy], logs: Sequence[str], run: Optional[str] =
     if chosen not in ranks:
         raise ReplayError(f"no records of rank {chosen} in the logs (ranks: {', '.join(map(str, ranks))})")
     out = Replayed(tuple(policies), records, chosen, audit, {})
+    others = [r or "(no run id)" for r in runs.runs if r != records.run]
+    if others:
+        out.notes.append(f"the logs hold {len(others)} other run(s), not replayed (--run ID): {', '.join(others)}")
     if len(ranks) > 1:
         out.notes.append(f"the logs hold ranks {', '.join(map(str, ranks))}; rank {chosen}'s values are replayed "
                          "(--rank N for another): a live run also skips or halts on another rank's alert")
@@ -149,6 +156,9 @@ def replay(policies: Sequence[Policy], logs: Sequence[str], run: Optional[str] =
         alerts = [(i, a) for i, a in enumerate(rule.actions) if isinstance(a, Alert)]
         if not alerts:
             continue
+        if any(isinstance(a, (Clip, Scale)) for a in rule.actions):
+            out.notes.append(f"{policy.name}/{rule.name}: its clips and scales are not replayed (a log holds "
+                             "the statistics, not the gradients they would change)")
         rs = RuleState(policy, rule, compile_rule(rule), "audit" if audit else rule.mode)
         outcome = out.rules[rs.key] = RuleOutcome(rs.key)
         sources: dict[int, Source] = {}
