@@ -510,8 +510,8 @@ def test_loss_spike_recorder_alone_keeps_its_ring_dumps_nothing_and_explain_says
     assert policies.policies[0].max_dumps == 20
     notes, warnings = bounds(policies.policies, policies.plan(model).bindings)
     modules = sum(isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm)) for m in model.modules()) - 1  # lm_head: tied
-    assert any(f"200 steps x {modules} groups (per: module) x 3 stats x 8 bytes = {200 * modules * 3 * 8} bytes" in n
-               for n in notes)
+    assert any(f"200 steps x {modules} groups (per: module) x 3 stats x 8 bytes + 8 bytes per group name = "
+               f"{200 * modules * 3 * 8 + modules * 8} bytes" in n for n in notes)
     assert any("names loss-spike-guard/loss-spike, a rule none of the policies given has" in w for w in warnings)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with policies.attach(model, rank=0):

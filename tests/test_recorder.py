@@ -209,15 +209,29 @@ def test_a_dump_window_longer_than_the_ring_is_refused_at_check(tmp_path: Path) 
     assert "keep.steps must be at least 11" in text and "$.spec.rules[0].actions[0].capture.keep.steps" in text
 
 
-def test_explain_shows_the_rings_memory_and_its_cap(tmp_path: Path) -> None:
+def test_explain_shows_the_rings_memory_and_its_cap_which_the_ring_keeps(
+        workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """explain's count of the ring's memory is the ring's own count at run time, and the cap it warns about at
+    load (and at attach) is the number of steps the ring then keeps."""
     from hookpolicy.engine.decide.recorder import bounds
 
     model = tiny()
-    policies = policy(tmp_path, steps=40, ring_bytes=20 * 2 * 3 * VALUE_BYTES)
+    policies = policy(workdir, steps=40, ring_bytes=20 * 2 * 3 * VALUE_BYTES, log=False)
     notes, warnings = bounds(policies.policies, policies.plan(model).bindings)
-    assert any("keeps a ring of 40 steps x 2 groups (per: module) x 3 stats x 8 bytes = 1920 bytes of 960" in n
-               for n in notes), notes
-    assert any("it keeps only the last 20 steps" in w for w in warnings), warnings
+    assert any("keeps a ring of 40 steps x 2 groups (per: module) x 3 stats x 8 bytes + 8 bytes per group name = "
+               "1936 bytes of 960" in n for n in notes), notes
+    assert any("it keeps only the last 19 steps" in w for w in warnings), warnings
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"):
+        with policies.attach(model, rank=0) as attached:
+            assert [r.getMessage() for r in caplog.records if "it keeps only the last 19 steps" in r.getMessage()]
+            run(model, 50, set())
+            ring = attached.recorder.rings[(("rec", "layers"), 0)]
+            assert len(ring.steps) == 19 and ring.bytes == 19 * 2 * 3 * VALUE_BYTES + 2 * VALUE_BYTES
+    uncapped = policy(workdir, steps=40, log=False)
+    model = tiny()
+    with uncapped.attach(model, rank=0) as attached:
+        run(model, 50, set())
+        assert attached.recorder.rings[(("rec", "layers"), 0)].bytes == 1936
 
 
 # -- several ranks -------------------------------------------------------------------------------------------------

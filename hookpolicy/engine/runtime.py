@@ -30,7 +30,7 @@ from ..plan.planner import Plan, build_plan
 from ..policy.model import Policy
 from .decide.agreement import Vote
 from .cycle import Leftovers, StepCycle
-from .decide.recorder import Recorder
+from .decide.recorder import Recorder, bounds as ring_bounds
 from .heal.healing import Carried
 from .measure.history import History
 from .execute.executor import publish_rule_series
@@ -70,7 +70,7 @@ class Attached:
                                 generation)
         self._removed = False
         self._dropped: "Optional[weakref.finalize[..., torch.nn.Module]]" = None
-        for warning in plan.warnings:
+        for warning in plan.warnings + tuple(ring_bounds(self.policies, plan.bindings)[1]):
             log.warning("%s", warning)
         _claim_model(model, self.policies)  # from here on nothing raises before the hooks are in
         self._publish_initial_series(audit)

@@ -295,9 +295,9 @@ def _write_new(folder: Path, name: str, data: bytes) -> Path:
 
 
 def bounds(policies: Sequence[Policy], bindings: Sequence[Binding]) -> tuple[list[str], list[str]]:
-    """What `explain` says of the rings: per capture with `keep`, its memory (steps x groups x stats x 8 bytes)
-    against its share of `maxRingBytes`, a warning when it does not fit, and one when a dump names a rule
-    that none of `policies` has."""
+    """What `explain` says of the rings: per capture with `keep`, its memory (steps x groups x stats x 8 bytes,
+    and 8 bytes per group name) against its share of `maxRingBytes`, a warning when it does not fit (also said
+    at attach: the ring then keeps fewer steps), and one when a dump names a rule that none of `policies` has."""
     notes: list[str] = []
     warnings: list[str] = []
     names = {f"{p.name}/{r.name}" for p in policies for r in p.rules}
@@ -310,15 +310,17 @@ def bounds(policies: Sequence[Policy], bindings: Sequence[Binding]) -> tuple[lis
             bound = [b for b in bindings if b.key == (policy.name, rule.name)]
             groups, at_least = groups_on(action.per, rule.target, bound) if bound else (0, False)
             each = groups * len(action.stats) * VALUE_BYTES
-            total = keep.steps * each
-            fits = keep.steps if each == 0 else min(keep.steps, share // each)
+            named = groups * VALUE_BYTES  # one list of group names, shared by the steps with the same groups
+            total = keep.steps * each + named
+            fits = keep.steps if each == 0 else min(keep.steps, max(0, share - named) // each)
             dumps = "" if keep.dump is None else (
                 f"; dumps {keep.dump.before} steps before and {keep.dump.after} after an alert of "
                 f"{', '.join(keep.dump.alerts)} to {keep.dump.dir}/ (at most {policy.max_dumps} files, "
                 f"{policy.max_dump_bytes} bytes)")
             notes.append(f"{rule_name((policy.name, rule.name))}: action {index} keeps a ring of {keep.steps} steps x "
                          f"{'at least ' if at_least else ''}{groups} group{'s' if groups != 1 else ''} (per: "
-                         f"{action.per}) x {len(action.stats)} stats x {VALUE_BYTES} bytes = {total} bytes of "
+                         f"{action.per}) x {len(action.stats)} stats x {VALUE_BYTES} bytes + {VALUE_BYTES} bytes per group "
+                         f"name = {total} bytes of "
                          f"{share} (its share of spec.limits.maxRingBytes={policy.max_ring_bytes}); "
                          f"{'exported too' if keep.export else 'not exported to Prometheus'}{dumps}")
             if fits < keep.steps:
