@@ -11,6 +11,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 import hookpolicy
+from hookpolicy.engine import cycle
 
 from models import wide_model
 from timing import Summary, summarize
@@ -33,7 +34,9 @@ class ScaleResult:
     scrape_bytes: int
     readback_step: Summary
     plain_step: Summary
-    scrape: Summary
+    #: CPU time of the step's read-back (fetch, finish or hand over, publish): what publishing costs the step
+    publish_cpu: Summary
+    scrape: Summary  # each after a step: it finishes the values the step handed over
     scrape_cpu: Summary  # CPU time of the scraping thread: what the scrape costs without other tenants
     #: "deepcopy"/"torch.save" -> "plain"/"governed" (monitor.yaml attached) -> seconds
     copies: dict[str, dict[str, Summary]]
@@ -79,29 +82,46 @@ def measure_scale(repeats: int, scrapes: int, device: torch.device) -> ScaleResu
         opt.step()
         plain.append(time.perf_counter() - start)
         opt.zero_grad(set_to_none=True)
+    publish: list[float] = []
+    report = cycle.StepCycle._report
+
+    def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+        start = time.thread_time()
+        try:
+            return report(*args, **kwargs)
+        finally:
+            publish.append(time.thread_time() - start)
+
+    cycle.StepCycle._report = timed  # type: ignore[method-assign]
     attached = scraper.attach(model, registry=registry)
     try:
-        for _ in range(repeats):
+        def step() -> float:
             model(x).square().mean().backward()
             start = time.perf_counter()
             opt.step()  # hookpolicy's readback of 10,000 statistics runs in its pre-hook
-            readback.append(time.perf_counter() - start)
             opt.zero_grad(set_to_none=True)
+            return time.perf_counter() - start
+
+        step()  # the first step admits the series (maxSeries); the next ones only swap their values in
+        publish.clear()
+        readback = [step() for _ in range(repeats)]
         text = generate_latest(registry)
         series = sum(1 for line in text.decode().splitlines()
                      if line.startswith(("hookpolicy_grad_l2_norm{", "hookpolicy_grad_nonfinite{")))
         times, cpu = [], []
-        for _ in range(scrapes):
+        for _ in range(scrapes):  # each after a step: the scrape finishes what the step handed over
+            step()
             start, cpu_start = time.perf_counter(), time.thread_time()
             generate_latest(registry)
             times.append(time.perf_counter() - start)
             cpu.append(time.thread_time() - cpu_start)
     finally:
         attached.remove()
+        cycle.StepCycle._report = report  # type: ignore[method-assign]
     return ScaleResult(
         modules, linears, bindings, hooks, summarize(loads), summarize(plans), summarize(attaches),
-        summarize(removes), series, len(text), summarize(readback), summarize(plain), summarize(times), summarize(cpu),
-        copies,
+        summarize(removes), series, len(text), summarize(readback), summarize(plain), summarize(publish),
+        summarize(times), summarize(cpu), copies,
     )
 
 

@@ -35,7 +35,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections import defaultdict
+from collections import Counter
+from operator import itemgetter
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -325,9 +326,7 @@ class StepCycle:
 
     def _count(self, done: Ledger, seconds: dict[tuple[str, str], float]) -> None:
         """`hookpolicy_actions_total` (once per step and binding) and `hookpolicy_hook_seconds_total`."""
-        counts: dict[tuple[str, ...], int] = defaultdict(int)
-        for labels, _ in done.ran:
-            counts[labels] += 1
+        counts = Counter(map(itemgetter(0), done.ran))  # bindings per action's labels, counted in C
         for labels, count in counts.items():
             self.store.inc(ACTIONS, labels, count)
         for key, spent in seconds.items():

@@ -1,7 +1,11 @@
 """The values of hookpolicy's metrics, and the series budgets (`maxSeries`, `maxJobSeries`) they are kept within.
 
 The runtime writes into a `MetricsStore` once per step (never from inside a hook); the
-collector (`collector.StoreCollector`) reads a snapshot of it when Prometheus scrapes. One
+collector (`collector.StoreCollector`) reads a snapshot of it when Prometheus scrapes. A
+step whose statistics only export (no alert, no sink reads them) and whose series are all
+held already only swaps in their unfinished values (`swap_in`, whatever their number): they
+are finished at the next scrape (`snapshot`, outside the lock a step takes) or before the
+store changes otherwise. One
 store serves one `CollectorRegistry` (`collector.store_for`), so several attached models (or
 a hot-reloaded policy) in one process share it and counters stay monotonic across a reload.
 `ModelMetrics` is one governed model's view of the store, which adds its `model` label.
@@ -14,16 +18,25 @@ import os
 import threading
 import weakref
 from collections import defaultdict
-from typing import Callable, Collection, Iterable, Mapping, Optional, cast
+from typing import Callable, Collection, Hashable, Iterable, Mapping, Optional, Protocol, Sequence, cast
 
 from ..environment import run_id
 from ..policy.model import Policy
 from ..process import Once
 from .metrics import MODEL_FAMILIES, RELOAD_SUCCESSFUL, RUN_INFO, SERIES_DROPPED, STAT_FAMILIES, Family, Labels, checked_name
 
-__all__ = ["MetricsStore", "ModelMetrics"]
+__all__ = ["Deferred", "MetricsStore", "ModelMetrics"]
 
 log = logging.getLogger("hookpolicy")
+
+Key = tuple[str, Labels]
+
+
+class Deferred(Protocol):
+    """Values handed over unfinished (`engine.decide.passes.Finished`)."""
+
+    def values(self) -> Sequence[float]:
+        """The values, finished once, whichever thread asks first."""
 
 
 class MetricsStore:
@@ -53,6 +66,11 @@ class MetricsStore:
         #: and -> every statistic series it stored (also those forgotten since)
         self._written: dict[Labels, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._stored: dict[Labels, set[tuple[str, Labels]]] = defaultdict(set)
+        #: values swapped in unfinished (`swap_in`): token -> (their series, the values), written at the next
+        #: scrape or before anything else changes the statistic series
+        self._pending: dict[Hashable, tuple[Sequence[Key], Deferred]] = {}
+        #: raised whenever a statistic series is forgotten: a `swap_in` checked at an older one is refused
+        self._generation = 0
         self._engine[RUN_INFO.name][(run_id(os.environ),)] = 1.0
 
     # -- engine families ---------------------------------------------------------------
@@ -194,6 +212,57 @@ class MetricsStore:
             self._stored[(labels[0], labels[1], labels[-1])].add(key)
         series[labels] = value
 
+    def generation(self) -> int:
+        """How many times statistic series were forgotten: `holding` answers for one generation."""
+        return self._generation
+
+    def holding(self, keys: Iterable[Key], policies: Mapping[str, Policy], world: int) -> Optional[int]:
+        """The generation at which this store holds every series of `keys` as this rank's own, or None.
+
+        Held: stored here, and counted against a `maxJobSeries` at `world` (as `set_stats` counts
+        a rank's series). For such series `set_stats` would only write their values, so until
+        a series is forgotten (a new generation) `swap_in` may stand for it.
+        """
+        with self._lock:
+            for key in keys:
+                family, labels = key
+                if labels not in self._stats.get(family, {}):
+                    return None
+                policy = policies.get(labels[0])
+                if policy is not None and policy.max_job_series is not None and self._job_costs.get(key) != world:
+                    return None
+            return self._generation
+
+    def swap_in(self, token: Hashable, keys: Sequence[Key], values: Deferred, generation: int) -> bool:
+        """Hand over the values of `keys` unfinished, in place of those handed over under `token` before.
+
+        What `set_stats` would do for series `holding` answered `generation` for, at the cost
+        of one assignment; False (nothing done) when series were forgotten since.
+        """
+        with self._lock:
+            if generation != self._generation:
+                return False
+            self._pending[token] = (keys, values)
+            return True
+
+    def settle(self, token: Hashable) -> None:
+        """Write the values handed over under `token`, before its series are published otherwise."""
+        with self._lock:
+            pending = self._pending.pop(token, None)
+            if pending is not None:
+                self._write(*pending)
+
+    def _settle_all(self) -> None:
+        """Write every value handed over, under the lock."""
+        for keys, values in self._pending.values():
+            self._write(keys, values)
+        self._pending.clear()
+
+    def _write(self, keys: Sequence[Key], values: Deferred) -> None:
+        stats = self._stats
+        for (family, labels), value in zip(keys, values.values()):
+            stats[family][labels] = value
+
     def _say_full(self, name: str, limit_name: str, policy: Optional[Policy], world: int) -> None:
         """One warning per policy that reached a limit: maxSeries by every process, maxJobSeries by rank 0 for the job."""
         if limit_name == "maxSeries":
@@ -209,6 +278,8 @@ class MetricsStore:
 
     def _forget(self, gone: Callable[[str, Labels], bool]) -> None:
         """Remove the statistic series `gone(family, labels)` names from the store and from both counts, under the lock."""
+        self._settle_all()
+        self._generation += 1
         for family, series in self._stats.items():
             for labels in [lab for lab in series if gone(family, lab)]:
                 del series[labels]
@@ -232,6 +303,8 @@ class MetricsStore:
         They stay in the `maxJobSeries` count: they are still the job's series.
         """
         with self._lock:
+            self._settle_all()
+            self._generation += 1
             for family, labels in keys:
                 series = self._stats.get(family)
                 if series is not None and labels in series:
@@ -264,7 +337,23 @@ class MetricsStore:
         return self._swapping
 
     def snapshot(self) -> tuple[dict[str, dict[Labels, float]], dict[str, dict[Labels, float]]]:
+        """(engine family -> labels -> value, statistic family -> labels -> value), as of now.
+
+        Values handed over unfinished are finished here first, outside the lock a step's
+        `swap_in` takes, then written under it (those swapped in meanwhile are finished there).
+        """
+        for _ in range(3):
+            with self._lock:
+                waiting = [values for _, values in self._pending.values()]
+            if not waiting:
+                break
+            for values in waiting:
+                values.values()
+            with self._lock:
+                if all(values in waiting for _, values in self._pending.values()):
+                    break
         with self._swapping, self._lock:
+            self._settle_all()
             return (
                 {f: dict(s) for f, s in self._engine.items()},
                 {f: dict(s) for f, s in self._stats.items() if s},
@@ -316,17 +405,32 @@ class ModelMetrics:
         self, values: Mapping[tuple[str, Labels], float], policies: Mapping[str, Policy], world: int = 1,
         job: Collection[tuple[str, Labels]] = (), withheld: Collection[tuple[str, Labels]] = (),
     ) -> None:
-        self.store.set_stats({self._key(k): v for k, v in values.items()}, policies, world,
-                             {self._key(k) for k in job}, {self._key(k) for k in withheld})
+        self.store.set_stats({self.key(k): v for k, v in values.items()}, policies, world,
+                             {self.key(k) for k in job}, {self.key(k) for k in withheld})
 
-    def _key(self, key: tuple[str, Labels]) -> tuple[str, Labels]:
+    def key(self, key: Key) -> Key:
+        """A statistic series as the store knows it: with this model's label."""
         return key[0], (*key[1], self.model)
+
+    def generation(self) -> int:
+        return self.store.generation()
+
+    def holding(self, keys: Iterable[Key], policies: Mapping[str, Policy], world: int) -> Optional[int]:
+        """`MetricsStore.holding` of series given with the store's labels (`key`)."""
+        return self.store.holding(keys, policies, world)
+
+    def swap_in(self, token: Hashable, keys: Sequence[Key], values: Deferred, generation: int) -> bool:
+        """`MetricsStore.swap_in` of series given with the store's labels (`key`); `token` is this model's."""
+        return self.store.swap_in((self.model, token), keys, values, generation)
+
+    def settle(self, token: Hashable) -> None:
+        self.store.settle((self.model, token))
 
     def forget_policy(self, policy: str) -> None:
         self.store.forget_policy(policy, self.model)
 
     def forget_series(self, keys: Iterable[tuple[str, Labels]]) -> None:
-        self.store.forget_series(self._key(k) for k in keys)
+        self.store.forget_series(self.key(k) for k in keys)
 
     def forget_modules(self, policy: str, modules: Collection[str]) -> None:
         self.store.forget_modules(policy, modules)

@@ -2,7 +2,7 @@
 
 The hook bodies leave `Entry` objects (small partial matrices, still on the device) in
 the step's ledger. At a step boundary `Readback.read` fetches all of them with one transfer per
-device, finishes the statistics per group (`per: tensor | module | rule`), has the alerts
+device, finishes the statistics per group (`per: tensor | module | rule`, `passes`), has the alerts
 evaluated (`alerts`) and the sinks written (`writers`), and returns the step's decision so
 far (skip it, halt, heal, or go on) in a `Reading`, whose statistics are not published yet.
 The step cycle agrees on that decision with the other ranks, then hands the read-back what
@@ -10,7 +10,8 @@ the agreement reduced (the job's loss, the `ranks: job` statistics: host-side en
 transfer) with `Readback.add`, and `Readback.publish` puts every statistic of the step into
 the metrics store at once: one read-back a step, one admission order under `maxSeries` and
 `maxJobSeries` (`store.MetricsStore.set_stats`: the job's series first, then each rank's, in
-the order they were read). Nothing here runs inside a hook, and nothing here calls back
+the order they were read); a pass that only exports, once the store holds all its series, is
+handed over unfinished instead (`store.MetricsStore.swap_in`). Nothing here runs inside a hook, and nothing here calls back
 into the step cycle: the outcome is a `StepReport` (skip? halt? which rules' sinks failed?
 time spent per rule) that the step cycle acts on.
 """
@@ -23,29 +24,31 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union, cast
+from typing import Any, Callable, Mapping, Optional, Sequence, Union, cast
 
 import torch
 
-from ..measure.actions import StatsOp
 from ...environment import run_id
 from ...export.metrics import ALERT_FIRING, ALERTS, CLIPPED, Labels, stat_family
 from ...export.store import ModelMetrics
 from ...export.tensorboard import scalar_tag
-from ...policy.model import OPTIMIZER_STATE, Capture, Clip, LogSink, Policy, rule_name
+from ...policy.model import Capture, Clip, LogSink, Policy, rule_name
 from .alerts import Alerts, SinkHalts, StepReport, fire, json_number, settled
 from ..measure.distributed import reduce_shards
-from ..measure.history import History, group_key
+from ..measure.history import History
 from ..execute.ledger import ClipEntry, Entry
 from ...process import Once
 from .replicas import Export, job_world
 from ..measure.rulestate import RuleState
-from ..measure.stats import combine, finish, resolve_counts
-from ..execute.updates import state_group_key
+from ..measure.stats import resolve_counts
+from .passes import Finished, Layout
 from .recorder import Recorder
 from .writers import Writers
 
 __all__ = ["Reading", "Readback", "StepReport"]
+
+#: one statistics pass of a read-back: (rule key, the pass's segment in the rule's program)
+PassKey = tuple[tuple[str, str], int]
 
 log = logging.getLogger("hookpolicy")
 
@@ -67,6 +70,10 @@ class Readback:
         self._said_limits = Once()  # (rule key, action index): clips whose device limit was not usable
         self._alerts = Alerts(history)
         self._last: dict[str, dict[Labels, float]] = defaultdict(dict)
+        self._layouts: dict[PassKey, Layout] = {}  # per pass (rule, segment): its last layout
+        #: passes handed over unfinished: swapped into the store, and not yet written to `_last`
+        self._in_store: set[PassKey] = set()
+        self._unread: dict[PassKey, Finished] = {}
         self.writers = Writers(root, rank, policies)
         #: the run every record carries (`environment.run_id`): `hookpolicy report` tells appended runs apart
         self.run_id = run_id(os.environ)
@@ -75,6 +82,9 @@ class Readback:
 
     def last_values(self) -> Mapping[str, Mapping[Labels, float]]:
         """A read-only copy of the latest value of every statistic series published so far."""
+        for finished in self._unread.values():
+            self._remember(finished)
+        self._unread.clear()
         return MappingProxyType({family: MappingProxyType(dict(series)) for family, series in self._last.items()})
 
     def restart_streaks(self) -> None:
@@ -100,7 +110,7 @@ class Readback:
         they go to `StepReport.held` (`ranks: job` statistics, reduced across ranks first).
         A sink error of a rule with `onError: halt` ends the read-back at that point.
         """
-        reading = Reading(step, final)
+        reading = Reading(step, final, job_world(), self.store.generation())
         self._evaluate(reading, entries, hold, decides=True)
         return reading
 
@@ -120,9 +130,15 @@ class Readback:
         try:
             for entry in reading.copies:
                 self.writers.write_copies(entry, reading.step if entry.step is None else entry.step, report)
+            handed = self._hand_over(reading)
             self._export(reading.published, reading.jobs)
             for (family, labels), value in reading.published.items():
                 self._last[family][labels] = value
+            self._unread.update(handed)
+            for layout in reading.ask:
+                held = self.store.holding(layout.store_keys, self._policies, reading.world)
+                layout.checked = (self.store.generation() if held is None else held, reading.world)
+                layout.held = held is not None
             self.writers.flush_boards(report)
         except SinkHalts:
             reading.stopped = True
@@ -146,7 +162,8 @@ class Readback:
     ) -> None:
         start = time.perf_counter()
         step, final, report = reading.step, reading.final, reading.report
-        passes: dict[tuple[tuple[str, str], int], _Pass] = {}
+        passes: dict[PassKey, list[Entry]] = {}
+        rows_of: dict[int, list[list[float]]] = {}
         entries = [e for e in buffered if isinstance(e, Entry)]
         clips = [e for e in buffered if isinstance(e, ClipEntry)]
         entries = _drop_shards(entries) if final else entries
@@ -165,22 +182,80 @@ class Readback:
             if hold is not None and hold(entry.rule):
                 report.held.append((entry, rows))
                 continue
-            pkey = (entry.rule.key, entry.op.segment)
-            pass_ = passes.get(pkey)
-            if pass_ is None:
-                pass_ = passes[pkey] = _Pass(entry.rule, entry.op, entry.target, step if entry.step is None else entry.step)
-            pass_.add(entry, rows)
+            passes.setdefault((entry.rule.key, entry.op.segment), []).append(entry)
+            rows_of[id(entry)] = rows
         fetch_share = (time.perf_counter() - start) / max(1, len(passes))  # the transfer serves every pass
-        for p in passes.values():
+        for pkey, group in passes.items():
             pass_start = time.perf_counter()
+            p = self._finished(pkey, group, rows_of, step)
             try:
-                self._report_pass(p, reading, decides)
+                if final or not self._handing(pkey, p, reading):
+                    self._settle(pkey, reading)
+                    self._report_pass(p, reading, decides)
             except SinkHalts:
                 raise
             except Exception as exc:  # noqa: BLE001 - a fault of this rule (a bug, a message), never of the training
-                self.writers.fault(report, p.rule, exc)
-            report.seconds[p.rule.key] += fetch_share + time.perf_counter() - pass_start
+                self.writers.fault(report, p.layout.rule, exc)
+            report.seconds[p.layout.rule.key] += fetch_share + time.perf_counter() - pass_start
         reading.copies.extend(entry for entry in entries if entry.copies)
+
+    def _finished(self, pkey: PassKey, entries: list[Entry], rows_of: Mapping[int, list[list[float]]],
+                  step: int) -> Finished:
+        """One pass's rows under its layout (the last one while it fits)."""
+        layout = self._layouts.get(pkey)
+        if layout is None or not layout.fits(entries):
+            layout = self._layouts[pkey] = Layout(entries)
+            layout.store_keys = [self.store.key(k) for k in layout.keys]
+        rows = rows_of[id(entries[0])] if len(entries) == 1 else [r for e in entries for r in rows_of[id(e)]]
+        return Finished(layout, rows, step if entries[0].step is None else entries[0].step)
+
+    def _handing(self, pkey: PassKey, p: Finished, reading: "Reading") -> bool:
+        """Whether a pass that only exports is handed over at `publish` (the store holds all its series); True if so.
+
+        This rank's own series only (the job's are counted and withheld by `set_stats`); a
+        layout the store has not answered for at this generation and world is asked about
+        once the step's statistics are published (`Reading.ask`), so its next step may be.
+        """
+        layout = p.layout
+        if not layout.exports_only or any(self.exported(layout.rule, cast(Capture, a)) is not Export.RANK
+                                          for _, a in layout.op.actions):
+            return False
+        if layout.checked != (reading.generation, reading.world):
+            reading.ask.append(layout)
+            return False
+        if not layout.held:
+            return False
+        reading.handed[pkey] = p
+        return True
+
+    def _hand_over(self, reading: "Reading") -> dict[PassKey, Finished]:
+        """Swap the passes `reading` hands over into the store; one the store refuses (a series was forgotten
+        meanwhile) is finished now and published with the others."""
+        handed: dict[PassKey, Finished] = {}
+        for pkey, p in reading.handed.items():
+            if self.store.swap_in(pkey, p.layout.store_keys, p, reading.generation):
+                self._in_store.add(pkey)
+                handed[pkey] = p
+            else:
+                reading.published.update(zip(p.layout.keys, p.values()))
+        return handed
+
+    def _settle(self, pkey: PassKey, reading: "Reading") -> None:
+        """Before a pass publishes with the step: write what it handed over before (its series may differ now)."""
+        if pkey in self._in_store:
+            self._in_store.discard(pkey)
+            self.store.settle(pkey)
+        finished = self._unread.pop(pkey, None)
+        if finished is not None:
+            self._remember(finished)
+        finished = reading.handed.pop(pkey, None)  # handed over by `read`, evaluated again by `add`
+        if finished is not None:
+            reading.published.update(zip(finished.layout.keys, finished.values()))
+
+    def _remember(self, finished: Finished) -> None:
+        """Write a pass handed over to the latest values (`last_values`)."""
+        for (family, labels), value in zip(finished.layout.keys, finished.values()):
+            self._last[family][labels] = value
 
     def _export(self, published: dict[tuple[str, Labels], float], jobs: dict[tuple[str, Labels], Export]) -> None:
         """Publish the step's statistics this rank exports; drop those it leaves to rank 0 (`replicas`).
@@ -197,16 +272,16 @@ class Readback:
         if self._withheld:
             self._withheld.difference_update(k for k in published if k not in withheld)
 
-    def _report_pass(self, p: "_Pass", reading: "Reading", decides: bool) -> None:
+    def _report_pass(self, p: Finished, reading: "Reading", decides: bool) -> None:
         """Log and decide one rule's statistics pass into `reading` (its statistics published with the step's)."""
-        rs = p.rule
+        rs, target = p.layout.rule, p.layout.target
         now, final, report, published, jobs = reading.now, reading.final, reading.report, reading.published, reading.jobs
         firing: dict[str, bool] = {}
         logged: dict[tuple[int, Optional[LogSink]], list[dict[str, Any]]] = defaultdict(list)  # one write per sink
         boarded: dict[int, list[tuple[str, float]]] = defaultdict(list)
-        for index, action in p.op.actions:
+        for index, action in p.layout.op.actions:
             whose = self.exported(rs, action) if isinstance(action, Capture) else Export.RANK
-            families = [(s, stat_family(p.target, s)) for s in action.stats] if isinstance(action, Capture) else []
+            families = [(s, stat_family(target, s)) for s in action.stats] if isinstance(action, Capture) else []
             for (module, tensor), stats in p.statistics(action.per):
                 if isinstance(action, Capture):
                     if action.keep is not None:
@@ -221,13 +296,13 @@ class Readback:
                         continue
                 base = {"run": self.run_id, "time": now, "step": p.step, "rank": self.rank, "model": self.store.model,
                         "policy": rs.policy.name,
-                        "rule": rs.rule.name, "module": module, "target": p.target, "tensor": tensor}
+                        "rule": rs.rule.name, "module": module, "target": target, "tensor": tensor}
                 if isinstance(action, Capture):
                     if action.log is not None:
                         shown = {s: json_number(stats[s]) for s in action.stats}
                         logged[(index, action.log)].append({**base, "stats": shown})
                     if action.tensorboard is not None:
-                        boarded[index] += [(scalar_tag(*rs.key, p.target, s, module, tensor), stats[s])
+                        boarded[index] += [(scalar_tag(*rs.key, target, s, module, tensor), stats[s])
                                            for s in action.stats]
                     continue
                 fired, past = self._alerts.judge(rs, index, action, module, tensor, stats, report.observed)
@@ -333,8 +408,12 @@ def _fetch(matrices: Sequence[Union[torch.Tensor, list[list[float]]]]) -> list[l
 class Reading:
     """One read-back under way: the entries read so far, evaluated into `report`, their statistics not yet published."""
 
-    def __init__(self, step: int, final: bool) -> None:
+    def __init__(self, step: int, final: bool, world: int, generation: int) -> None:
         self.step, self.final = step, final
+        #: the job's ranks and the store's generation when the read-back began: a pass is handed over for them
+        self.world, self.generation = world, generation
+        self.handed: dict[PassKey, Finished] = {}  # passes that only export, handed over at `publish`
+        self.ask: list[Layout] = []  # layouts the store is asked about once the step's statistics are published
         self.report = StepReport()
         self.now = time.time()  # the time every record of this read-back carries
         #: {(family, labels): value}, in the order read: published at once by `Readback.publish`
@@ -343,26 +422,3 @@ class Reading:
         self.jobs: dict[tuple[str, Labels], Export] = {}
         self.copies: list[Entry] = []  # entries with tensor copies to write
         self.stopped = False  # a sink of an `onError: halt` rule failed: the read-back ends there
-
-
-class _Pass:
-    """One statistics pass of one rule over a step: rows grouped by `per`, ready to finish."""
-
-    def __init__(self, rule: RuleState, op: StatsOp, target: str, step: int) -> None:
-        #: the step its values belong to (an `update` pass: the step of the update it measured)
-        self.rule, self.op, self.target, self.step = rule, op, target, step
-        self._group_key = state_group_key if target == OPTIMIZER_STATE else group_key
-        self._groups: dict[str, dict[tuple[str, str], tuple[list[list[float]], list[int]]]] = {
-            a.per: {} for _, a in op.actions
-        }
-
-    def add(self, entry: Entry, rows: list[list[float]]) -> None:
-        for (module, tensor), row, n in zip(entry.rows, rows, entry.numels):
-            for per, groups in self._groups.items():
-                bucket = groups.setdefault(self._group_key(module, tensor, per), ([], []))
-                bucket[0].append(row)
-                bucket[1].append(n)
-
-    def statistics(self, per: str) -> Iterable[tuple[tuple[str, str], dict[str, float]]]:
-        for key, (rows, numels) in self._groups[per].items():
-            yield key, finish(combine(rows, numels, self.op.kinds), sum(numels), self.op.stats)

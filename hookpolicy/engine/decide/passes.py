@@ -1,0 +1,104 @@
+"""One statistics pass of a step: its rows grouped once per layout, its statistics finished when first read.
+
+The read-back groups a pass's rows by each action's `per` (`history.group_key`) and finishes
+every group (`stats.combine`, `stats.finish`). `Layout` does the grouping once and is kept
+while the pass's rows (module, tensor, element count, in order) stay the same, which they do
+at every step of a rule whose bindings do not change. `Finished` is one step's rows under a
+layout, finished when first read: at once by the read-back for a pass whose statistics an
+alert or a sink reads, but later, at scrape time (`store.MetricsStore.snapshot`) or at
+`last_values()`, for a pass that only exports them (`Layout.exports_only`): the step then
+only swaps them in, whatever the number of series. The same functions finish them either
+way, on the same rows in the same order, so the values are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+from ...export.metrics import Labels, stat_family
+from ...policy.model import OPTIMIZER_STATE, Capture
+from ..execute.ledger import Entry
+from ..execute.updates import state_group_key
+from ..measure.actions import StatsOp
+from ..measure.history import group_key
+from ..measure.rulestate import RuleState
+from ..measure.stats import combine, finish
+
+__all__ = ["Finished", "Layout"]
+
+#: one group: its (module, tensor) key, the indices of its rows in the pass, their element counts, their sum
+Group = tuple[tuple[str, str], list[int], list[int], int]
+
+
+class Layout:
+    """How the rows of one pass group, and the series its captures export; see the module docstring."""
+
+    def __init__(self, entries: Sequence[Entry]) -> None:
+        first = entries[0]
+        self.rule: RuleState = first.rule
+        self.op: StatsOp = first.op
+        self.target = first.target
+        self.shape = [(e.rows, e.numels) for e in entries]
+        key = state_group_key if self.target == OPTIMIZER_STATE else group_key
+        buckets: dict[str, dict[tuple[str, str], tuple[list[int], list[int]]]] = {a.per: {} for _, a in self.op.actions}
+        index = 0
+        for rows, numels in self.shape:
+            for (module, tensor), n in zip(rows, numels):
+                for per, groups in buckets.items():
+                    bucket = groups.setdefault(key(module, tensor, per), ([], []))
+                    bucket[0].append(index)
+                    bucket[1].append(n)
+                index += 1
+        self.groups: dict[str, list[Group]] = {
+            per: [(k, at, numels, sum(numels)) for k, (at, numels) in groups.items()] for per, groups in buckets.items()
+        }
+        #: every action a capture that writes no log, no TensorBoard and keeps no ring: its values are only exported
+        self.exports_only = all(isinstance(a, Capture) and a.log is None and a.tensorboard is None and a.keep is None
+                                for _, a in self.op.actions)
+        #: the series `Finished.values` gives, in its order (the order the read-back publishes them in)
+        self.keys: list[tuple[str, Labels]] = [
+            (stat_family(self.target, stat), (*self.rule.key, module, tensor))
+            for _, action in self.op.actions if isinstance(action, Capture)
+            for (module, tensor), _, _, _ in self.groups[action.per] for stat in action.stats
+        ] if self.exports_only else []
+        #: `keys` with the store's labels (`ModelMetrics.key`), set by the read-back
+        self.store_keys: list[tuple[str, Labels]] = []
+        #: (store generation, world) at which the store last said whether it holds every series of
+        #: `keys`, and its answer: while both stand, a step swaps the values in (`MetricsStore.swap_in`)
+        self.checked: Optional[tuple[int, int]] = None
+        self.held = False
+
+    def fits(self, entries: Sequence[Entry]) -> bool:
+        """Whether `entries` (one pass of a step) have this layout: the same rule, pass and rows."""
+        first = entries[0]
+        return (first.rule is self.rule and first.op is self.op and first.target == self.target
+                and len(entries) == len(self.shape)
+                and all(e.rows == rows and e.numels == numels for e, (rows, numels) in zip(entries, self.shape)))
+
+
+class Finished:
+    """One step's rows of a pass under its layout; its statistics are finished when first read."""
+
+    def __init__(self, layout: Layout, rows: list[list[float]], step: int) -> None:
+        self.layout, self.rows = layout, rows
+        #: the step its values belong to (an `update` pass: the step of the update it measured)
+        self.step = step
+        self._values: Optional[list[float]] = None
+
+    def statistics(self, per: str) -> Iterator[tuple[tuple[str, str], dict[str, float]]]:
+        """(module, tensor) and every statistic of the pass, per group of `per`."""
+        rows, kinds, stats = self.rows, self.layout.op.kinds, self.layout.op.stats
+        for key, at, numels, total in self.layout.groups[per]:
+            yield key, finish(combine([rows[i] for i in at], numels, kinds), total, stats)
+
+    def values(self) -> list[float]:
+        """The values of `Layout.keys`, in order, finished once (any thread may ask first)."""
+        values = self._values
+        if values is None:
+            values = []
+            for _, action in self.layout.op.actions:
+                if isinstance(action, Capture):
+                    for _, stats in self.statistics(action.per):
+                        values.extend(stats[stat] for stat in action.stats)
+            self._values = values
+        return values
