@@ -439,3 +439,20 @@ def test_an_alert_of_one_rank_dumps_every_ranks_ring_at_the_same_step(tmp_path: 
     assert sorted(d[0] for d in records.dumps) == [0, 1] and {d[3] for d in records.dumps} == {15}
     assert {key[6] for key in records.series} == {0, 1}
     assert records.marked() == [15]
+
+
+def test_hookpolicy_explain_prints_the_ring_and_the_dump(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hookpolicy.cli import cli
+
+    path = tmp_path / "rec.yaml"
+    path.write_text(POLICY.format(steps=40, before=10, after=3, dumps=10, dump_bytes=1 << 26, ring_bytes=1 << 28,
+                                  export="false", log=""))
+    result = CliRunner().invoke(cli, ["explain", str(path), "--model", "examples.train_mlp:build_model"])
+    assert result.exit_code == 0, result.output
+    linears = sum(isinstance(m, torch.nn.Linear) for m in __import__("examples.train_mlp").train_mlp.build_model().modules())
+    assert "capture(l2_norm,abs_max,mean per=module keep=40,not-exported,dump=dumps)" in result.output
+    assert (f"rec/layers: action 0 keeps a ring of 40 steps x {linears} groups (per: module) x 3 stats x 8 bytes + 8 "
+            f"bytes per group name = {40 * linears * 24 + linears * 8} bytes of 268435456") in result.output
+    assert "dumps 10 steps before and 3 after an alert of rec/guard to dumps/ (at most 10 files" in result.output

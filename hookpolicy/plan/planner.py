@@ -129,6 +129,9 @@ def describe_action(action: Action) -> str:
             parts.append(f"tensors={action.tensors.dir}")
         if action.log:
             parts.append(f"log={action.log.path or 'stderr'}")
+        if action.keep:
+            parts.append(f"keep={action.keep.steps}" + ("" if action.keep.export else ",not-exported")
+                         + ("" if action.keep.dump is None else f",dump={action.keep.dump.dir}"))
         return f"capture({' '.join(parts)})"
     if isinstance(action, Clip):
         if action.unitwise_ratio is not None:
