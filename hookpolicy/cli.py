@@ -556,8 +556,9 @@ def replay(paths: tuple[str, ...], audit: bool, run: Optional[str], rank: Option
            report_page: Optional[str]) -> None:
     """Evaluate POLICY's alerts and decisions offline over a recorded capture log.
 
-    POLICY is a policy file (.yaml, .yml) or folder; LOG a capture log (JSON lines, what a
-    capture's `log:` writes; its rotated files and the alert records beside it come along).
+    POLICY is a policy file (.yaml, .yml) or folder (HOOKPOLICY_POLICY_DIRS is not read: the
+    policies replayed are those named); LOG a capture log (JSON lines, what a capture's `log:`
+    writes; its rotated files and the alert records beside it come along).
     Prints, per rule, the steps it would have skipped, rewound, cooled down or halted at, and
     how often each alert fired; a series a rule reads that the log lacks is named, and a rule
     none of whose alerts can be evaluated makes the exit status 1.
