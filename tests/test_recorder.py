@@ -52,14 +52,16 @@ spec:
 
 
 def policy(tmp_path: Path, *, steps: int = 40, before: int = 10, after: int = 3, dumps: int = 10,
-           dump_bytes: int = 1 << 26, ring_bytes: int = 1 << 28, export: str = "false", log: bool = True) -> Any:
+           dump_bytes: int = 1 << 26, ring_bytes: int = 1 << 28, export: str = "false", log: bool = True,
+           target: str = "grad") -> Any:
     text = POLICY.format(steps=steps, before=before, after=after, dumps=dumps, dump_bytes=dump_bytes,
                          ring_bytes=ring_bytes, export=export, log="log: {path: full.jsonl}" if log else "")
+    text = text.replace("      target: grad\n", f"      target: {target}\n")
     return load_text(tmp_path, text)
 
 
 def run(model: torch.nn.Module, steps: int, spikes: set[int], grads: dict[int, dict[str, torch.Tensor]] | None = None,
-        each: Any = None) -> None:
+        each: Any = None, updates: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
     """`steps` SGD steps of `tiny`; at `spikes` the loss is 1000 times larger (the guard's alert fires)."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
@@ -71,7 +73,13 @@ def run(model: torch.nn.Module, steps: int, spikes: set[int], grads: dict[int, d
         if grads is not None:
             grads[step] = {name: torch.cat([p.grad.reshape(-1) for p in m.parameters()])  # type: ignore[union-attr]
                            for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        if updates is not None:
+            before = {name: torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+                      for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         opt.step()
+        if updates is not None:
+            updates[step] = {name: torch.cat([p.detach().reshape(-1) for p in m.parameters()]) - before[name]
+                             for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         opt.zero_grad()
         if each is not None:
             each(step)
@@ -81,16 +89,19 @@ def dump_files(workdir: Path) -> list[Path]:
     return sorted((workdir / "dumps").glob("*.jsonl"))
 
 
-def test_a_dumps_window_is_the_same_steps_of_the_full_capture_bit_for_bit(workdir: Path) -> None:
+@pytest.mark.parametrize("target", ["grad", "update"])
+def test_a_dumps_window_is_the_same_steps_of_the_full_capture_bit_for_bit(workdir: Path, target: str) -> None:
     """The capture logs every step and keeps them; the alert at 25 and 50 dumps steps 15..28 and 40..53: each
     record of a dump is the log's record of that step and module, every field (time included) equal, the
-    statistics bit for bit; the L2 norms are those of the gradients the test read (vector_norm)."""
+    statistics bit for bit; the L2 norms are those of the gradients (the updates: parameters after the step
+    minus before) the test read (vector_norm). An update of step S is read back at S + 1, kept under S."""
     model = tiny()
     grads: dict[int, dict[str, torch.Tensor]] = {}
     reg = CollectorRegistry()
-    with policy(workdir).attach(model, registry=reg, rank=0):
-        run(model, 60, {25, 50}, grads)
-        assert [s.name for m in reg.collect() for s in m.samples if s.name.startswith("hookpolicy_grad_")] == []
+    with policy(workdir, target=target).attach(model, registry=reg, rank=0):
+        run(model, 60, {25, 50}, None if target == "update" else grads,
+            updates=grads if target == "update" else None)
+        assert [s.name for m in reg.collect() for s in m.samples if s.name.startswith(f"hookpolicy_{target}_")] == []
         assert [s.value for m in reg.collect() for s in m.samples if s.name == "hookpolicy_steps_total"] == [60]
     log = json_lines(workdir / "full.jsonl")
     by_step = {(r["step"], r["module"]): r for r in log}
