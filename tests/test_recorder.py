@@ -247,14 +247,13 @@ def test_explain_shows_the_rings_memory_and_its_cap_which_the_ring_keeps(
 
 # -- several ranks -------------------------------------------------------------------------------------------------
 
-def ranks_dump(rank: int, folder: str, text: str) -> dict[str, Any]:
-    """Both ranks train a DDP `tiny` on their own batches; rank 1's loss spikes at step 15 (the loss rule
-    sees the job's loss: the alert fires on both ranks)."""
+def ddp_rank(rank: int, folder: str, text: str, lr: float) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer,
+                                                                      torch.Generator]:
+    """On a spawned rank: the policy `text` (written by rank 0), a DDP `tiny`, its SGD and this rank's batches."""
     import os
 
     from torch.nn.parallel import DistributedDataParallel
 
-    os.chdir(folder)
     os.environ["HOOKPOLICY_OUTPUT_DIR"] = folder
     os.environ["HOOKPOLICY_RUN_ID"] = "one-job"  # as `hookpolicy apply` gives every rank of a job
     path = Path(folder) / "policy.yaml"
@@ -262,9 +261,15 @@ def ranks_dump(rank: int, folder: str, text: str) -> dict[str, Any]:
         path.write_text(text)
     torch.distributed.barrier()
     model = DistributedDataParallel(tiny())
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(10 + rank)
-    with hookpolicy.load(path).attach(model, rank=rank):
+    return hookpolicy.load(path), model, torch.optim.SGD(model.parameters(), lr=lr), \
+        torch.Generator().manual_seed(10 + rank)
+
+
+def ranks_dump(rank: int, folder: str, text: str) -> dict[str, Any]:
+    """Both ranks train a DDP `tiny` on their own batches; rank 1's loss spikes at step 15 (the loss rule
+    sees the job's loss: the alert fires on both ranks)."""
+    policies, model, opt, gen = ddp_rank(rank, folder, text, 1e-3)
+    with policies.attach(model, rank=rank):
         for step in range(25):
             loss = model(torch.randn(6, 4, generator=gen)).pow(2).mean()
             if rank == 1 and step == 15:
@@ -407,20 +412,8 @@ spec:
 
 def ranks_one_alert(rank: int, folder: str) -> dict[str, Any]:
     """DDP `tiny` on 2 ranks; at step 15 only rank 1's input is huge: its own activation alert fires there alone."""
-    import os
-
-    from torch.nn.parallel import DistributedDataParallel
-
-    os.environ["HOOKPOLICY_OUTPUT_DIR"] = folder
-    os.environ["HOOKPOLICY_RUN_ID"] = "one-job"
-    path = Path(folder) / "one-rank.yaml"
-    if rank == 0:
-        path.write_text(ONE_RANK)
-    torch.distributed.barrier()
-    model = DistributedDataParallel(tiny())
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-    gen = torch.Generator().manual_seed(10 + rank)
-    with hookpolicy.load(path).attach(model, rank=rank):
+    policies, model, opt, gen = ddp_rank(rank, folder, ONE_RANK, 1e-6)
+    with policies.attach(model, rank=rank):
         for step in range(20):
             x = torch.randn(6, 4, generator=gen) * (1e5 if rank == 1 and step == 15 else 1.0)
             model(x).pow(2).mean().backward()
