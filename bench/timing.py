@@ -17,11 +17,12 @@ inactive steps, and its cost per step is the amortized
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -217,3 +218,36 @@ def count_syncs(v: Variant, steps: int = 3) -> tuple[float, float]:
         if original is not None and v.attached is not None:
             del v.attached._cycle._read_back  # back to the class's method
     return total / steps, in_readback / steps
+
+
+@contextlib.contextmanager
+def readback_cpu() -> Iterator[list[float]]:
+    """CPU time (`time.thread_time`) the step's read-back spends, added up in `spent[0]` (reset it per step).
+
+    The read-back is `Readback.read`, `Readback.add` (what the agreement reduced) and the
+    cycle's `_publish` (the metrics store, the counters): fetching, finishing or handing over,
+    and publishing a step's statistics.
+    """
+    from hookpolicy.engine import cycle
+    from hookpolicy.engine.decide import readback
+
+    spent = [0.0]
+    targets = [(readback.Readback, "read"), (readback.Readback, "add"), (cycle.StepCycle, "_publish")]
+    originals = [getattr(owner, name) for owner, name in targets]
+
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0] += time.thread_time() - start
+        return wrapper
+
+    for (owner, name), fn in zip(targets, originals):
+        setattr(owner, name, timed(fn))
+    try:
+        yield spent
+    finally:
+        for (owner, name), fn in zip(targets, originals):
+            setattr(owner, name, fn)
