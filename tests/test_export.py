@@ -20,6 +20,7 @@ from hookpolicy.export.rules import exported_families, prometheus_rules
 from hookpolicy.export.grafana import grafana_dashboard
 from hookpolicy.export.metrics import FAMILIES
 from hookpolicy.policy.model import Alert, Capture, Clip, Policy
+from helpers.library import load
 from helpers.models import lora, make_model, train_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,7 +161,7 @@ def _exprs(dashboard: dict[str, Any]) -> list[str]:
 
 @pytest.mark.parametrize("which", [p.name for p in LIBRARY] + ["all"])
 def test_grafana_dashboard(which: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    policies = library() if which == "all" else list(hookpolicy.load(ROOT / "policies" / which).policies)
+    policies = library() if which == "all" else list(load(which).policies)
     dashboard = json.loads(grafana_dashboard(policies))
 
     assert 36 <= dashboard["schemaVersion"] <= 41

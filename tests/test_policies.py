@@ -26,6 +26,7 @@ EXPECTED = {
     "nan-guard.yaml", "clip-per-layer.yaml", "clip-global.yaml", "gradient-monitor.yaml",
     "activation-sparsity.yaml", "feature-extraction.yaml", "explosion-guard.yaml", "freeze-embeddings.yaml",
     "lora-gradient-health.yaml", "loss-spike-guard.yaml", "zclip.yaml", "agc.yaml", "observe.yaml", "recover.yaml",
+    "debug-after-spike.yaml",
 }
 #: policies that bind only a PEFT adapter: run on the model with LoRA on c_attn (tests/test_peft.py
 #: checks their effects on a real GPT-2 fine-tune)
@@ -47,7 +48,7 @@ def test_policy_header(path: Path) -> None:
 
 @pytest.mark.parametrize("path", LIBRARY, ids=[p.name for p in LIBRARY])
 def test_policy_loads_compiles_and_runs(path: Path, workdir: Path) -> None:
-    policies = hookpolicy.load(path)
+    policies = load(path.name)
     model = make_model() if path.name not in ADAPTER_ONLY else lora(make_model())
     plan = policies.plan(model)
     assert plan.bindings
@@ -79,7 +80,7 @@ def bundled_models() -> dict[str, nn.Module]:
 @pytest.mark.parametrize("path", LIBRARY, ids=lambda p: p.stem)
 def test_every_rule_of_the_library_binds_in_a_bundled_example(path: Path) -> None:
     """A newcomer can try each shipped policy on an example: every rule binds to some module of one."""
-    policies = hookpolicy.load(path)
+    policies = load(path.name)
     unbound = {rule.name for policy in policies.policies for rule in policy.rules}
     for model in bundled_models().values():
         unbound -= {row["rule"] for row in policies.plan(model).rows()}

@@ -293,3 +293,97 @@ def test_woken_on_both_ranks_at_the_same_steps_when_one_or_both_ranks_alert(
         assert_norms(grads, {int(s): v for s, v in r["norms"].items()})
         assert sorted({x["step"] for x in json_lines(tmp_path / f"rank{rank}-outputs.jsonl")}) == expected, rank
         assert [s for s, n in enumerate(r["hooked"]) if n] == expected, rank
+
+
+# -- the shipped policy ---------------------------------------------------------------------
+
+
+def test_debug_after_spike_does_what_its_header_says(workdir: Path) -> None:
+    """policies/debug-after-spike.yaml with loss-spike-guard.yaml on the GPT of the library's tests (AdamW,
+    tied embeddings): the loop adds 100 to its loss at steps 30 and 40, which the guard skips (the loop sees
+    its parameters unchanged there). Until step 30 no statistic of the policy exists, as series or file; the
+    gradient norms are logged on exactly steps 31..90 (40 moved the end), each Linear, Embedding and LayerNorm
+    module's own parameters together (the tied weight under transformer.wte) against torch.linalg.vector_norm;
+    the update ratios on the same steps but 40 (skipped), against the loop's ||w_after - w_before|| /
+    ||w_before||; the gauges keep step 90's values; `hookpolicy report` draws the log. Every rank waking at
+    the same step is test_woken_on_both_ranks_at_the_same_steps_when_one_or_both_ranks_alert."""
+    from click.testing import CliRunner
+    from hookpolicy.cli import cli
+    from helpers.library import load
+    from helpers.models import batch, make_model
+    from helpers.outputs import metric
+
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    spikes, steps = {30, 40}, 95
+    owned: dict[str, list[nn.Parameter]] = {}
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.LayerNorm)):
+            mine = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for p in mine)
+            if mine:
+                owned[name] = mine
+    assert "lm_head" not in owned and "transformer.wte" in owned  # the tied weight is the embedding's
+
+    def norm(ts: list[torch.Tensor]) -> float:
+        return float(torch.linalg.vector_norm(torch.cat([t.detach().double().flatten() for t in ts])))
+
+    grads: dict[int, dict[str, float]] = {}
+    ratios: dict[int, dict[str, float]] = {}
+    skipped: list[int] = []
+    reg = CollectorRegistry()
+    with load("debug-after-spike.yaml").attach(model, registry=reg, rank=0):
+        for step in range(steps):
+            if step == 31:
+                families = {s.name for f in reg.collect() for s in f.samples
+                            if s.labels.get("policy") == "debug-after-spike"}
+                assert not {f for f in families if f.startswith(("hookpolicy_grad_", "hookpolicy_update_"))}
+                assert not (workdir / "debug-after-spike" / "grads.jsonl").exists()
+                assert not (workdir / "debug-after-spike" / "updates.jsonl").exists()
+            idx, targets = batch(step)
+            _, loss = model(idx, targets)
+            (loss + (100.0 if step in spikes else 0.0)).backward()
+            grads[step] = {name: norm([p.grad for p in ps]) for name, ps in owned.items()}
+            before = {name: [p.detach().clone() for p in ps] for name, ps in owned.items()}
+            optimizer.step()
+            optimizer.zero_grad()
+            if all(torch.equal(p, b) for name, ps in owned.items() for p, b in zip(ps, before[name])):
+                skipped.append(step)
+            ratios[step] = {name: norm([p - b for p, b in zip(ps, before[name])]) / norm(before[name])
+                            for name, ps in owned.items()}
+        for name in owned:  # the gauges keep the window's last values (step 90's)
+            labels = {"policy": "debug-after-spike", "module": name, "tensor": ""}
+            assert metric(reg, "hookpolicy_grad_l2_norm", {**labels, "rule": "layer-grads"}) == \
+                pytest.approx(grads[90][name], rel=1e-5)
+            assert metric(reg, "hookpolicy_update_update_ratio", {**labels, "rule": "update-ratios"}) == \
+                pytest.approx(ratios[90][name], rel=1e-4)
+    assert skipped == [30, 40]
+    window = awake(skipped, 50, steps)
+    assert window == list(range(31, 91))
+    logged_grads: dict[int, dict[str, float]] = {}
+    for r in json_lines(workdir / "debug-after-spike" / "grads.jsonl"):
+        logged_grads.setdefault(r["step"], {})[r["module"]] = r["stats"]["l2_norm"]
+    assert sorted(logged_grads) == window
+    for step, values in logged_grads.items():
+        assert values.keys() == owned.keys()
+        for name, value in values.items():
+            assert value == pytest.approx(grads[step][name], rel=1e-5), (step, name)
+    logged_ratios: dict[int, dict[str, float]] = {}
+    for r in json_lines(workdir / "debug-after-spike" / "updates.jsonl"):
+        logged_ratios.setdefault(r["step"], {})[r["module"]] = r["stats"]["update_ratio"]
+    assert sorted(logged_ratios) == [s for s in window if s != 40]
+    for step, values in logged_ratios.items():
+        assert values.keys() == owned.keys()
+        for name, value in values.items():
+            assert value == pytest.approx(ratios[step][name], rel=1e-4), (step, name)
+    for log in ("grads", "updates"):  # the guard's alert records beside each log, which the report marks
+        records = json_lines(workdir / "debug-after-spike" / f"{log}.alerts.jsonl")
+        fired = [(r["policy"], r["rule"], r["step"]) for r in records if r["event"] == "alert"]
+        assert fired == [("loss-spike-guard", "loss-spike", 30), ("loss-spike-guard", "loss-spike", 40)]
+    page = workdir / "page.html"
+    result = CliRunner().invoke(cli, ["report", str(workdir / "debug-after-spike" / "grads.jsonl"), "-o", str(page)])
+    assert result.exit_code == 0, result.output
+    text = page.read_text()
+    assert "debug-after-spike/layer-grads" in text and "transformer.wte" in text  # the layers' figure
+    assert "loss-spike-guard/loss-spike" in text  # and the guard's alerts, from grads.alerts.jsonl

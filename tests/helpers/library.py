@@ -22,8 +22,13 @@ POLICIES = REPO / "policies"
 LIBRARY = sorted(POLICIES.glob("*.y*ml"))
 
 
+#: library files that name another's rule (`trigger.after`), loaded together with it: alone they are refused
+WITH: dict[str, tuple[str, ...]] = {"debug-after-spike.yaml": ("loss-spike-guard.yaml",)}
+
+
 def load(name: str) -> hookpolicy.PolicySet:
-    return hookpolicy.load(POLICIES / name)
+    """The library file `name`, with the files whose rules it names (`WITH`)."""
+    return hookpolicy.load([POLICIES / name, *(POLICIES / other for other in WITH.get(name, ()))])
 
 
 def load_text(tmp_path: Path, text: str, name: str = "policy.yaml") -> hookpolicy.PolicySet:
