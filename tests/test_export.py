@@ -61,7 +61,10 @@ def library() -> list[Policy]:
 def really_exported(policies: list[Policy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> set[str]:
     """The families a scrape shows after a short run of the policies on a GPT-like model
     (with LoRA on c_attn for the policies that bind only adapters): statistic families
-    with samples, and every declared engine family."""
+    with samples, and every declared engine family. Where a rule wakes on an alert
+    (debug-after-spike on loss-spike-guard's), the run is 24 steps with a loss 100 times
+    larger at step 21 (the guard judges from 20 steps of history on), so that it wakes (and
+    the update of step 22 is read back at step 23)."""
     monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path))
     names: set[str] = set()
     adapter_only = [p for p in policies if all(rule.match.adapters for rule in p.rules)]
@@ -69,9 +72,10 @@ def really_exported(policies: list[Policy], tmp_path: Path, monkeypatch: pytest.
                          ([p for p in policies if p not in adapter_only], make_model())):
         reg = CollectorRegistry()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        woken = any(rule.trigger.after is not None for policy in group for rule in policy.rules)
         with hookpolicy.PolicySet(tuple(group)).attach(model, registry=reg, rank=0):
-            for i in range(2):
-                train_step(model, opt, i)
+            for i in range(24 if woken else 2):
+                train_step(model, opt, i, loss_scale=100.0 if woken and i == 21 else 1.0)
             names |= {s.name for m in reg.collect() for s in m.samples}
     engine = {f"{f.name}_total" if f.kind == "counter" else f.name for f in FAMILIES}
     return names | engine
