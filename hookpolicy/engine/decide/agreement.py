@@ -17,7 +17,7 @@ smallest and largest digest (do all ranks hold the same rules) and a sum (the lo
 reduction operator gives all three, and an `all_gather` of a fixed row does, exactly: the
 loss's float64 partials travel as their bits, and every rank merges the same rows in rank
 order, so its sums are bit for bit every other rank's. The price is `8 * len(ROW) * world`
-bytes to each rank instead of a constant (128 KiB at 1,024 ranks), plus the tail's.
+bytes to each rank instead of a constant (152 KiB at 1,024 ranks), plus the tail's.
 
 **Rules are named by identity, never by position.** A rule's identity is (policy name, rule
 name) within a policy *generation* (`Attached.generation`: 0 for an attachment, raised
