@@ -66,16 +66,17 @@ spec:
       match: {{types: [Linear]}}
       trigger: {{at: forward, after: {{alert: guard/spike, steps: {k}}}}}
       target: output
+      ranks: {out_ranks}
       actions:
         - capture: {{stats: [rms], log: {{path: {prefix}outputs.jsonl}}}}
 """
 
 
 def write(folder: Path, k: int, then: str = "log", ranks: str = "own", prefix: str = "", snapshots: str = "",
-          heal: str = "") -> list[str]:
+          heal: str = "", out_ranks: str = "own") -> list[str]:
     guard, debug = folder / f"{prefix}guard.yaml", folder / f"{prefix}debug.yaml"
     guard.write_text(GUARD.format(ranks=ranks, threshold=THRESHOLD, then=then, snapshots=snapshots, heal=heal))
-    debug.write_text(DEBUG.format(k=k, prefix=prefix))
+    debug.write_text(DEBUG.format(k=k, prefix=prefix, out_ranks=out_ranks))
     return [str(guard), str(debug)]
 
 
@@ -258,7 +259,7 @@ def woken_under_ddp(rank: int, folder: str, ranks: str, spikes: list[list[int]],
     over: list[int] = []
     hooked: list[int] = []
     norms: dict[int, dict[str, float]] = {}
-    policies = hookpolicy.load(write(Path(folder), k, ranks=ranks, prefix=f"rank{rank}-"))
+    policies = hookpolicy.load(write(Path(folder), k, ranks=ranks, prefix=f"rank{rank}-", out_ranks=ranks))
     with policies.attach(model, registry=CollectorRegistry(), rank=rank):
         for step in range(steps):
             hooked.append(hooks_on(model))
@@ -280,7 +281,8 @@ def test_woken_on_both_ranks_at_the_same_steps_when_one_or_both_ranks_alert(
         tmp_path: Path, free_port: int, ranks: str) -> None:
     """Step 2: rank 1's loss alone is a spike; step 9: both ranks'. With `ranks: own` each rank's alert
     fires on its own loss (at step 2 on rank 1 only) and the agreement carries it to rank 0; with
-    `ranks: job` the job's loss (both ranks' roots) fires on both alike. K = 3."""
+    `ranks: job` the job's loss (both ranks' roots) fires on both alike, and the woken outputs rule is
+    `ranks: job` too (its statistics reduced in the agreement's tail from its first awake step). K = 3."""
     k, steps = 3, 14
     spikes = [[2, [1]], [9, [0, 1]]]
     results = spawn(woken_under_ddp, tmp_path, free_port, str(tmp_path), ranks, spikes, k, steps)
@@ -293,6 +295,10 @@ def test_woken_on_both_ranks_at_the_same_steps_when_one_or_both_ranks_alert(
         assert_norms(grads, {int(s): v for s, v in r["norms"].items()})
         assert sorted({x["step"] for x in json_lines(tmp_path / f"rank{rank}-outputs.jsonl")}) == expected, rank
         assert [s for s, n in enumerate(r["hooked"]) if n] == expected, rank
+    rms = [{(x["step"], x["module"]): x["stats"]["rms"] for x in json_lines(tmp_path / f"rank{rank}-outputs.jsonl")}
+           for rank in range(2)]
+    # the ranks' batches differ: their own outputs' rms differ, the job's (every rank's outputs together) are one
+    assert (rms[0] == rms[1]) == (ranks == "job")
 
 
 # -- the shipped policy ---------------------------------------------------------------------
