@@ -757,3 +757,85 @@ def test_a_snapshot_that_cannot_get_host_memory_is_a_fault_of_the_rule(
     ref_model, ref_optimizer, ref_scheduler = setup("lambda")
     train(ref_model, ref_optimizer, ref_scheduler, data)
     assert_same(model, ref_model)
+
+
+BOUNDED = """
+    - name: heal
+      match: {modules: ["**"]}
+      trigger: {at: step, steps: {from: 2}}
+      target: grad
+      actions:
+        - alert: {if: "l2_norm >= 0", per: rule, then: skip_step, skip_step: {max_in_a_row: 2}}
+        - alert: {if: "l2_norm >= 0", for: 3, per: rule, then: cool_down, cool_down: {factor: 0.1, steps: 5}}
+        - alert: {if: "l2_norm >= 0", for: 3, per: rule, then: rewind, rewind: {max_rewinds: 2}}
+"""
+
+
+def test_a_bounded_skip_applies_the_step_its_rungs_cannot_act_on_by_hand_then_climbs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Weights updated by hand (no optimizer) under a rule whose skip is bounded (`max_in_a_row: 2`) and
+    whose cool-down and rewind cannot act: steps 2 and 3 are skipped; at step 4 (the third in a row on
+    the same weights) the rungs leave the step to the skip, which applies it, spending no max_rewinds,
+    and its count starts again; the condition still holds after it, so at steps 5 and 6 the rungs climb
+    as before (each skips and spends one of max_rewinds 2), step 7 is applied as step 4 was, and step 8
+    halts. The reference is the same loop by hand with the updates of 2, 3, 5 and 6 left out."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    pol = load_policy(tmp_path, BOUNDED, spec=SNAPSHOTS)
+
+    def by_hand(model: nn.Module, skipped: set[int], n: int) -> None:
+        for i, (x, y) in enumerate(batches(n)):
+            nn.functional.mse_loss(model(x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    assert p.grad is not None
+                    if i not in skipped:
+                        p -= 0.05 * p.grad
+                    p.grad = None
+
+    model, reference = tiny(seed=3), tiny(seed=3)
+    with pol.attach(model, registry=CollectorRegistry()), pytest.raises(Halt) as info:
+        by_hand(model, set(), 10)
+    assert (info.value.rule, info.value.step) == ("heal", 8)
+    by_hand(reference, {2, 3, 5, 6}, 8)  # steps 0..7 ran their update code; 8 halted in its backward
+    assert_same(model, reference)
+    records = [(r["step"], r["then"], r["outcome"]) for r in json_lines(tmp_path / "alerts.jsonl")]
+    assert [r for r in records if r[1] == "skip_step"] == [
+        (2, "skip_step", "step skipped"), (3, "skip_step", "step skipped"),
+        (4, "skip_step", "step not skipped (2 skipped in a row on the same weights: the weights, not the batch, "
+                         "made it; the update is applied)"),
+        (5, "skip_step", "step skipped"), (6, "skip_step", "step skipped"),
+        (7, "skip_step", "step not skipped (2 skipped in a row on the same weights: the weights, not the batch, "
+                         "made it; the update is applied)"),
+        (8, "skip_step", "step skipped")]
+    assert (4, "rewind", "not rewound (no optimizer steps this model: the step is its rule's skip_step's "
+                         "(max_in_a_row: 2))") in records
+    assert (4, "cool_down", "not cooled down (the step went to a rewind by p/heal, which could not act: "
+                            "step applied)") in records
+    assert (5, "rewind", "not rewound (no optimizer steps this model: step skipped instead (1 of max_rewinds 2))") \
+        in records
+
+
+def test_a_bounded_skip_stays_a_skip_where_its_rules_cool_down_acts(tmp_path: Path) -> None:
+    """With an optimizer, the rule's cool-down acts at the third step in a row: that is the rule's answer,
+    and the step stays skipped (as recover.yaml's ladder says); the lr is lowered from there. The
+    reference: the same loop by hand, steps 2..4 not applied, then lr x0.1."""
+    pol = load_policy(tmp_path, BOUNDED.replace("steps: {from: 2}", "steps: {from: 2, until: 5}").rsplit("\n        - alert", 1)[0])
+    model, reference = tiny(seed=3), tiny(seed=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    registry = CollectorRegistry()
+    with pol.attach(model, registry=registry):
+        for x, y in batches(8):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for i, (x, y) in enumerate(batches(8)):
+        nn.functional.mse_loss(reference(x), y).backward()
+        for group in ref_opt.param_groups:
+            group["lr"] = 0.05 * (0.1 if 4 < i < 9 else 1.0)
+        if i not in (2, 3, 4):
+            ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same(model, reference)
+    assert metric(registry, "hookpolicy_skipped_steps_total", {"policy": "p", "rule": "heal"}) == 3

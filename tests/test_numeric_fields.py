@@ -76,6 +76,7 @@ FULL: dict[str, Any] = {
                     {"alert": {"if": "max > 10", "warmup": 3, "for": 2, "then": "cool_down",
                                "cool_down": {"factor": 0.5, "steps": 10}}},
                     {"alert": {"if": "max > 20", "then": "rewind", "rewind": {"back": 1, "max_rewinds": 2}}},
+                    {"alert": {"if": "max > 30", "then": "skip_step", "skip_step": {"max_in_a_row": 2}}},
                 ],
             },
         ],

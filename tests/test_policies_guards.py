@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 import hookpolicy
 from helpers.models import batch, make_model, train_step
+from helpers.references import guard_skips, loss_spike as _loss_spike
 from helpers.library import alert_records, counter, load, lr_seen, opt_state, POLICIES, same_state, same_tensors, snapshot, stat
 
 
@@ -93,20 +94,6 @@ def test_explosion_guard_norm_is_the_global_grad_norm(workdir: Path) -> None:
         assert stat(reg, "hookpolicy_grad_l2_norm", "explosion-guard", "global-grad-norm") == pytest.approx(expected.item(), rel=1e-5)
 
 
-def _loss_spike(loss: float, applied: list[float]) -> bool:
-    """loss-spike-guard.yaml's skip condition, from the losses of the steps that were applied:
-    the median and the median absolute deviation (statistics.median), scaled by 1.4826."""
-    if not math.isfinite(loss):
-        return True
-    if len(applied) < 20:  # count(loss) >= 20
-        return False
-    window = applied[-100:]
-    median = statistics.median(window)
-    mad = statistics.median([abs(x - median) for x in window])
-    z = (loss - median) / (1.4826 * mad) if mad else math.copysign(math.inf, loss - median)
-    return z > 4 and loss > 1.2 * median
-
-
 def _zscore_spike(loss: float, applied: list[float]) -> bool:
     """The guard's old spike test (bench/policies/loss-spike-zscore.yaml): mean and std, 6 sigma."""
     if len(applied) < 20:
@@ -157,6 +144,38 @@ def test_loss_spike_guard_skips_exactly_the_spikes_of_its_reference(workdir: Pat
     assert skipped == sorted(spikes)
     assert counter(reg, "hookpolicy_skipped_steps_total", **labels) == len(spikes)
     assert missed_by_zscore == [40, 41]  # while the loss fell, its std hid them
+
+
+@pytest.mark.slow
+def test_loss_spike_guard_never_skips_more_than_four_spikes_in_a_row(workdir: Path) -> None:
+    """The header: four spikes in a row are skipped; the fifth (on the weights the skips left as they
+    were) is applied and the count starts again, so six scrambled batches in a row (a corrupted shard)
+    have their fifth applied. Each step against the header's rule computed here from the losses the
+    script saw (`guard_skips`): parameters and AdamW state bit for bit where it skips, changed where
+    it applies."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx, targets = batch(0)
+    scrambled = batch(1)[1]
+    shard = set(range(100, 106))
+    losses: list[float] = []
+    with load("loss-spike-guard.yaml").attach(model, registry=CollectorRegistry(), rank=0):
+        for step in range(110):
+            _, loss = model(idx, scrambled if step in shard else targets)
+            assert loss is not None
+            loss.backward()
+            params, state = snapshot(model), opt_state(opt)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            skip = step in guard_skips(losses, 4)
+            unchanged = all(torch.equal(params[n], p) for n, p in model.named_parameters())
+            assert unchanged == skip, f"step {step}: loss {loss.item()}"
+            if skip:
+                assert same_state(state, opt_state(opt))
+    skipped = guard_skips(losses, 4)
+    assert shard - {104} <= skipped and 104 not in skipped
+    assert not any(set(range(s, s + 5)) <= skipped for s in skipped)
 
 
 def test_loss_spike_guard_halts_when_the_loss_moved_for_good(workdir: Path) -> None:

@@ -5,7 +5,8 @@ steps no optimizer, the end of its backward pass):
 
     scope -> active rules -> loss -> execute -> read back -> decide -> agree (and reduce the loss)
           -> the job's loss rules (the same read-back) -> publish -> the alerts that fired, every rank's
-          (wake rules: `trigger.after`) -> heal -> write the alert records (what each did) -> commit history
+          (wake rules: `trigger.after`) -> heal -> the skips held back past `max_in_a_row` (applied unless
+          their rule's heal acted) -> write the alert records (what each did) -> commit history
           -> hide gradients -> lower the lr (a cool-down)
 
 After it (`after_update`): restore the hidden gradients -> measure the update (`updates`,
@@ -221,6 +222,7 @@ class StepCycle:
         self.installer.wake(report.fired, self.step)
         report.heal = self._heal(report, agreed)
         healed = self.healing.decided(report, self.step, self._steps.mode == "optimizer")
+        self.readback.bounded_skips(report, healed)
         self._settle(report, healed, decided=True, step=self.step)
         for key in report.skip_by:
             self.store.inc(SKIPPED_STEPS, key)

@@ -19,7 +19,7 @@ from .expr import parse, parse_value
 from .messages import CLIP_NAMES, expression_names, message_fields
 from .model import (
     HOOK_POINTS, LOSS, Action, After, Alert, Board, Capture, Clip, CoolDown, Dump, Keep, LogSink, Match, Policy, Rewind,
-    Rule, Scale, Snapshots, TensorFiles, Trigger, woken_by,
+    Rule, Scale, SkipStep, Snapshots, TensorFiles, Trigger, woken_by,
 )
 from .schema import validate
 
@@ -198,12 +198,18 @@ def _alert(body: dict[str, Any], at: str, target: str) -> Alert:
         warmup=int(body.get("warmup", Alert.warmup)),
         cool_down=_cool_down(body["cool_down"]) if body.get("then") == "cool_down" else None,
         rewind=_rewind(body.get("rewind", {})) if body.get("then") == "rewind" else None,
+        skip_step=_skip_step(body["skip_step"]) if body.get("then") == "skip_step" and "skip_step" in body else None,
         **optional,
     )
 
 
 def _cool_down(body: dict[str, Any]) -> CoolDown:
     return CoolDown(factor=float(body["factor"]), steps=int(body["steps"]))
+
+
+def _skip_step(body: dict[str, Any]) -> SkipStep:
+    bound = body.get("max_in_a_row")
+    return SkipStep(max_in_a_row=None if bound is None else int(bound))
 
 
 def _rewind(body: dict[str, Any]) -> Rewind:

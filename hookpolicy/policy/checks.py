@@ -429,9 +429,10 @@ class _Checker:
             )
 
     def heals(self, body: dict[str, Any], path: JsonPath) -> None:
-        """`then: cool_down` takes a `cool_down` block, `then: rewind` snapshots to go back to."""
+        """`then: cool_down` takes a `cool_down` block, `then: rewind` snapshots to go back to; a `skip_step`,
+        `cool_down` or `rewind` block goes with its own `then`."""
         then = body.get("then")
-        for key in HEALS:
+        for key in (*HEALS, "skip_step"):
             if key in body and then != key:
                 self.add(path + (key,), f"{key} says how then: {key} acts, but this alert's then is "
                          f"{then if isinstance(then, str) else 'log'}: write then: {key}, or drop {key}", key=True)

@@ -18,7 +18,7 @@ __all__ = [
     "API_VERSION", "KIND", "HOOK_POINTS", "TARGETS", "PARAM_TARGETS", "AFTER_UPDATE", "UPDATE", "OPTIMIZER_STATE",
     "UPDATE_RATIO", "LOSS", "ACTIVATIONS", "STATS", "stats_of", "Mode", "OnError", "HookPoint",
     "TriggerPhase", "Per", "Ranks", "Adapters", "Severity", "Then", "HEALS", "DECIDES", "RuleKey", "AlertKey", "rule_name", "Match", "After", "Trigger", "Capture", "TensorFiles",
-    "LogSink", "Board", "Keep", "Dump", "Clip", "Scale", "CoolDown", "Rewind", "Alert", "Action", "Rule", "Snapshots", "Policy",
+    "LogSink", "Board", "Keep", "Dump", "Clip", "Scale", "CoolDown", "Rewind", "SkipStep", "Alert", "Action", "Rule", "Snapshots", "Policy",
     "alert_keys", "listened", "woken_by",
 ]
 
@@ -291,6 +291,18 @@ class Rewind:
 
 
 @dataclass(frozen=True)
+class SkipStep:
+    """`then: skip_step` with `skip_step: {max_in_a_row: N}`: the alert skips at most N steps in a row.
+
+    Past N its step is applied: the weights did not change over the N skipped steps and the
+    condition still holds, so the weights (the update before the first skip), not the
+    batches, made it, and only an update (or its rule's cool-down or rewind, when one acts
+    at that step) can undo it. None: no bound (every firing skips)."""
+
+    max_in_a_row: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class Alert:
     condition: Condition
     source: str
@@ -306,6 +318,13 @@ class Alert:
     #: set exactly when `then` is `cool_down` / `rewind`
     cool_down: Optional[CoolDown] = None
     rewind: Optional[Rewind] = None
+    #: with `then: skip_step`: its `skip_step` block (None: every firing skips)
+    skip_step: Optional[SkipStep] = None
+
+    @property
+    def max_in_a_row(self) -> Optional[int]:
+        """The most steps in a row this alert skips (`skip_step.max_in_a_row`); None: no bound."""
+        return None if self.skip_step is None else self.skip_step.max_in_a_row
 
     @cached_property
     def stats(self) -> frozenset[str]:

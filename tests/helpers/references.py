@@ -1,7 +1,8 @@
 """References that more than one test file checks hookpolicy against, written from the
 published equations: adaptive gradient clipping (NFNets, Brock et al. 2021) and ZClip
 (arXiv 2504.02507: warm-up mean and population variance, z-score, clip to mean + k * std,
-EMA of the effective norm)."""
+EMA of the effective norm); and the shipped loss guards' spike test and skips, written from
+their headers (`loss_spike`, `guard_skips`)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,38 @@ class ZClipReference:
         self.mu = self.alpha * self.mu + (1 - self.alpha) * effective
         self.var = self.alpha * self.var + (1 - self.alpha) * (effective - self.mu) ** 2
         return clipped
+
+
+def loss_spike(loss: float, applied: list[float]) -> bool:
+    """loss-spike-guard.yaml's (and recover.yaml's) spike test, from the losses of the steps that were
+    applied: the median and the median absolute deviation (statistics.median), scaled by 1.4826."""
+    if not math.isfinite(loss):
+        return True
+    if len(applied) < 20:  # count(loss) >= 20
+        return False
+    window = applied[-100:]
+    median = statistics.median(window)
+    mad = statistics.median([abs(x - median) for x in window])
+    z = (loss - median) / (1.4826 * mad) if mad else math.copysign(math.inf, loss - median)
+    return z > 4 and loss > 1.2 * median
+
+
+def guard_skips(losses: list[float], max_in_a_row: int) -> set[int]:
+    """The steps a shipped loss guard skips, from the losses a script saw (no optimizer for a ladder's
+    rungs to act on): a spike is skipped, but a spike after `max_in_a_row` skipped in a row is applied
+    (the weights, unchanged by the skips, made it) and the count starts again; a loss that is not
+    finite is never applied. An applied step's loss enters the baseline, a skipped one's never."""
+    applied: list[float] = []
+    skipped: set[int] = set()
+    in_a_row = 0
+    for step, loss in enumerate(losses):
+        if not math.isfinite(loss):  # its own alert, unbounded: the spike alert's count in a row ends
+            skipped.add(step)
+            in_a_row = 0
+        elif not loss_spike(loss, applied) or in_a_row >= max_in_a_row:
+            in_a_row = 0
+            applied.append(loss)
+        else:
+            skipped.add(step)
+            in_a_row += 1
+    return skipped

@@ -17,7 +17,7 @@ import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from ...errors import Halt
 from ...policy.expr import NO_PAST, Past, Template
@@ -26,7 +26,7 @@ from ..measure.history import History, Observation, Tracked
 from ..execute.ledger import Entry
 from ..measure.rulestate import MAX_ERRORS, RuleState
 
-__all__ = ["Alerts", "MAX_RENDERED_CHARS", "Pending", "SinkHalts", "StepReport", "alert_line", "fire", "json_number",
+__all__ = ["ACTED", "Alerts", "MAX_RENDERED_CHARS", "Pending", "SinkHalts", "StepReport", "alert_line", "fire", "json_number",
            "not_taken", "outcome", "render", "settled"]
 
 
@@ -36,6 +36,8 @@ class Alerts:
     def __init__(self, history: History) -> None:
         self.history = history
         self._streaks: dict[tuple[Any, ...], int] = {}
+        #: per group of an alert with `skip_step: {max_in_a_row: N}`: the steps in a row it fired on that were skipped
+        self._skipped: dict[tuple[Any, ...], int] = {}
 
     def observe(
         self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
@@ -65,6 +67,24 @@ class Alerts:
     def restart(self) -> None:
         """Every `for:` streak from 0: after a rewind, the steps that made them were dropped."""
         self._streaks.clear()
+        self._skipped.clear()
+
+    def holds_back(self, rs: RuleState, index: int, action: Alert, module: str, tensor: str) -> bool:
+        """Whether a firing `skip_step` alert leaves its step applied: it skipped `max_in_a_row` steps in a row.
+
+        Over those steps the weights did not change and the condition held each time, so the
+        weights (the update before the first skip), not the batches, made it: skipping again
+        cannot undo that, an update can. The count starts again from the applied step, so the
+        alert never skips more than N steps in a row. Asked once per firing; `skipped` keeps the count.
+        """
+        bound = action.max_in_a_row
+        return bound is not None and self._skipped.get((rs.key, index, module, tensor), 0) >= bound
+
+    def skipped(self, bounded: Sequence[tuple[tuple[Any, ...], bool]], skip: bool) -> None:
+        """Once the step is decided: the bounded alerts that fired (`bounded`: group key, held back) count a
+        skipped step, and start again from 0 at an applied one (one that did not fire did in `evaluate`)."""
+        for key, _ in bounded:
+            self._skipped[key] = self._skipped.get(key, 0) + 1 if skip else 0
 
     def evaluate(
         self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
@@ -78,6 +98,8 @@ class Alerts:
         key = (rs.key, index, module, tensor)
         streak = self._streaks.get(key, 0) + 1 if holds else 0
         self._streaks[key] = streak
+        if streak < action.for_:  # it skips nothing at this step: its count in a row ends
+            self._skipped.pop(key, None)
         return streak >= action.for_
 
 
@@ -126,6 +148,8 @@ class Pending:
     past: Past
     record: dict[str, Any]
     settles: bool = False
+    #: a `skip_step` alert past its `max_in_a_row`: it asked for no skip (`Alerts.holds_back`)
+    held_back: bool = False
 
     @property
     def key(self) -> tuple[tuple[str, str], int]:
@@ -186,13 +210,15 @@ def json_number(value: float) -> Union[float, int]:
 
 def fire(
     report: "StepReport", rs: RuleState, index: int, action: Alert, base: dict[str, Any], stats: dict[str, float],
-    past: Past, final: bool, decides: bool = True,
+    past: Past, final: bool, decides: bool = True, held: bool = False,
 ) -> dict[str, Any]:
     """An alert fired for one group (`base`: the step, module, tensor, ...): its record waits in `report.pending`
     (`settled` once the step is decided) and, in force (enforce mode, not at `remove()`), its `then` goes into
     the report's decision: a skip, a heal, a halt. Returns the record as it stands before the step is decided.
     `decides` False (the job's loss rules at a step where the ranks hold different rules): the record
-    waits as in force, but no decision is taken (its record then says why).
+    waits as in force, but no decision is taken (its record then says why). `held`: a `skip_step` alert
+    past its `max_in_a_row` (`Alerts.holds_back`) asks for no skip; it is noted in `report.bounded` (as is
+    every bounded one in force) for the step cycle to decide (`Readback.bounded_skips`).
 
     The one place an alert that fired becomes a record and a decision: a live read-back and `hookpolicy
     replay` both call it.
@@ -205,8 +231,11 @@ def fire(
         "severity": action.severity, "then": action.then, "mode": rs.mode, "outcome": happened,
         "condition": action.source, "message": message,
     }
-    report.pending.append(Pending(rs, index, action, base, stats, past, record, settles=applied and action.then != "log"))
-    if applied and decides:
+    report.pending.append(Pending(rs, index, action, base, stats, past, record, settles=applied and action.then != "log",
+                                  held_back=held))
+    if applied and decides and action.max_in_a_row is not None:
+        report.bounded.append(((rs.key, index, base["module"], base["tensor"]), held))
+    if applied and decides and not held:
         if action.then == "skip_step" and rs.key not in report.skip_by:
             report.skip = True
             report.skip_rule = report.skip_rule or rs.key
@@ -216,6 +245,10 @@ def fire(
         elif action.then == "halt" and report.halt is None:
             report.halt = Halt(rs.policy.name, rs.rule.name, int(base["step"]), message)
     return record
+
+
+#: what a cool-down or rewind that acted says of itself (`healing.Healing.decided`)
+ACTED = frozenset({outcome("cool_down", True, "enforce"), outcome("rewind", True, "enforce")})
 
 
 def settled(
@@ -230,6 +263,9 @@ def settled(
         return pending.record
     why = "the ranks hold different rules: no decision at this step" if decided else "not at a training step"
     if then == "skip_step":
+        if decided and not report.skip and pending.held_back:
+            return pending.settled(not_taken(then, f"{pending.action.max_in_a_row} skipped in a row on the same "
+                                                   "weights: the weights, not the batch, made it; the update is applied"))
         return pending.settled(outcome(then, True, "enforce") if decided and report.skip else not_taken(then, why))
     if then == "halt":
         return pending.settled(outcome(then, True, "enforce") if report.halt is not None else not_taken(then, why))
@@ -245,6 +281,9 @@ class StepReport:
     skip_rule: Optional[tuple[str, str]] = None
     #: the rules whose alerts skip the step (each counts the step once, however many modules fired)
     skip_by: list[tuple[str, str]] = field(default_factory=list)
+    #: the alerts with `skip_step: {max_in_a_row: N}` that fired in enforce mode: their group
+    #: (rule key, action index, module, tensor) and whether they held back their skip (`Alerts.holds_back`)
+    bounded: list[tuple[tuple[Any, ...], bool]] = field(default_factory=list)
     #: the alerts with `then: cool_down` or `then: rewind` that fired in enforce mode: (rule key, action index)
     heals: list[tuple[tuple[str, str], int]] = field(default_factory=list)
     #: the one the step takes, agreed on by every rank: its place + 1 in `healing.heal_order`; 0 for none

@@ -31,6 +31,12 @@ Every alert's `for:` count starts again from 0 (the steps that made it were drop
 or the model's steps cannot be snapshotted) or no optimizer to restore skips the step instead
 and spends one of its `max_rewinds`; a cool-down with no optimizer hands the step to its
 rule's rewind. So a spike that persists reaches the halt instead of being skipped forever.
+At the step where its rule's bounded `skip_step` alert (`skip_step: {max_in_a_row: N}`) holds
+back its skip (N skipped in a row), a rung that cannot act leaves the step to that alert
+instead (it neither skips nor spends): the step is applied, the update that undoes a spike
+the weights made (a script updating by hand has no lr to lower and no optimizer state to
+restore, and the update is what its unguarded run heals by). If the spike stays after it,
+the rungs climb as above at the steps the alert skips.
 """
 
 from __future__ import annotations
@@ -110,6 +116,14 @@ class Healing:
                  snapshots: Callable[[torch.nn.Module, Sequence[Policy], str], Optional[Snapshots]] = snapshots_of,
                  ) -> None:
         self.order = heal_order(policies)
+        #: per rule with a `skip_step` alert bounded by `max_in_a_row`: that bound (the smallest)
+        self._bounded: dict[tuple[str, str], int] = {}
+        for policy in policies:
+            for rule in policy.rules:
+                for action in rule.actions:
+                    if isinstance(action, Alert) and action.max_in_a_row is not None:
+                        key = (policy.name, rule.name)
+                        self._bounded[key] = min(self._bounded.get(key, action.max_in_a_row), action.max_in_a_row)
         self._store = store
         #: a fault of a rule (a snapshot that cannot be taken or put back): its containment (`Faults.fail`)
         self._fail = fail
@@ -189,7 +203,7 @@ class Healing:
             else:  # the rung chosen could not act: it took the step, and did not do what it names
                 outcomes[(key, index)] = not_taken(
                     then, f"the step went to {_A[chosen.alert.then]} by {chosen.policy}/{chosen.rule}, which could "
-                    "not act: " + ("step skipped" if report.skip else "nothing done"))
+                    "not act: " + ("step skipped" if report.skip else "step applied"))
         return outcomes
 
     def _take(self, healer: Healer, report: StepReport, step: int, optimizer: bool) -> str:
@@ -241,6 +255,13 @@ class Healing:
         being skipped step after step (a run skipped to death exits 0 with a useless model).
         """
         then = healer.alert.then
+        bound = self._bounded.get(healer.key)
+        if bound is not None and any(held for (rule, *_), held in report.bounded if rule == healer.key):
+            if self._said(("left", then, healer.key)):
+                log.warning("%s/%s: cannot %s at step %d (%s): the step is applied, as its skip_step says past "
+                            "max_in_a_row: %d (the weights made the spike; said once)", healer.policy, healer.rule,
+                            "cool down" if then == "cool_down" else "rewind", step, why, bound)
+            return not_taken(then, f"{why}: the step is its rule's skip_step's (max_in_a_row: {bound})")
         if then == "cool_down":
             climb = next((h for h in self.order if h.key == healer.key and h.alert.then == "rewind"), None)
             if self._said(("cannot", then, healer.key)):
