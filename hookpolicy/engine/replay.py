@@ -38,7 +38,7 @@ from ..export.report import Records, ReportError, read_runs
 from ..export.store import MetricsStore, ModelMetrics
 from ..policy.model import AFTER_UPDATE, LOSS, Alert, Clip, Policy, Rule, RuleKey, Scale, rule_name
 from ..policy.patterns import compile_glob
-from .decide.alerts import Alerts, StepReport, fire, settled
+from .decide.alerts import Alerts, StepReport, bounded_skips, fire, settled
 from .execute.executor import woken
 from .heal.healing import Healing
 from .heal.snapshots import Snapshot, Snapshots, config
@@ -355,7 +355,9 @@ def _run(out: Replayed, states: list[tuple[RuleState, dict[int, Source]]], recor
                         fired, past = alerts.judge(rs, index, action, module, tensor, stats, report.observed)
                         if fired:
                             base = {**base_rule, "module": module, "target": rs.rule.target, "tensor": tensor}
-                            fire(report, rs, index, action, base, stats, past, final=False)
+                            held = (rs.enforce and action.then == "skip_step"
+                                    and alerts.holds_back(rs, index, action, module, tensor))
+                            fire(report, rs, index, action, base, stats, past, final=False, held=held)
                             outcome = out.rules[rs.key]
                             outcome.counts[index] += 1
                             if not outcome.fired[index] or outcome.fired[index][-1] != step:
@@ -367,6 +369,7 @@ def _run(out: Replayed, states: list[tuple[RuleState, dict[int, Source]]], recor
                     awake[rs.key] = woken(awake.get(rs.key, (0, 0)), step, after.steps)
             report.heal = healing.choose(report.heals)
             healed = healing.decided(report, step, True)
+            bounded_skips(alerts, report, healed)
             written = [settled(p, report, healed, True) for p in report.pending]
             out.alerts += written
             for record in written:

@@ -26,7 +26,7 @@ from ..measure.history import History, Observation, Tracked
 from ..execute.ledger import Entry
 from ..measure.rulestate import MAX_ERRORS, RuleState
 
-__all__ = ["ACTED", "Alerts", "MAX_RENDERED_CHARS", "Pending", "SinkHalts", "StepReport", "alert_line", "fire", "json_number",
+__all__ = ["ACTED", "Alerts", "bounded_skips", "MAX_RENDERED_CHARS", "Pending", "SinkHalts", "StepReport", "alert_line", "fire", "json_number",
            "not_taken", "outcome", "render", "settled"]
 
 
@@ -245,6 +245,24 @@ def fire(
         elif action.then == "halt" and report.halt is None:
             report.halt = Halt(rs.policy.name, rs.rule.name, int(base["step"]), message)
     return record
+
+
+def bounded_skips(alerts: Alerts, report: "StepReport", healed: Mapping[tuple[tuple[str, str], int], str]) -> None:
+    """Once a step's heal is decided (live or in `hookpolicy replay`): the skips held back past `max_in_a_row`.
+
+    Such a step is applied, unless its rule's own cool-down or rewind acted at it (that rung is
+    the rule's answer to a spike that persists, and the step stays skipped, as the rule's
+    ladder says) or the run halts at it (a halting step is never applied, and is counted
+    skipped as every alert that asked for its skip); then every bounded alert that fired
+    counts the step (`Alerts.skipped`).
+    """
+    acted = {key for (key, _), did in healed.items() if did in ACTED}
+    for (rule, _, _, _), held in report.bounded:
+        if held and (rule in acted or report.halt is not None) and rule not in report.skip_by:
+            report.skip = True
+            report.skip_rule = report.skip_rule or rule
+            report.skip_by.append(rule)
+    alerts.skipped(report.bounded, report.skip)
 
 
 #: what a cool-down or rewind that acted says of itself (`healing.Healing.decided`)

@@ -33,7 +33,7 @@ from ...export.metrics import ALERT_FIRING, ALERTS, CLIPPED, Labels, stat_family
 from ...export.store import ModelMetrics
 from ...export.tensorboard import scalar_tag
 from ...policy.model import Capture, Clip, LogSink, Policy, rule_name
-from .alerts import ACTED, Alerts, SinkHalts, StepReport, fire, json_number, settled
+from .alerts import Alerts, SinkHalts, StepReport, bounded_skips, fire, json_number, settled
 from ..measure.distributed import reduce_shards
 from ..measure.history import History
 from ..execute.ledger import ClipEntry, Entry
@@ -88,21 +88,8 @@ class Readback:
         return MappingProxyType({family: MappingProxyType(dict(series)) for family, series in self._last.items()})
 
     def bounded_skips(self, report: StepReport, healed: Mapping[tuple[tuple[str, str], int], str]) -> None:
-        """Once the step's heal is decided: the skips that alerts past their `max_in_a_row` held back.
-
-        Such a step is applied, unless its rule's own cool-down or rewind acted at it (that rung is
-        the rule's answer to a spike that persists, and the step stays skipped, as the rule's
-        ladder says) or the run halts at it (a halting step is never applied, and is counted
-        skipped as every alert that asked for its skip); then every bounded alert that fired
-        counts the step (`Alerts.skipped`).
-        """
-        acted = {key for (key, _), did in healed.items() if did in ACTED}
-        for (rule, _, _, _), held in report.bounded:
-            if held and (rule in acted or report.halt is not None) and rule not in report.skip_by:
-                report.skip = True
-                report.skip_rule = report.skip_rule or rule
-                report.skip_by.append(rule)
-        self._alerts.skipped(report.bounded, report.skip)
+        """Once the step's heal is decided: the skips held back past `max_in_a_row` (`alerts.bounded_skips`)."""
+        bounded_skips(self._alerts, report, healed)
 
     def restart_streaks(self) -> None:
         """After a rewind: every alert's `for:` count starts again (`Alerts.restart`)."""
