@@ -4,7 +4,7 @@
     python bench/instability.py --out docs/instability.md
     python bench/instability.py train [--corrupt epoch|early]  # one run: the unmodified script the policies govern
     hookpolicy apply policies/loss-spike-guard.yaml -- python bench/instability.py train --corrupt epoch --steps 100
-                                                     # the README's demo (seconds): exactly steps 80-87 skipped
+                                                     # the README's demo (seconds): steps 80-87 fire, all but 84 skipped
     python bench/instability.py overhead             # what the history functions cost per step
     python bench/instability.py heal                 # issue 26: a divergence skipping cannot undo (lr x30
                                                      # for 20 steps): clean, unguarded, skip-only, recover.yaml

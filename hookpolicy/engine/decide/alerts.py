@@ -283,7 +283,8 @@ def settled(
     if then == "skip_step":
         if decided and not report.skip and pending.held_back:
             return pending.settled(not_taken(then, f"{pending.action.max_in_a_row} skipped in a row on the same "
-                                                   "weights: the weights, not the batch, made it; the update is applied"))
+                                                   "weights: a spike that outlasts them may be the weights', which only an update "
+                                                   "undoes; the update is applied"))
         return pending.settled(outcome(then, True, "enforce") if decided and report.skip else not_taken(then, why))
     if then == "halt":
         return pending.settled(outcome(then, True, "enforce") if report.halt is not None else not_taken(then, why))
