@@ -13,6 +13,7 @@ way, on the same rows in the same order, so the values are the same.
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterator, Optional, Sequence
 
 from ...export.metrics import Labels, stat_family
@@ -35,7 +36,9 @@ class Layout:
 
     def __init__(self, entries: Sequence[Entry]) -> None:
         first = entries[0]
-        self.rule: RuleState = first.rule
+        #: the rule, held weakly: a pass handed over to the store (`MetricsStore.swap_in`) outlives the step in
+        #: the store's pending values, and must not keep the rule's attachment, and with it the model, alive
+        self._rule = weakref.ref(first.rule)
         self.op: StatsOp = first.op
         self.target = first.target
         self.shape = [(e.rows, e.numels) for e in entries]
@@ -67,6 +70,13 @@ class Layout:
         #: `keys`, and its answer: while both stand, a step swaps the values in (`MetricsStore.swap_in`)
         self.checked: Optional[tuple[int, int]] = None
         self.held = False
+
+    @property
+    def rule(self) -> RuleState:
+        """The rule of the pass (alive while its attachment is: the read-back asks only then)."""
+        rule = self._rule()
+        assert rule is not None, "a pass's rule is read after its attachment was dropped"
+        return rule
 
     def fits(self, entries: Sequence[Entry]) -> bool:
         """Whether `entries` (one pass of a step) have this layout: the same rule, pass and rows."""
