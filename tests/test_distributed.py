@@ -13,6 +13,7 @@ Two kinds of tests, all with 2 CPU ranks on gloo:
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -378,6 +379,76 @@ def test_halt_decided_on_one_rank_is_taken_by_all(tmp_path: Path, free_port: int
     assert ranks[0]["halt"].startswith("hookpolicy: halted by p/guard at step 1")
     assert ranks[1]["halt"].startswith("hookpolicy: halted by p/guard at step 1") and "rank 0" in ranks[1]["halt"]
     assert [len(r["digests"]) for r in ranks] == [1, 1]  # no rank applied step 1
+
+
+# -- onError: halt on one rank -------------------------------------------------------------
+
+SINK_RULES = """\
+- name: dump
+  match: {modules: ["0"]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm], tensors: {dir: tensors}}
+- name: norms
+  match: {modules: ["0"]}
+  trigger: {at: step}
+  target: grad
+  actions:
+    - capture: {stats: [l2_norm], log: {path: norms.jsonl}}
+"""
+
+
+def one_fault(rank: int, policy: str, folder: str, where: str) -> dict[str, Any]:
+    """Rank 1's sink fails for real at step 1 (`where`: its log path turned into a symbolic link, read
+    before the step's agreement; or its tensor files' `os.replace` out of space, written after it)."""
+    from hookpolicy.export import sinks
+
+    os.environ["HOOKPOLICY_OUTPUT_DIR"] = str(Path(folder) / f"out{rank}")
+    torch.manual_seed(0)
+    model = build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = make_data(rank)
+    digests: list[list[float]] = []
+    raised: Optional[dict[str, Any]] = None
+    attached = hookpolicy.load(policy).attach(model, registry=CollectorRegistry(), rank=rank)
+    try:
+        for step in range(4):
+            nn.functional.mse_loss(model(x[:16]), y[:16]).backward()
+            if step == 1 and rank == 1:
+                if where == "log":
+                    log = Path(folder) / f"out{rank}" / "norms.jsonl"
+                    log.unlink()
+                    log.symlink_to(Path(folder) / "elsewhere.jsonl")
+                else:
+                    def full(*args: Any, **kwargs: Any) -> None:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    sinks.os.replace = full  # type: ignore[assignment]
+            optimizer.step()
+            optimizer.zero_grad()
+            digests.append([float(p.detach().double().sum()) for p in model.parameters()])
+    except hookpolicy.Halt as halt:
+        raised = {"rule": halt.rule, "step": halt.step, "line": str(halt)}
+    finally:
+        steps = attached.step
+        attached.remove()
+    final = [float(p.detach().double().sum()) for p in model.parameters()]
+    return {"digests": digests, "final": final, "halt": raised, "steps": steps}
+
+
+@pytest.mark.parametrize(("where", "rule", "at"), [("log", "norms", 1), ("tensors", "dump", 2)])
+def test_a_fault_under_on_error_halt_on_one_rank_halts_every_rank_at_the_same_step(
+    tmp_path: Path, free_port: int, where: str, rule: str, at: int,
+) -> None:
+    """Alone, `onError: halt` raises where the fault is; in a group every rank must stop at the same step,
+    or the others wait in their next collective. A fault read before the step's agreement halts that step;
+    one written after it (the step's tensor files) the next. No rank applies the halting step."""
+    policy = str(write_policy(tmp_path, SINK_RULES, spec="onError: halt\n"))
+    ranks = spawn(one_fault, tmp_path, free_port, policy, str(tmp_path), where)
+    for r in ranks:
+        assert r["halt"] is not None and (r["halt"]["rule"], r["halt"]["step"]) == (rule, at), r
+        assert len(r["digests"]) == at and r["final"] == r["digests"][-1]  # the steps before `at` applied, `at` not
+    assert "rank 1 halted" in ranks[0]["halt"]["line"]
 
 
 # -- ranks holding different rules ---------------------------------------------------------

@@ -89,7 +89,7 @@ class StepCycle:
         #: the past values of the series that history functions read (alerts, adaptive clips)
         self.history = History(budgets={policy.name: policy.max_history_values for policy in policies})
         self.ledger = Ledger()
-        self._faults = Faults(store, lambda: self.step, halting, self.ledger)
+        self._faults = Faults(store, lambda: self.step, halting, self.ledger, lambda: self.agreement.active())
         phase = Phase()
         self.programs = Programs(self.rules, self.ledger, self._faults, self.history)
         self.executor = Executor(self.rules, phase, self._faults, self.programs)
@@ -208,6 +208,11 @@ class StepCycle:
         done = self.ledger.close()
         reading = self.readback.read(done.entries, self.step, final=False, hold=reduced if held else None)
         report = reading.report
+        if self.agreement.active():
+            self._fail(report)  # a sink fault's halt (onError: halt) goes into this step's agreement
+        pending = self._faults.take_pending(self.step)
+        if report.halt is None:
+            report.halt = pending
         own = len(report.pending)
         agreed = self.agreement.agree(report, self.step, loss, layout.values(report.held) if held else (),
                                       heal=self.healing.choose(report.heals),
@@ -246,8 +251,14 @@ class StepCycle:
         return max(agreed.heal, self.healing.choose(report.heals))
 
     def _evaluation(self) -> None:
-        """An evaluation forward's read-back (no optimizer steps): publish what it measured; it decides no step."""
+        """An evaluation forward's read-back (no optimizer steps): publish what it measured; it decides no step.
+
+        A fault's halt kept for an agreement (`Faults.pending`) is taken here, alone, as an alert's halt is.
+        """
         report = self._read_and_publish(final=False)
+        pending = self._faults.take_pending(self.step)
+        if report.halt is None:
+            report.halt = pending
         self._say_held(report)
         self._settle(report, {}, decided=False)
         for key in report.skip_by:
@@ -259,6 +270,10 @@ class StepCycle:
     def _last(self) -> None:
         """At `remove()`: publish what the ledger still holds; no decision, nothing committed to the history."""
         report = self._read_and_publish(final=True)
+        pending = self._faults.take_pending(self.step)
+        if pending is not None:
+            log.error("hookpolicy: %s/%s: not halted (onError: halt): the model's steps ended before the ranks "
+                      "could agree on it", pending.policy, pending.rule)
         self._say_held(report)
         self._settle(report, {}, decided=False)
 
@@ -281,9 +296,14 @@ class StepCycle:
         """Publish a read-back's statistics, count what its ledger `done` recorded, hand its sink faults to `Faults`."""
         report = self.readback.publish(reading)
         self._count(done, report.seconds)
-        for rs, exc in report.errors:
-            self._faults.fail(rs, exc)
+        self._fail(report)
         return report
+
+    def _fail(self, report: StepReport) -> None:
+        """Hand the sink faults `report` holds so far to `Faults` (each once)."""
+        errors, report.errors = report.errors, []
+        for rs, exc in errors:
+            self._faults.fail(rs, exc)
 
     def _settle(self, report: StepReport, healed: Mapping[tuple[tuple[str, str], int], str], decided: bool,
                 step: Optional[int] = None) -> None:

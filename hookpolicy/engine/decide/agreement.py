@@ -7,8 +7,8 @@ rank that halted). `Agreement.agree` issues one collective over the default proc
 at each step decision: an `all_gather` of one row of `len(ROW)` int64 per rank (`ROW`
 names them), from which every rank computes the same maxima, minima and sums. It runs only
 when a process group is initialised and the attached policies hold an enforced `skip_step`
-or `halt`, a loss rule that sees the job's loss, a `ranks: job` activation rule, or a
-reload vote (and, once it did, for the rest of the process: see `_AGREED`). Every rank of the group must then step its
+or `halt`, a policy with `onError: halt` (a fault's halt, `Faults.pending`), a loss rule
+that sees the job's loss, a `ranks: job` activation rule, or a reload vote (and, once it did, for the rest of the process: see `_AGREED`). Every rank of the group must then step its
 optimizer together (which DDP and FSDP require anyway). Decisions taken during evaluation
 forwards (a halt at a per-batch readback) are not agreed on: a rank may evaluate alone.
 
@@ -220,7 +220,7 @@ class Agreement:
         self._decides = any(
             isinstance(a, Alert) and a.then in DECIDES
             for rs in rules.values() if rs.enforce for a in rs.rule.actions
-        )
+        ) or any(rs.policy.on_error == "halt" for rs in rules.values())  # a fault's halt (`Faults.pending`)
         #: loss rules that see the job's loss: the loss travels in the collective, which then runs at every step
         self.reduces_loss = any(job_loss_rule(rs) for rs in rules.values())
         #: the `ranks: job` activation statistics (`Layout`): they travel in the collective too

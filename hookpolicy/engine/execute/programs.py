@@ -299,16 +299,26 @@ class Faults:
 
     `step()` is the step being evaluated (for messages and halts); `halting(halt)` tells
     the attachment's `on_halt` before a `Halt` propagates; `ledger` gets the time spent.
+
+    Under `onError: halt` the first fault stops the run. Alone, at once: the `Halt` is
+    raised where the fault was. In a process group whose steps are agreed on
+    (`agreed()`), a rank that halted alone would leave the others waiting in their next
+    collective, so the fault's halt is kept (`pending`) and the step cycle puts it into
+    the next step decision's agreement, which every rank takes at the same step.
     """
 
     def __init__(
         self, store: ModelMetrics, step: Callable[[], int], halting: Callable[[Halt], Halt], ledger: Ledger,
+        agreed: Callable[[], bool] = lambda: False,
     ) -> None:
         self._store = store
         self._step = step
         self.halting = halting
         self._ledger = ledger
+        self._agreed = agreed
         self._said_own = Once()  # a fault of hookpolicy's own part (`fail_all`): its traceback once
+        #: the halt of a fault under `onError: halt` that waits for the next agreement (see above)
+        self.pending: Optional[Halt] = None
 
     def step(self) -> int:
         return self._step()
@@ -330,9 +340,8 @@ class Faults:
         self._store.inc(HOOK_ERRORS, rs.key)
         step = self._step()
         if rs.policy.on_error == "halt":
-            raise self.halting(
-                Halt(rs.policy.name, rs.rule.name, step, f"hook error: {type(exc).__name__}: {exc}")
-            ) from exc
+            self._halt(Halt(rs.policy.name, rs.rule.name, step, f"hook error: {type(exc).__name__}: {exc}"), exc)
+            return
         if rs.errors == 1 and isinstance(exc, OSError):  # a sink that cannot write: the message says it all
             log.error("hookpolicy: %s/%s raised at step %d: %s (logged once; the rule is switched off after %d errors)",
                       *rs.key, step, exc, MAX_ERRORS)
@@ -344,6 +353,22 @@ class Faults:
         if rs.errors == MAX_ERRORS:
             self._store.switch_off(rs.key, f"after {MAX_ERRORS} errors")
             log.error("hookpolicy: %s/%s switched off after %d errors", *rs.key, MAX_ERRORS)
+
+    def _halt(self, halt: Halt, exc: BaseException) -> None:
+        """Raise `halt` now, or, where the ranks agree on their steps, keep it for the next agreement (the first)."""
+        if not self._agreed():
+            raise self.halting(halt) from exc
+        if self.pending is None:
+            self.pending = halt
+            log.error("hookpolicy: %s/%s raised at step %d under onError: halt (%s); every rank halts at the next "
+                      "step decision", halt.policy, halt.rule, halt.step, halt.message)
+
+    def take_pending(self, step: int) -> Optional[Halt]:
+        """The kept halt, as a halt at `step` (the step decision that takes it), and forget it."""
+        halt, self.pending = self.pending, None
+        if halt is None or halt.step == step:
+            return halt
+        return Halt(halt.policy, halt.rule, step, f"{halt.message} (at step {halt.step})")
 
     def fail_all(self, rules: Sequence[RuleState], where: str, exc: BaseException) -> None:
         """A fault of hookpolicy's own part at `where` (a patch of torch, `hooks.contain`), done for `rules`.
@@ -362,8 +387,9 @@ class Faults:
             self._store.inc(HOOK_ERRORS, rs.key)
         halting = next((rs for rs in live if rs.policy.on_error == "halt"), None)
         if halting is not None:
-            raise self.halting(Halt(halting.policy.name, halting.rule.name, step,
-                                    f"hookpolicy's own fault in {where}: {type(exc).__name__}: {exc}")) from exc
+            self._halt(Halt(halting.policy.name, halting.rule.name, step,
+                            f"hookpolicy's own fault in {where}: {type(exc).__name__}: {exc}"), exc)
+            return
         if self._said_own():
             log.error("hookpolicy: %s raised at step %d (hookpolicy's own fault, done for %s; the call it wraps went on "
                       "untouched; logged once; those rules are switched off after %d errors):\n%s", where, step,
