@@ -148,6 +148,10 @@ WORKLOADS: dict[str, Workload] = {
         "gpt", "GPT decoder: 6 blocks, d_model 256, 4 heads, seq 128, batch 8, vocab 1024, AdamW",
         GPT, _tokens(1024, 8, 128), _lm_loss,
     ),
+    "nanogpt": Workload(
+        "nanogpt", "nanoGPT-style small GPT: 4 blocks, d_model 128, 4 heads, seq 64, batch 12, vocab 65 (characters), AdamW",
+        lambda: GPT(vocab=65, d=128, heads=4, layers=4, seq=64), _tokens(65, 12, 64), _lm_loss,
+    ),
     "cnn": Workload(
         "cnn", "CNN: 3 conv stages (32-64-128 ch, BN, in-place ReLU) + 2 Linear, 32x32 images, batch 64, AdamW",
         SmallCNN, _images, F.cross_entropy,

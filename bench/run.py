@@ -42,8 +42,8 @@ from variants import VARIANTS, Variant, build_variants  # noqa: E402
 
 #: workload -> (undisturbed steps wanted per variant, warm-up rounds, time budget in seconds)
 ROUNDS = {
-    "full": {"gpt": (60, 4, 200), "cnn": (150, 10, 80), "lstm": (120, 10, 80)},
-    "quick": {"gpt": (15, 3, 55), "cnn": (40, 5, 20), "lstm": (30, 5, 20)},
+    "full": {"gpt": (60, 4, 200), "nanogpt": (150, 10, 80), "cnn": (150, 10, 80), "lstm": (120, 10, 80)},
+    "quick": {"gpt": (15, 3, 55), "nanogpt": (40, 5, 20), "cnn": (40, 5, 20), "lstm": (30, 5, 20)},
 }
 GOALS = {"hp": 1.05, "hp10": 1.01, "third": 1 / 3, "clip": 1.02, "attach_s": 1.0, "scrape_s": 0.100, "publish_s": 0.005}
 
@@ -369,7 +369,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (fewer rounds)")
     parser.add_argument("--out", type=Path, help="write the markdown report here (e.g. docs/benchmarks.md)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores available)")
-    parser.add_argument("--workloads", default="gpt,cnn,lstm", help="comma-separated: gpt, cnn, lstm")
+    parser.add_argument("--workloads", default="gpt,nanogpt,cnn,lstm", help="comma-separated: gpt, nanogpt, cnn, lstm")
     parser.add_argument("--rounds", type=int, default=None, help="override the rounds of every workload")
     parser.add_argument("--no-scale", action="store_true", help="skip variant 6 (10k modules, 10k series)")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler and py-spy profiles")
