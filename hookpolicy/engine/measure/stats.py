@@ -141,6 +141,21 @@ def _partials(
 ) -> torch.Tensor:
     # One 0-d tensor per cell, row-major, stacked once: a handful of small operators per
     # call however many partials are asked for (each costs 1-3 us of dispatch on CPU).
+    columns, norms = _columns(tensors, kinds, defer_counts, references)
+    n = len(tensors)
+    if n == 1:
+        matrix = torch.stack([col[0] for col in columns]).view(1, len(columns)).to(torch.float64)
+    else:  # one column after the other: no Python loop over the cells of many small tensors
+        matrix = torch.stack([_column(col) for col in columns], dim=1).to(torch.float64)
+    if norms >= 0:
+        matrix[:, norms].square_()  # squared in float64, which never overflows
+    return matrix
+
+
+def _columns(
+    tensors: Sequence[torch.Tensor], kinds: Sequence[str], defer_counts: bool, references: Optional[torch.Tensor],
+) -> tuple[list[Column], int]:
+    """The partial columns of `kinds`, and the index of the one holding norms to square (-1: none)."""
     columns: list[Column] = []
     norms = -1  # the column holding norms that still need squaring (the `_foreach_norm` path)
     squares: Optional[Column] = None
@@ -171,14 +186,34 @@ def _partials(
         else:  # finite
             col = [_finite(t) for t in tensors]
         columns.append(col)
-    n = len(tensors)
-    if n == 1:
-        matrix = torch.stack([col[0] for col in columns]).view(1, len(columns)).to(torch.float64)
-    else:  # one column after the other: no Python loop over the cells of many small tensors
-        matrix = torch.stack([_column(col) for col in columns], dim=1).to(torch.float64)
+    return columns, norms
+
+
+def _host_matrix(
+    tensors: Sequence[torch.Tensor], kinds: Sequence[str], references: Optional[torch.Tensor],
+) -> list[list[float]]:
+    """`_partials(...).tolist()` for CPU tensors, in two operators after the reductions (a stack and one read).
+
+    In a training step a small operator costs 10-20 us, not the 2 us of a warm loop (the
+    model's own kernels evicted the dispatcher's code and data from the caches), so the
+    cells are read as they are and made float64 and squared on the host: the values are
+    the same bits (every partial converts to float64 exactly, and a float64 square is the
+    same IEEE product in Python as in torch).
+    """
+    columns, norms = _columns(tensors, kinds, False, references)
+    n, width = len(tensors), len(columns)
+    if n == 1:  # torch.stack promotes mixed dtypes to the widest, exactly
+        values = torch.stack([col[0] for col in columns]).tolist()
+        rows = [values]
+    elif width == 1:
+        rows = [[v] for v in _column(columns[0]).tolist()]
+    else:
+        flat = torch.cat([_column(col) for col in columns]).tolist()  # column after column
+        rows = [flat[i::n] for i in range(n)]
     if norms >= 0:
-        matrix[:, norms].square_()  # squared in float64, which never overflows
-    return matrix
+        for row in rows:
+            row[norms] = row[norms] * row[norms]
+    return rows
 
 
 #: Below this many elements (in all) the count (two small kernels) costs less than reading the
@@ -231,15 +266,19 @@ def _host_rows(
     count is exact either way.
     """
     if "finite" not in kinds:
-        return _partials(tensors, kinds, False, references).tolist()
+        return _host_matrix(tensors, kinds, references)
     others = [k for k in kinds if k != "finite"]
     proof = next((p for p in _PROOFS if all(k in others for k in p)), None)
     measured = others if proof is not None else [*others, "sumsq"]
     at = [measured.index(k) for k in (proof or ("sumsq",))]
     col, last = list(kinds).index("finite"), len(kinds) - 1
-    matrix = _partials(tensors, measured, False, references)
-    rows = matrix.tolist()
-    every = len(rows) > 1 and bool(torch.isfinite(matrix[:, at]).all())  # many tensors: one check for all
+    if len(tensors) >= _MANY:  # many tensors: one check for all, on the matrix
+        matrix = _partials(tensors, measured, False, references)
+        rows = matrix.tolist()
+        every = bool(torch.isfinite(matrix[:, at]).all())
+    else:  # a few: the rows read, checked on the host (no operator)
+        rows = _host_matrix(tensors, measured, references)
+        every = False
     for row, t in zip(rows, tensors):
         finite = float(t.numel()) if every or all(math.isfinite(row[i]) for i in at) else float(_finite(t))
         del row[last:]  # the added sum of squares, if any
