@@ -163,6 +163,7 @@ class StepTracker:
         self._param_ids = self._current_param_ids()
         self._owned = weakref.WeakKeyDictionary()
         self._scopes.reset()
+        self._probe = None
 
     def _current_param_ids(self) -> set[int]:
         model = self._model_params()
@@ -209,9 +210,10 @@ class StepTracker:
     def backward_done(self) -> bool:
         """A backward pass ended; True when no optimizer steps this model, so this backward pass is a step."""
         self._in_backward = False
-        model = self._model_params()
-        if model is not None:
-            self._probe = next((p for p in model.parameters() if p.grad is not None), None)
+        probe = self._probe  # kept while it has a gradient: a walk of the model costs ~80 us a pass, cold
+        if probe is None or probe.grad is None or id(probe) not in self._param_ids:
+            model = self._model_params()
+            self._probe = None if model is None else next((p for p in model.parameters() if p.grad is not None), None)
         self._check_hookless_update()
         if self.mode == "unknown":
             self.mode = "optimizer" if self._optimizer_exists() else "manual"
