@@ -13,6 +13,13 @@ floor's, split into the policy's active and inactive steps, and the inactive one
 place after the active step (what an active step leaves behind would show in the first
 places), the Python calls per inactive step inside hookpolicy's own code (`cProfile`
 counts, which do not depend on the load) and the load average.
+
+glibc's allocator gives the activations' memory back to the kernel and faults it in again
+at the next step (hundreds of minor page faults a step, a different number in each copy of
+the loop); for sub-percent comparisons fix its thresholds (bench/where-the-time-goes.md):
+
+    GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824 \
+        python bench/inactive.py
 """
 
 from __future__ import annotations
