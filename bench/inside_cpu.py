@@ -2,6 +2,7 @@
 
     python bench/inside_cpu.py            # GPT, CNN, LSTM: monitor.yaml and seed-stats.yaml
     python bench/inside_cpu.py --publish  # also the step that publishes 10,000 series, split
+    python bench/inside_cpu.py --split nanogpt  # monitor.yaml's step cost: the statistics and the rest
 
 hookpolicy's own `hookpolicy_hook_seconds_total` is wall time: on a shared machine it
 counts the time other processes held the core. Here the hook bodies and the read-back are
@@ -11,6 +12,11 @@ by running this alternately, twice each. `--publish` times, in CPU time, the opt
 step of `bench/models.py:wide_model` under `policies/scrape.yaml` (10,000 series) against
 the same step without a policy, split into computing the statistics (the step rules) and
 publishing them (the read-back, `timing.readback_cpu`: fetch, finish or hand over, alerts, the store).
+`--split` steps, interleaved, the floor, `monitor.yaml`, `monitor.yaml` with its statistics not
+computed (every hook, the ledger, the read-back and the publishing run on rows of placeholder
+partials that prove every element finite) and a second floor (the A/A spread), and gives each
+one's median CPU time per step over the floor: what the statistics' operators cost against what
+hookpolicy's machinery around them does.
 """
 
 from __future__ import annotations
@@ -102,12 +108,50 @@ def publish(repeats: int = 7) -> None:
           f"computing the statistics {med['compute'] * 1e3:.1f} ms, publishing them {med['publish'] * 1e3:.1f} ms")
 
 
+def split(name: str, rounds: int) -> None:
+    real = programs.host_partials
+
+    def placeholders(tensors, kinds, references=None):  # type: ignore[no-untyped-def]
+        return [[float(t.numel()) if k == "finite" else 1.0 for k in kinds] for t in tensors]
+
+    variants = build_variants(WORKLOADS[name], torch.device("cpu"), ["floor", "hp", "hp", "floor"])
+    keys = ["floor", "monitor.yaml", "without statistics", "floor again"]
+
+    def step(k: int) -> float:
+        programs.host_partials = placeholders if k == 2 else real  # type: ignore[assignment]
+        start = time.thread_time()
+        try:
+            variants[k].step()
+        finally:
+            programs.host_partials = real  # type: ignore[assignment]
+        return time.thread_time() - start
+
+    for _ in range(3):
+        for k in range(len(variants)):
+            step(k)
+    seconds: list[list[float]] = [[] for _ in variants]
+    for r in range(rounds):
+        for i in range(len(variants)):
+            k = (i + r) % len(variants)  # rotate who goes first
+            seconds[k].append(step(k))
+    for v in variants:
+        v.close()
+    med = [sorted(s)[len(s) // 2] * 1e3 for s in seconds]
+    print(f"{name}: CPU per step, median of {rounds}: " + ", ".join(
+        f"{key} {m:.2f} ms (+{m - med[0]:.2f})" for key, m in zip(keys, med)), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--publish", action="store_true", help="also the 10,000-series step, split")
+    parser.add_argument("--split", metavar="WORKLOAD", help="only monitor.yaml's step cost split (gpt, nanogpt, ...)")
+    parser.add_argument("--rounds", type=int, default=60, help="rounds of --split")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"load average {open('/proc/loadavg').read().split()[0]}", flush=True)
+    if args.split:
+        split(args.split, args.rounds)
+        return
     inside({"gpt": 6, "cnn": 40, "lstm": 20})
     if args.publish:
         publish()
