@@ -5,7 +5,7 @@ steps no optimizer, the end of its backward pass):
 
     scope -> active rules -> loss -> execute -> read back -> decide -> agree (and reduce the loss)
           -> the job's loss rules (the same read-back) -> publish -> the alerts that fired, every rank's
-          (wake rules: `trigger.after`) -> heal -> the skips held back past `max_in_a_row` (applied unless
+          (wake rules: `trigger.after`; the bounded skips among them) -> heal -> the skips held back past `max_in_a_row` (applied unless
           their rule's heal acted) -> write the alert records (what each did) -> commit history
           -> hide gradients -> lower the lr (a cool-down)
 
@@ -224,6 +224,7 @@ class StepCycle:
             done.join(later)
         self._publish(reading, done)
         report.fired = _fired(report, agreed, own)
+        self.readback.bounded(report, self.rules)  # every rank's alike: the counts in a row are kept from them
         self.installer.wake(report.fired, self.step)
         report.heal = self._heal(report, agreed)
         healed = self.healing.decided(report, self.step, self._steps.mode == "optimizer")

@@ -356,13 +356,15 @@ def _run(out: Replayed, states: list[tuple[RuleState, dict[int, Source]]], recor
                         if fired:
                             base = {**base_rule, "module": module, "target": rs.rule.target, "tensor": tensor}
                             held = (rs.enforce and action.then == "skip_step"
-                                    and alerts.holds_back(rs, index, action, module, tensor))
+                                    and alerts.holds_back(rs, index, action))
                             fire(report, rs, index, action, base, stats, past, final=False, held=held)
                             outcome = out.rules[rs.key]
                             outcome.counts[index] += 1
                             if not outcome.fired[index] or outcome.fired[index][-1] != step:
                                 outcome.fired[index].append(step)
             waking = {p.rule.key for p in report.pending}  # every alert that fired, any mode: rules wake on them
+            report.fired = frozenset(p.key for p in report.pending)
+            report.bounded = alerts.bounded(report.fired, {rs.key: rs for rs, _ in states})
             for rs, _ in states:
                 after = rs.rule.trigger.after
                 if after is not None and after.rule in waking:

@@ -56,8 +56,12 @@ wake on every rank at the same step, and the recorder dumps every rank's ring at
 step, though an alert may fire on one rank only (its own gradients, its own shard). So the
 row carries the alerts this rank saw fire at the step's decision, one bit per alert in
 `FIRED_WORDS` words, at its place in `fired_places` (the same list on every rank holding the
-same rules: the alerts something listens to first, `model.listened`, then the others, sorted);
-every rank ORs the same rows, and `Agreed.fired` is the alerts that fired on any rank. An
+same rules: the alerts something listens to first, `model.listened`, then those whose skip is
+bounded, then the others, sorted);
+every rank ORs the same rows, and `Agreed.fired` is the alerts that fired on any rank. A
+bounded skip counts its steps in a row from them (`Alerts.skipped`), so that every rank where
+it fires holds its skip back alike (a count kept from this rank's firings alone would differ
+by rank, and another rank's skip would carry it past N). An
 attachment that listens to an alert agrees at every step. At a step where the ranks hold
 different rules, no alert is agreed on (`fired` is empty on every rank). An attachment with more
 alerts than the words hold (252) agrees on the first 252 places only, said once.
@@ -134,10 +138,14 @@ def identities(policies: Sequence[Policy]) -> list[Identity]:
 
 
 def fired_places(policies: Sequence[Policy]) -> list[AlertKey]:
-    """The alerts in the order of their bits in the row: those something listens to first, then the others."""
+    """The alerts in the order of their bits in the row: those something listens to first, then those whose
+    skip is bounded (`skip_step: {max_in_a_row: N}`: their count in a row is kept from them), then the others."""
     heard = listened(policies)
+    bounded = {((policy.name, rule.name), index) for policy in policies for rule in policy.rules
+               for index, action in enumerate(rule.actions) if isinstance(action, Alert) and action.max_in_a_row}
     keys = alert_keys(policies)
-    return [key for key in keys if key in heard] + [key for key in keys if key not in heard]
+    return ([key for key in keys if key in heard] + [key for key in keys if key in bounded and key not in heard]
+            + [key for key in keys if key not in heard and key not in bounded])
 
 
 def digest(names: Sequence[Identity], generation: int) -> int:

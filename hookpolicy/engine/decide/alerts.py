@@ -17,11 +17,11 @@ import logging
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Collection, Mapping, Optional, Union
 
 from ...errors import Halt
 from ...policy.expr import NO_PAST, Past, Template
-from ...policy.model import HEALS, Alert, AlertKey
+from ...policy.model import HEALS, Alert, AlertKey, RuleKey
 from ..measure.history import History, Observation, Tracked
 from ..execute.ledger import Entry
 from ..measure.rulestate import MAX_ERRORS, RuleState
@@ -36,8 +36,10 @@ class Alerts:
     def __init__(self, history: History) -> None:
         self.history = history
         self._streaks: dict[tuple[Any, ...], int] = {}
-        #: per group of an alert with `skip_step: {max_in_a_row: N}`: the steps in a row it fired on that were skipped
-        self._skipped: dict[tuple[Any, ...], int] = {}
+        #: per alert with `skip_step: {max_in_a_row: N}`: the steps in a row it fired at (any group; in a process
+        #: group, on any rank) that were skipped, counted from the step's decision alone (`skipped`), so the
+        #: same on every rank
+        self._skipped: dict[AlertKey, int] = {}
 
     def observe(
         self, rs: RuleState, index: int, action: Alert, module: str, tensor: str, stats: dict[str, float],
@@ -69,21 +71,37 @@ class Alerts:
         self._streaks.clear()
         self._skipped.clear()
 
-    def holds_back(self, rs: RuleState, index: int, action: Alert, module: str, tensor: str) -> bool:
+    def holds_back(self, rs: RuleState, index: int, action: Alert) -> bool:
         """Whether a firing `skip_step` alert leaves its step applied: it skipped `max_in_a_row` steps in a row.
 
         Over those steps the weights did not change and the condition held each time, so the
         weights (the update before the first skip), not the batches, made it: skipping again
         cannot undo that, an update can. The count starts again from the applied step, so the
-        alert never skips more than N steps in a row. Asked once per firing; `skipped` keeps the count.
+        alert never skips more than N steps in a row. The count is the alert's (whichever group
+        fired), kept from the steps' decisions (`skipped`): in a process group it is the same on
+        every rank, so every rank where the alert fires holds back alike.
         """
         bound = action.max_in_a_row
-        return bound is not None and self._skipped.get((rs.key, index, module, tensor), 0) >= bound
+        return bound is not None and self._skipped.get((rs.key, index), 0) >= bound
 
-    def skipped(self, bounded: Sequence[tuple[tuple[Any, ...], bool]], skip: bool) -> None:
-        """Once the step is decided: the bounded alerts that fired (`bounded`: group key, held back) count a
-        skipped step, and start again from 0 at an applied one (one that did not fire did in `evaluate`)."""
-        for key, _ in bounded:
+    def bounded(self, fired: Collection[AlertKey], rules: Mapping[RuleKey, RuleState]) -> list[tuple[AlertKey, bool]]:
+        """The alerts of `fired` (the step's, on every rank alike: `StepReport.fired`) whose skip is bounded and
+        in force (`rules`: this attachment's rule states), each with whether it holds its skip back."""
+        out: list[tuple[AlertKey, bool]] = []
+        for key in sorted(fired):
+            rs = rules.get(key[0])
+            action = None if rs is None or not rs.enforce else rs.rule.actions[key[1]]
+            if isinstance(action, Alert) and action.then == "skip_step" and action.max_in_a_row is not None:
+                out.append((key, self._skipped.get(key, 0) >= action.max_in_a_row))
+        return out
+
+    def skipped(self, bounded: Collection[tuple[AlertKey, bool]], skip: bool) -> None:
+        """Once the step is decided: the bounded alerts that fired (`bounded`, from `bounded`) count a skipped
+        step, and start again from 0 at an applied one; one that fired on no rank ends its count."""
+        fired = {key for key, _ in bounded}
+        for key in [key for key in self._skipped if key not in fired]:
+            del self._skipped[key]
+        for key in fired:
             self._skipped[key] = self._skipped.get(key, 0) + 1 if skip else 0
 
     def evaluate(
@@ -98,8 +116,6 @@ class Alerts:
         key = (rs.key, index, module, tensor)
         streak = self._streaks.get(key, 0) + 1 if holds else 0
         self._streaks[key] = streak
-        if streak < action.for_:  # it skips nothing at this step: its count in a row ends
-            self._skipped.pop(key, None)
         return streak >= action.for_
 
 
@@ -217,8 +233,8 @@ def fire(
     the report's decision: a skip, a heal, a halt. Returns the record as it stands before the step is decided.
     `decides` False (the job's loss rules at a step where the ranks hold different rules): the record
     waits as in force, but no decision is taken (its record then says why). `held`: a `skip_step` alert
-    past its `max_in_a_row` (`Alerts.holds_back`) asks for no skip; it is noted in `report.bounded` (as is
-    every bounded one in force) for the step cycle to decide (`Readback.bounded_skips`).
+    past its `max_in_a_row` (`Alerts.holds_back`) asks for no skip; once the ranks agreed, the step cycle
+    notes every bounded alert that fired on any rank in `report.bounded` and decides them (`bounded_skips`).
 
     The one place an alert that fired becomes a record and a decision: a live read-back and `hookpolicy
     replay` both call it.
@@ -233,8 +249,6 @@ def fire(
     }
     report.pending.append(Pending(rs, index, action, base, stats, past, record, settles=applied and action.then != "log",
                                   held_back=held))
-    if applied and decides and action.max_in_a_row is not None:
-        report.bounded.append(((rs.key, index, base["module"], base["tensor"]), held))
     if applied and decides and not held:
         if action.then == "skip_step" and rs.key not in report.skip_by:
             report.skip = True
@@ -257,7 +271,7 @@ def bounded_skips(alerts: Alerts, report: "StepReport", healed: Mapping[tuple[tu
     counts the step (`Alerts.skipped`).
     """
     acted = {key for (key, _), did in healed.items() if did in ACTED}
-    for (rule, _, _, _), held in report.bounded:
+    for (rule, _), held in report.bounded:
         if held and (rule in acted or report.halt is not None) and rule not in report.skip_by:
             report.skip = True
             report.skip_rule = report.skip_rule or rule
@@ -300,9 +314,10 @@ class StepReport:
     skip_rule: Optional[tuple[str, str]] = None
     #: the rules whose alerts skip the step (each counts the step once, however many modules fired)
     skip_by: list[tuple[str, str]] = field(default_factory=list)
-    #: the alerts with `skip_step: {max_in_a_row: N}` that fired in enforce mode: their group
-    #: (rule key, action index, module, tensor) and whether they held back their skip (`Alerts.holds_back`)
-    bounded: list[tuple[tuple[Any, ...], bool]] = field(default_factory=list)
+    #: the alerts with `skip_step: {max_in_a_row: N}` in enforce mode that fired at this step on any rank
+    #: (`Alerts.bounded` of `fired`, set by the step cycle once the ranks agreed, so the same on every rank),
+    #: each with whether it holds back its skip (`Alerts.holds_back`)
+    bounded: list[tuple[AlertKey, bool]] = field(default_factory=list)
     #: the alerts with `then: cool_down` or `then: rewind` that fired in enforce mode: (rule key, action index)
     heals: list[tuple[tuple[str, str], int]] = field(default_factory=list)
     #: the one the step takes, agreed on by every rank: its place + 1 in `healing.heal_order`; 0 for none

@@ -87,6 +87,10 @@ class Readback:
         self._unread.clear()
         return MappingProxyType({family: MappingProxyType(dict(series)) for family, series in self._last.items()})
 
+    def bounded(self, report: StepReport, rules: Mapping[tuple[str, str], RuleState]) -> None:
+        """Once the alerts that fired at the step are agreed on (`report.fired`): its bounded skips (`Alerts.bounded`)."""
+        report.bounded = self._alerts.bounded(report.fired, rules)
+
     def bounded_skips(self, report: StepReport, healed: Mapping[tuple[tuple[str, str], int], str]) -> None:
         """Once the step's heal is decided: the skips held back past `max_in_a_row` (`alerts.bounded_skips`)."""
         bounded_skips(self._alerts, report, healed)
@@ -315,7 +319,7 @@ class Readback:
                     self.store.inc(ALERTS, (*rs.key, action.severity))
                     # its record is written once the step is decided (`settle`): what its `then` did is known only then
                     held = (rs.enforce and not final and decides and action.then == "skip_step"
-                            and self._alerts.holds_back(rs, index, action, module, tensor))
+                            and self._alerts.holds_back(rs, index, action))
                     fire(report, rs, index, action, base, stats, past, final, decides, held)
         for (index, sink), records in logged.items():
             if self.writers.write_log(rs, index, sink, records, report) and sink is not None:
