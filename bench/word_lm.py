@@ -37,9 +37,14 @@ WORD_LM = ROOT / "tests" / "stacks" / "word_lm_pattern.py"
 INSTABILITY = ROOT / "bench" / "instability.py"
 
 
-def command(workload: str, seed: int, policy: Optional[str], launcher: list[str]) -> list[str]:
-    if workload == "transformer":
-        script = [sys.executable, str(WORD_LM), "--seed", str(seed)]
+#: the control's steps: the bare Transformer run with these updates left out by hand (`--skip`), no policy
+CONTROL = "20,40,60,80,100"
+
+
+def command(workload: str, seed: int, policy: Optional[str], launcher: list[str], epochs: int) -> list[str]:
+    if workload in ("transformer", "control"):
+        script = [sys.executable, str(WORD_LM), "--seed", str(seed), "--epochs", str(epochs),
+                  *(["--skip", CONTROL] if workload == "control" else [])]
     else:
         script = [sys.executable, str(INSTABILITY), "train", "--steps", "300", "--seed", str(seed),
                   "--corrupt", "none" if policy is None and workload == "clean" else "epoch"]
@@ -47,11 +52,11 @@ def command(workload: str, seed: int, policy: Optional[str], launcher: list[str]
     return [*launcher, *head, *script]
 
 
-def run(workload: str, seed: int, policy: Optional[str], launcher: list[str]) -> dict[str, Any]:
+def run(workload: str, seed: int, policy: Optional[str], launcher: list[str], epochs: int) -> dict[str, Any]:
     """One run: its final number (best val for transformer, held-out loss otherwise) and skipped steps."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(command(workload, seed, policy, launcher), capture_output=True, text=True, env=env,
+    done = subprocess.run(command(workload, seed, policy, launcher, epochs), capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=1800)
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     final = next((r["val_loss"] for r in records if r.get("final")), float("nan"))
@@ -63,7 +68,7 @@ def table(results: list[dict[str, Any]], policies: list[str]) -> str:
     ref = {(r["workload"], r["seed"]): r["val"] for r in results if r["policy"] is None}
     lines = ["| workload | policy | reference | mean vs reference | min | max | skipped (mean) | exits |",
              "|---|---|---|---|---|---|---|---|"]
-    for workload, reference in (("transformer", "transformer"), ("shard", "clean")):
+    for workload, reference in (("transformer", "transformer"), ("control", "transformer"), ("shard", "clean")):
         for policy in [None, *policies]:
             if workload == "shard" and policy is None:
                 rows = [r for r in results if r["workload"] == "shard" and r["policy"] is None]
@@ -74,7 +79,9 @@ def table(results: list[dict[str, Any]], policies: list[str]) -> str:
             ratios = [100 * (r["val"] / ref[(reference, r["seed"])] - 1) for r in rows]
             name = "bare" if policy is None else Path(policy).stem
             refs = statistics.fmean(ref[(reference, r["seed"])] for r in rows)
-            lines.append(f"| {workload} | {name if workload == 'transformer' or policy else 'unguarded'} | "
+            if workload == "control":
+                name = f"bare, steps {CONTROL} left out by hand"
+            lines.append(f"| {workload} | {name if workload != 'shard' or policy else 'unguarded'} | "
                          f"{reference} {refs:.4f} | {statistics.fmean(ratios):+.2f}% | {min(ratios):+.2f}% | "
                          f"{max(ratios):+.2f}% | {statistics.fmean(r['skipped'] for r in rows):.1f} | "
                          f"{sorted({r['exit'] for r in rows})} |")
@@ -86,6 +93,10 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--policies", nargs="+", default=["policies/loss-spike-guard.yaml", "policies/recover.yaml"])
     p.add_argument("--workloads", nargs="+", default=["transformer", "shard"], choices=("transformer", "shard"))
+    p.add_argument("--epochs", type=int, default=2, help="the Transformer's epochs (its script's default: 2)")
+    p.add_argument("--control", action="store_true",
+                   help=f"also the bare Transformer with the updates of steps {CONTROL} left out by hand: how far "
+                        "a few lost updates move this chaotic run's val loss with no guard at all")
     p.add_argument("--jobs", type=int, default=1, help="runs at once")
     p.add_argument("--launcher", default="", help="a command each run goes through (e.g. a job-slot wrapper)")
     p.add_argument("--unguarded", action="store_true", help="also the shard run with no policy")
@@ -96,13 +107,15 @@ def main() -> None:
     for seed in args.seeds:
         if "transformer" in args.workloads:
             todo += [("transformer", seed, None), *(("transformer", seed, q) for q in args.policies)]
+            if args.control:
+                todo.append(("control", seed, None))
         if "shard" in args.workloads:
             todo += [("clean", seed, None), *(("shard", seed, q) for q in args.policies)]
             if args.unguarded:
                 todo.append(("shard", seed, None))
     loads = [os.getloadavg()[0]]
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda t: run(*t, launcher), todo))
+        results = list(pool.map(lambda t: run(*t, launcher, args.epochs), todo))
     loads.append(os.getloadavg()[0])
     for r in results:
         print(json.dumps(r), file=sys.stderr)
