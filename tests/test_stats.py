@@ -11,6 +11,7 @@ chunked path (with the chunk size made tiny), each against `torch.linalg.vector_
 from __future__ import annotations
 
 import math
+import threading
 from typing import Iterator
 
 import pytest
@@ -239,3 +240,26 @@ def test_clip_norm_out_of_place_keeps_the_autograd_graph(norm_type: float) -> No
     clipped, _ = clip_norm([t * 1 for t in leaves], [0.5, 0.5], norm_type, [[0], [1, 2]], inplace=False)
     torch.stack([c.sum() for c in clipped]).sum().backward()  # type: ignore[no-untyped-call]
     assert all(t.grad is not None for t in leaves)
+
+
+@pytest.mark.parametrize("kinds", [["sumsq", "min", "max"], ["sum", "m2", "finite"]], ids=["row buffer", "scratch"])
+def test_a_first_call_under_inference_mode_leaves_the_thread_s_buffers_usable_outside_it(kinds: list[str]) -> None:
+    """Lightning validates (under `torch.inference_mode`) before it trains: the thread's reused buffers, made
+    at that first call, must not be inference tensors, which a later call outside it could not write."""
+    data = [torch.randn(300, 300, generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+    got: list[object] = []
+
+    def fresh_thread() -> None:  # the buffers are per thread: this one has none yet
+        try:
+            with torch.inference_mode():
+                got.append(stats.host_partials([data[0]], kinds))
+            got.append(stats.host_partials([data[1]], kinds))
+        except Exception as exc:  # noqa: BLE001 - reported to the test below
+            got.append(exc)
+
+    thread = threading.Thread(target=fresh_thread)
+    thread.start()
+    thread.join()
+    assert len(got) == 2 and not isinstance(got[1], Exception), got
+    for t, rows in zip(data, got):
+        assert rows == tensor_partials([t], kinds).tolist()

@@ -234,8 +234,11 @@ def _buffered_row(t: torch.Tensor, kinds: Sequence[str]) -> list[float]:
         buffers = _local.rows = {}
     entry = buffers.get(t.dtype)
     if entry is None:
-        row = torch.empty(len(_BUFFERED), dtype=t.dtype)
-        entry = buffers[t.dtype] = (row, tuple(row.unbind()))
+        # not an inference tensor, though the first call may come under inference_mode (Lightning's validation):
+        # written in place by a later call outside it, an inference tensor would raise
+        with torch.inference_mode(False):
+            row = torch.empty(len(_BUFFERED), dtype=t.dtype)
+            entry = buffers[t.dtype] = (row, tuple(row.unbind()))
     row, cells = entry
     flat = t.view(-1) if t.dim() != 1 else t
     if "min" in kinds or "max" in kinds:
@@ -505,7 +508,8 @@ def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
         buffers = _local.buffers = {}
     buf = buffers.get(dtype)
     if buf is None or buf.numel() < numel:
-        buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+        with torch.inference_mode(False):  # a first call under inference_mode must not make it an inference tensor
+            buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel]
 
 
