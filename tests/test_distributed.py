@@ -399,11 +399,12 @@ SINK_RULES = """\
 """
 
 
-def one_fault(rank: int, policy: str, folder: str, where: str) -> dict[str, Any]:
-    """Rank 1's sink fails for real at step 1 (`where`: its log path turned into a symbolic link, read
+def one_fault(rank: int, policy: str, folder: str, where: str, at: int = 1) -> dict[str, Any]:
+    """Rank 1's sink fails for real at step `at` (`where`: its log path turned into a symbolic link, read
     before the step's agreement; or its tensor files' `os.replace` out of space, written after it)."""
     from hookpolicy.export import sinks
 
+    said = Said()
     os.environ["HOOKPOLICY_OUTPUT_DIR"] = str(Path(folder) / f"out{rank}")
     torch.manual_seed(0)
     model = build_model()
@@ -415,7 +416,7 @@ def one_fault(rank: int, policy: str, folder: str, where: str) -> dict[str, Any]
     try:
         for step in range(4):
             nn.functional.mse_loss(model(x[:16]), y[:16]).backward()
-            if step == 1 and rank == 1:
+            if step == at and rank == 1:
                 if where == "log":
                     log = Path(folder) / f"out{rank}" / "norms.jsonl"
                     log.unlink()
@@ -432,8 +433,9 @@ def one_fault(rank: int, policy: str, folder: str, where: str) -> dict[str, Any]
     finally:
         steps = attached.step
         attached.remove()
+        said.stop()
     final = [float(p.detach().double().sum()) for p in model.parameters()]
-    return {"digests": digests, "final": final, "halt": raised, "steps": steps}
+    return {"digests": digests, "final": final, "halt": raised, "steps": steps, "lines": said.lines}
 
 
 @pytest.mark.parametrize(("where", "rule", "at"), [("log", "norms", 1), ("tensors", "dump", 2)])
@@ -449,6 +451,19 @@ def test_a_fault_under_on_error_halt_on_one_rank_halts_every_rank_at_the_same_st
         assert r["halt"] is not None and (r["halt"]["rule"], r["halt"]["step"]) == (rule, at), r
         assert len(r["digests"]) == at and r["final"] == r["digests"][-1]  # the steps before `at` applied, `at` not
     assert "rank 1 halted" in ranks[0]["halt"]["line"]
+
+
+def test_a_fault_under_on_error_halt_after_the_last_step_decision_is_said_at_remove_not_raised(
+    tmp_path: Path, free_port: int,
+) -> None:
+    """The last step's tensor files fail on rank 1 after the ranks agreed on it: no later agreement can take the
+    halt, and raising it on one rank alone is what the agreement is for: it is said at `remove()`."""
+    policy = str(write_policy(tmp_path, SINK_RULES, spec="onError: halt\n"))
+    ranks = spawn(one_fault, tmp_path, free_port, policy, str(tmp_path), "tensors", 3)
+    for r in ranks:
+        assert r["halt"] is None and len(r["digests"]) == 4, r
+    assert any("p/dump: not halted (onError: halt)" in line for line in ranks[1]["lines"]), ranks[1]["lines"]
+    assert not any("not halted" in line for line in ranks[0]["lines"])
 
 
 # -- ranks holding different rules ---------------------------------------------------------
