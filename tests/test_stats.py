@@ -11,6 +11,7 @@ chunked path (with the chunk size made tiny), each against `torch.linalg.vector_
 from __future__ import annotations
 
 import math
+import struct
 import threading
 from typing import Iterator
 
@@ -149,6 +150,40 @@ def test_cpu_counts_only_what_the_partials_do_not_prove(
     got = computed([t], wanted)
     assert len(calls) == counts
     assert got["nonfinite"] == (1.0 if bad else 0.0)
+
+
+def same_bits(a: list[list[float]], b: list[list[float]]) -> bool:
+    """Row for row, value for value, the same float64 bits; a NaN equals any NaN (its sign and payload are
+    not a statistic's: every sink writes it as NaN)."""
+    return len(a) == len(b) and all(
+        len(x) == len(y) and all((math.isnan(u) and math.isnan(v)) or struct.pack("<d", u) == struct.pack("<d", v)
+                                 for u, v in zip(x, y))
+        for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_hook_s_rows_read_on_cpu_are_the_device_path_s_bits(
+    case: str, chunked: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a CPU hook reads at once (`host_partials`: per-thread row buffer, host-side squares, the count
+    proved) is, bit for bit, what the device path's matrix holds (`_partials`: the stacked float64 matrix
+    CUDA reads at the step) for every set of statistics, so the fast path moves no statistic."""
+    monkeypatch.setattr(stats, "_HOST_MIN", 1 << 62)  # tensor_partials: always the device path
+    buffered = stats._buffered_row
+    served: list[bool] = []
+    monkeypatch.setattr(stats, "_buffered_row",
+                        lambda t, kinds: (lambda row: (served.append(row is not None), row)[1])(buffered(t, kinds)))
+    tensors = CASES[case]
+    for wanted in SETS + (("l2_norm", "mean", "std", "max", "min", "zero_fraction"),
+                          ("l2_norm", "mean", "std", "max", "min", "zero_fraction", "nonfinite")):
+        kinds = partials_for(wanted)
+        got = stats.host_partials(tensors, kinds)
+        want = tensor_partials(tensors, kinds).tolist()
+        assert same_bits(got, want), (wanted, got, want)
+        for t in tensors:  # and each tensor alone, as a forward or backward hook sees it
+            assert same_bits(stats.host_partials([t], kinds), tensor_partials([t], kinds).tolist()), (wanted, t.shape)
+    # the row buffer serves the float32/float64 contiguous tensors (and the others take the general path)
+    assert any(served) == any(t.dtype in (torch.float32, torch.float64) and t.is_contiguous() for t in tensors)
 
 
 def test_a_sum_of_squares_that_overflows_is_counted_not_trusted(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,7 +53,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from typing import Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -201,10 +201,10 @@ def _host_matrix(
     the same bits (every partial converts to float64 exactly, and a float64 square is the
     same IEEE product in Python as in torch).
     """
-    if len(tensors) == 1 and _BUFFERED.keys() >= set(kinds):
-        t = tensors[0]
-        if t.dtype in _DOT_DTYPES and t.is_contiguous():
-            return [_buffered_row(t, kinds)]
+    if len(tensors) == 1:
+        row = _buffered_row(tensors[0], kinds)
+        if row is not None:
+            return [row]
     columns, norms = _columns(tensors, kinds, False, references)
     n, width = len(tensors), len(columns)
     if n == 1:  # torch.stack promotes mixed dtypes to the widest, exactly
@@ -221,32 +221,75 @@ def _host_matrix(
     return rows
 
 
-#: The partials `_buffered_row` computes, and their places in its buffer.
-_BUFFERED = {"sumsq": 0, "min": 1, "max": 2}
+#: The partials `_buffered_row` computes, and their places in its row buffer (the count of nonzero
+#: elements, an integer, is read apart and put in its place on the host).
+_BUFFERED = {"sumsq": 0, "sum": 1, "m2": 2, "min": 3, "max": 4, "nonzero": 5}
 
 
-def _buffered_row(t: torch.Tensor, kinds: Sequence[str]) -> list[float]:
-    """The row of one contiguous float32/float64 CPU tensor for `kinds` among sum of squares, min and max:
-    `dot` and `aminmax` write into a per-thread buffer read with one `tolist` (no `stack`: one operator,
-    10-20 us in a training step, less per call). The same kernels as `_columns`, so the same bits."""
+class _RowPlan(NamedTuple):
+    """What `_buffered_row` runs for one `kinds`, and where each partial of the row is in its buffer."""
+    minmax: bool
+    sumsq: bool
+    sum: bool
+    m2: bool
+    nonzero: bool
+    at: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _row_plan(kinds: tuple[str, ...]) -> Optional[_RowPlan]:
+    """`_buffered_row`'s plan for `kinds`, computed once; None when it does not serve them."""
+    if not _BUFFERED.keys() >= set(kinds):
+        return None
+    return _RowPlan("min" in kinds or "max" in kinds, "sumsq" in kinds, "sum" in kinds or "m2" in kinds,
+                    "m2" in kinds, "nonzero" in kinds, tuple(_BUFFERED[k] for k in kinds))
+
+
+def _buffered_row(t: torch.Tensor, kinds: Sequence[str]) -> Optional[list[float]]:
+    """The row of one CPU tensor, each kernel writing its partial into a per-thread buffer (`out=`) read with
+    one `tolist`; None where this does not serve (half types, a strided tensor, a partial it has not, an `m2`
+    beyond the scratch buffer's one piece).
+
+    No `stack` and no cast: in a training step one small operator costs 10-20 us, more than
+    the reduction of a small tensor. The same kernels on the same data as `_columns` (`sum`,
+    `x - mean` into the scratch buffer and its `dot`, `aminmax`, `dot`, `count_nonzero`),
+    so the same bits.
+    """
+    plan = _row_plan(tuple(kinds))
+    if (plan is None or t.dtype not in _DOT_DTYPES or not t.is_contiguous()
+            or (plan.m2 and t.numel() > _SCRATCH_ELEMENTS)):
+        return None
+    row, cells = _row_buffer(t.dtype)
+    flat = t.view(-1) if t.dim() != 1 else t
+    if plan.minmax:
+        torch.aminmax(flat, out=(cells[3], cells[4]))
+    if plan.sumsq:
+        torch.dot(flat, flat, out=cells[0])
+    if plan.sum:
+        torch.sum(flat, dim=None, out=cells[1])
+        if plan.m2:  # as `_moments`: the deviations from the mean into the scratch, and their dot product
+            n = flat.numel()
+            dev = torch.sub(flat, cells[1], alpha=1.0 / n, out=_scratch(n, t.dtype))
+            torch.dot(dev, dev, out=cells[2])
+    values = row.tolist()
+    if plan.nonzero:
+        values[5] = float(torch.count_nonzero(flat))  # NaN counts as nonzero, as in `_columns`
+    return [values[i] for i in plan.at]
+
+
+def _row_buffer(dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """This thread's row buffer for `dtype` and its cells (the last one unused: the count's place)."""
     buffers: Optional[dict[torch.dtype, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]] = getattr(_local, "rows", None)
     if buffers is None:
         buffers = _local.rows = {}
-    entry = buffers.get(t.dtype)
+    entry = buffers.get(dtype)
     if entry is None:
         # not an inference tensor, though the first call may come under inference_mode (Lightning's validation):
         # written in place by a later call outside it, an inference tensor would raise
         with torch.inference_mode(False):
-            row = torch.empty(len(_BUFFERED), dtype=t.dtype)
-            entry = buffers[t.dtype] = (row, tuple(row.unbind()))
-    row, cells = entry
-    flat = t.view(-1) if t.dim() != 1 else t
-    if "min" in kinds or "max" in kinds:
-        torch.aminmax(flat, out=(cells[1], cells[2]))
-    if "sumsq" in kinds:
-        torch.dot(flat, flat, out=cells[0])
-    values = row.tolist()
-    return [values[_BUFFERED[k]] for k in kinds]
+            row = torch.empty(len(_BUFFERED), dtype=dtype)
+            entry = buffers[dtype] = (row, tuple(row.unbind()))
+    return entry
 
 
 #: Below this many elements (in all) the count (two small kernels) costs less than reading the
@@ -502,15 +545,34 @@ def _chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
 
 
 def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU buffer of `numel` elements, owned by this thread and reused by the next call."""
+    """A CPU buffer of `numel` elements, owned by this thread and reused by the next call.
+
+    The view of each size is kept too (a slice is one more operator per call, 10-20 us in a
+    training step), at most `_VIEWS` sizes, dropped with the buffer when it grows.
+    """
+    views: Optional[dict[tuple[torch.dtype, int], torch.Tensor]] = getattr(_local, "views", None)
+    if views is None:
+        views = _local.views = {}
+    view = views.get((dtype, numel))
+    if view is not None:
+        return view
     buffers: Optional[dict[torch.dtype, torch.Tensor]] = getattr(_local, "buffers", None)
     if buffers is None:
         buffers = _local.buffers = {}
     buf = buffers.get(dtype)
-    if buf is None or buf.numel() < numel:
-        with torch.inference_mode(False):  # a first call under inference_mode must not make it an inference tensor
+    with torch.inference_mode(False):  # a first call under inference_mode must not make them inference tensors
+        if buf is None or buf.numel() < numel:
             buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
-    return buf[:numel]
+            for key in [k for k in views if k[0] == dtype]:
+                del views[key]
+        if len(views) >= _VIEWS:
+            views.clear()
+        view = views[(dtype, numel)] = buf[:numel]
+    return view
+
+
+#: The most scratch views of distinct sizes a thread keeps (a model has a few sizes of target tensors).
+_VIEWS = 64
 
 
 def combine(
