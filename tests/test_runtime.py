@@ -594,6 +594,67 @@ def test_select_dict_and_tuple_outputs(tmp_path: Path) -> None:
     assert {k[3] for k in last if k[0] == "all" and len(k) == 4} == {"logits", "aux.0"}
 
 
+class Tupled(nn.Module):
+    """A Linear whose output is handed on in a tuple: the same tensor as `fc`'s bare output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.fc(x),)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wrap = Tupled()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wrap(x)[0].tanh()
+
+
+def test_bare_and_tupled_outputs_measure_alike(tmp_path: Path) -> None:
+    # `wrap.fc`'s bare output takes the executor's short road (Programs.measure), `wrap`'s tuple holding
+    # the same tensor the general one (Programs.execute): the same bits, both against torch's own norms
+    pol = load_policy(tmp_path, """
+        - name: out
+          match: {modules: ["wrap", "wrap.fc"]}
+          trigger: {at: forward}
+          actions: [{capture: {stats: [l2_norm, abs_max, nonfinite], per: tensor}}]
+        - name: go
+          match: {modules: ["wrap", "wrap.fc"]}
+          trigger: {at: backward}
+          actions: [{capture: {stats: [l2_norm, abs_max], per: tensor}}, {alert: {if: "abs_max < 0"}}]
+    """)
+    torch.manual_seed(0)
+    model = Outer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(m: nn.Module, a: Any, o: torch.Tensor) -> None:
+        o.retain_grad()
+        seen["out"] = o
+
+    model.wrap.fc.register_forward_hook(keep)
+    reg = CollectorRegistry()
+    with pol.attach(model, registry=reg) as attached:
+        for x, _ in batches(2):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        out, grad = seen["out"].detach().double(), seen["out"].grad.double()
+        for rule in ("out", "go"):
+            for action in ("capture", "alert") if rule == "go" else ("capture",):
+                assert sample(reg, "hookpolicy_actions_total", rule=rule, action=action, mode="enforce") == 4
+    last = last_values(attached)
+    for rule, ref in (("out", out), ("go", grad)):
+        for stat, value in (("l2_norm", torch.linalg.vector_norm(ref)), ("abs_max", ref.abs().max())):
+            assert last[(rule, stat, "wrap.fc", "")] == last[(rule, stat, "wrap", "0")], (rule, stat)
+            assert last[(rule, stat, "wrap.fc", "")] == pytest.approx(value.item(), rel=1e-6), (rule, stat)
+    assert last[("out", "nonfinite", "wrap.fc", "")] == last[("out", "nonfinite", "wrap", "0")] == 0
+
+
 def test_log_records_are_json_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path))
     pol = load_policy(tmp_path, """

@@ -48,6 +48,7 @@ installer's next `activate`; series of modules no longer bound are removed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Protocol, Sequence, Union
@@ -58,13 +59,13 @@ from ...export.metrics import ALERT_FIRING, ALERTS, HOOK_ERRORS, REWINDS, SKIPPE
 from ...export.store import ModelMetrics
 from ...plan.planner import Binding, Plan, build_plan
 from ...process import Once
-from ...policy.model import Alert, AlertKey, Policy, Rule, RuleKey
+from ...policy.model import Alert, AlertKey, Policy, RuleKey
 from ..hooks import module_hooks
-from .programs import Faults, Programs
+from .programs import Faults, Programs, measures_only, ran_labels
 from ..measure.rulestate import RuleState, rebind
 from .steps import Phase, recomputing
 
-__all__ = ["Executor", "HookInstaller", "Rebinding", "named_tensors", "publish_rule_series", "replace_tensors", "selector", "woken"]
+__all__ = ["Call", "Executor", "HookInstaller", "Rebinding", "named_tensors", "publish_rule_series", "replace_tensors", "selector", "woken"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -89,64 +90,85 @@ class Executor:
         """Derive what the hook bodies need from `rules` (again, after a rule joined on a rebind)."""
         self._selectors = {key: selector(rs.rule.select) for key, rs in self.rules.items()}
 
+    def calls(self, bindings: Sequence[Binding]) -> tuple["Call", ...]:
+        """What a hook call does for each of `bindings`, decided once when the hook is installed (`Call`)."""
+        return tuple(Call(self.rules[b.key], b, self._selectors[b.key], self._grad_hook) for b in bindings)
+
     # -- module hooks ------------------------------------------------------------------
-    def pre_hook(self, bindings: list[Binding], args: Any, kwargs: Any) -> Any:
-        """hook(module, args, kwargs) -> None or (new_args, new_kwargs), for `bindings`."""
+    def pre_hook(self, calls: Sequence[Call], module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        """hook(module, args, kwargs) -> None or (new_args, new_kwargs), for `calls`."""
         inside_recompute = recomputing()
         inputs: Any = (args, kwargs)
         changed = False
-        for b in bindings:
-            rs = self.rules[b.key]
-            if rs.off or not self._phase_ok(rs.rule, b.obj):
+        for c in calls:
+            rs = c.rs
+            if rs.off or (c.train is not None and self._phase.training(module) != c.train):
                 continue
-            if b.target == "grad_input":
-                inputs, hooked = self.guarded(rs, self._hook_grad_input, rs, b, inputs) or (inputs, False)
+            if c.target == "grad_input":
+                inputs, hooked = self.guarded(rs, self._hook_grad_input, c, inputs) or (inputs, False)
                 changed |= hooked
             elif not inside_recompute:
-                new = self.guarded(rs, self._run_named, rs, b, _input_tensors(inputs, self._selectors[b.key]))
+                new = self.guarded(rs, self._run_named, c, _input_tensors(inputs, c.keep))
                 if new:
                     inputs, changed = _replace_inputs(inputs, new), True
         return inputs if changed else None
 
-    def post_hook(self, bindings: list[Binding], module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        """hook(module, args, kwargs, output) -> None or a new output, for `bindings`."""
+    def post_hook(self, calls: Sequence[Call], module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        """hook(module, args, kwargs, output) -> None or a new output, for `calls`.
+
+        A bare output tensor (exactly `torch.Tensor`: no DTensor, no other subclass) takes
+        the short road: its gradient's tensor hook is the call's own (`Call.on_grad`), and a
+        program that only measures goes to `Programs.measure`. Anything else walks the output.
+        """
         inside_recompute = recomputing()
         changed = False
-        for b in bindings:
-            rs = self.rules[b.key]
-            if rs.off or not self._phase_ok(rs.rule, module):
+        bare = type(output) is torch.Tensor
+        for c in calls:
+            rs = c.rs
+            if rs.off or (c.train is not None and self._phase.training(module) != c.train):
                 continue
-            keep = self._selectors[b.key]
-            if b.target == "grad_output":
-                for name, t in named_tensors(output, keep):
+            target = c.target
+            if target == "grad_output":
+                if bare:
+                    if output.requires_grad and output.is_floating_point() and output.numel() > 0:
+                        output.register_hook(c.on_grad)
+                    continue
+                for name, t in named_tensors(output, c.keep):
                     if t.requires_grad:
-                        t.register_hook(lambda g, rs=rs, b=b, name=name: self._grad_hook(rs, b, name, g))  # type: ignore[no-untyped-call]
-            elif b.target == "grad_input":
-                self._check_grad_input(rs, b, (args, kwargs))
+                        t.register_hook(functools.partial(self._grad_hook, c, name))  # type: ignore[no-untyped-call]
+            elif target == "grad_input":
+                self._check_grad_input(c, (args, kwargs))
             elif not inside_recompute:
-                named = named_tensors(output, keep) if b.target == "output" else _input_tensors((args, kwargs), keep)
-                new = self.guarded(rs, self._run_named, rs, b, named)
-                if new and b.target == "output":
+                if bare and c.measures and target == "output":
+                    if output.is_floating_point() and output.numel() > 0:
+                        self._programs.measure(rs, target, c.rows, output, c.ran)
+                    continue
+                named = named_tensors(output, c.keep) if target == "output" else _input_tensors((args, kwargs), c.keep)
+                new = self.guarded(rs, self._run_named, c, named)
+                if new and target == "output":
                     output, changed = replace_tensors(output, new), True
         return output if changed else None
 
-    def _phase_ok(self, rule: Rule, module: Optional[torch.nn.Module] = None) -> bool:
-        phase = rule.trigger.phase
-        return phase == "any" or self._phase.training(module) == (phase == "train")
-
-    def _grad_hook(self, rs: RuleState, b: Binding, name: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
+    def _grad_hook(self, c: Call, name: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """hook(grad) -> None or a new gradient, for the tensor `name` of `c`'s target."""
+        rs = c.rs
         if rs.off or grad is None or grad.numel() == 0:
             return None
-        new = self.guarded(rs, self._run_named, rs, b, [(name, grad)])
+        if c.measures and type(grad) is torch.Tensor:
+            rows = c.rows if name == "" else [(c.binding.module, name)]
+            self._programs.measure(rs, c.target, rows, grad, c.ran)
+            return None
+        new = self.guarded(rs, self._run_named, c, [(name, grad)])
         return new[name] if new else None
 
-    def _hook_grad_input(self, rs: RuleState, b: Binding, inputs: Any) -> tuple[Any, bool]:
+    def _hook_grad_input(self, c: Call, inputs: Any) -> tuple[Any, bool]:
         """Route each input through an identity view whose gradient is this module's own."""
+        b = c.binding
         views: dict[str, torch.Tensor] = {}
-        for name, t in _input_tensors(inputs, self._selectors[b.key]):
+        for name, t in _input_tensors(inputs, c.keep):
             if t.requires_grad:
                 view = t.view_as(t)
-                view.register_hook(lambda g, rs=rs, b=b, name=name: self._grad_hook(rs, b, name, g))  # type: ignore[no-untyped-call]
+                view.register_hook(functools.partial(self._grad_hook, c, name))  # type: ignore[no-untyped-call]
                 views[name] = view
         if not views:
             if self._said_inplace(b.key + (b.module,)):
@@ -156,7 +178,8 @@ class Executor:
         self._versions[id(b)] = [(v, v._version) for v in views.values()]
         return _replace_inputs(inputs, views), True
 
-    def _check_grad_input(self, rs: RuleState, b: Binding, inputs: Any) -> None:
+    def _check_grad_input(self, c: Call, inputs: Any) -> None:
+        b = c.binding
         for view, version in self._versions.pop(id(b), []):
             if view._version != version and self._said_inplace(b.key):
                 log.warning(
@@ -166,12 +189,41 @@ class Executor:
 
     # -- programs ----------------------------------------------------------------------
 
-    def _run_named(self, rs: RuleState, b: Binding, named: Named) -> Optional[dict[str, torch.Tensor]]:
+    def _run_named(self, c: Call, named: Named) -> Optional[dict[str, torch.Tensor]]:
         if not named:
             return None
-        rows = [(b.module, name) for name, _ in named]
-        new = self._programs.execute(rs, b.target, rows, [t for _, t in named], inplace=False)
+        rows = [(c.binding.module, name) for name, _ in named]
+        new = self._programs.execute(c.rs, c.target, rows, [t for _, t in named], inplace=False)
         return None if new is None else {name: t for (name, _), t in zip(named, new)}
+
+
+class Call:
+    """What a hook call does for one binding, decided when its hook is installed, not at each call.
+
+    The rule's state, its phase (`train`: None for `phase: any`), its tensor selector, the
+    row of a bare tensor, the `hookpolicy_actions_total` labels its program counts, whether
+    the program only measures (`programs.measures_only`: nothing it does can change a
+    tensor), and the tensor hook of a bare output's gradient, made once. What cannot be
+    known then (whether the output is a bare tensor or a DTensor, a recomputed forward, the
+    phase of this forward, a rule switched off since) is still asked at each call.
+    """
+
+    __slots__ = ("rs", "binding", "target", "train", "keep", "measures", "rows", "ran", "on_grad")
+
+    def __init__(
+        self, rs: RuleState, binding: Binding, keep: Selector,
+        grad_hook: Callable[["Call", str, torch.Tensor], Optional[torch.Tensor]],
+    ) -> None:
+        self.rs = rs
+        self.binding = binding
+        self.target = binding.target
+        phase = rs.rule.trigger.phase
+        self.train: Optional[bool] = None if phase == "any" else phase == "train"
+        self.keep = keep
+        self.measures = measures_only(rs)
+        self.rows = [(binding.module, "")]
+        self.ran = ran_labels(rs, binding.module)
+        self.on_grad = functools.partial(grad_hook, self, "")
 
 
 def _input_tensors(inputs: tuple[Any, Any], keep: Any) -> Named:
@@ -297,10 +349,10 @@ class HookInstaller:
         for module, pre, post in by_module.values():
             if pre:
                 self._handles.append(module_hooks.forward_pre_hook(
-                    module, lambda m, a, k, pre=pre: run.pre_hook(pre, a, k), with_kwargs=True))
+                    module, functools.partial(run.pre_hook, run.calls(pre)), with_kwargs=True))
             if post:
                 self._handles.append(module_hooks.forward_hook(
-                    module, lambda m, a, k, o, post=post: run.post_hook(post, m, a, k, o), with_kwargs=True))
+                    module, functools.partial(run.post_hook, run.calls(post)), with_kwargs=True))
 
     def step_rules(self) -> list[RuleState]:
         """The `step` rules active now and not switched off, in plan order."""

@@ -25,7 +25,7 @@ from ..measure.rulestate import RuleState
 __all__ = ["ClipEntry", "Entry", "Ledger"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """The device-side statistics of one execution of a statistics pass."""
 
@@ -46,7 +46,7 @@ class Entry:
     step: Optional[int] = None
 
 
-@dataclass
+@dataclass(slots=True)
 class ClipEntry:
     """What one execution of a clip did (enforce) or would have done (audit), still on the device.
 

@@ -29,18 +29,17 @@ import torch
 from ...errors import Halt
 from ...export.metrics import HOOK_ERRORS
 from ...export.store import ModelMetrics
-from ...plan.planner import param as find_param
 from ...policy.expr import Past, Value
 from ...policy.model import AFTER_UPDATE, LOSS, Clip, rule_name
 from ...process import Once
 from ..measure.actions import DeviceLimit, Limit, MutateOp, StatsOp, clip_norm, clip_unitwise, mutate
 from ..measure.distributed import Shards, local_shards, shard_name, shard_partials, sum_over_groups, unit_shards
 from ..measure.history import History, group_key
-from .ledger import ClipEntry, Entry, Ledger
+from .ledger import ClipEntry, Entry, Ledger, Ran
 from ..measure.rulestate import MAX_ERRORS, RuleState
 from ..measure.stats import host_partials, reads_at_once, tensor_partials
 
-__all__ = ["Faults", "Programs"]
+__all__ = ["Faults", "Programs", "measures_only", "ran_labels"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -67,6 +66,8 @@ class Programs:
         self._defer_step_counts = not any(
             not isinstance(op, StatsOp) for rs in self.rules.values() if rs.rule.trigger.at == "step" for op in rs.program
         )
+        #: per step rule, its parameters' rows and owning modules (`_owners`), found at its first run after a (re)bind
+        self._owners: dict[tuple[str, str], list[tuple[tuple[str, str], torch.nn.Module, str]]] = {}
 
     def run_step_rules(
         self, rules: Sequence[RuleState], loss: Optional[torch.Tensor] = None, left_out: frozenset[int] = frozenset(),
@@ -112,20 +113,24 @@ class Programs:
         tensors: list[torch.Tensor] = []
         weights: list[torch.Tensor] = []  # AGC's: the weight of each gradient in `tensors`
         unitwise = any(isinstance(op, MutateOp) and op.unitwise for op in rs.program)
-        for b in rs.bindings:
-            for pname, path in zip(b.params, b.paths()):
-                param = find_param(b.obj, path)
-                if left_out and id(param) in left_out:
-                    continue
-                t = param.grad if rs.rule.target == "grad" else param.detach()
-                if t is not None and t.numel() > 0:
-                    rows.append((b.module, pname))
-                    tensors.append(t)
-                    if unitwise:
-                        weights.append(param)
+        grad = rs.rule.target == "grad"
+        owners = self._owners.get(rs.key)
+        if owners is None:
+            owners = self._owners[rs.key] = _owners(rs)
+        for row, owner, name in owners:
+            found = owner._parameters.get(name)  # the parameter now (it may have been replaced), as `planner.param`
+            param = found if found is not None else getattr(owner, name)
+            if left_out and id(param) in left_out:
+                continue
+            t = param.grad if grad else param.detach()
+            if t is not None and t.numel() > 0:
+                rows.append(row)
+                tensors.append(t)
+                if unitwise:
+                    weights.append(param)
         if tensors:
             self.execute(rs, rs.rule.target, rows, tensors, inplace=True, defer=self._defer_step_counts,
-                          weights=weights)
+                         weights=weights)
 
     def execute(
         self, rs: RuleState, target: str, rows: list[tuple[str, str]], tensors: list[torch.Tensor], inplace: bool,
@@ -177,6 +182,33 @@ class Programs:
                     tensors = mutate(action, list(tensors), _groups(rows, getattr(action, "per", "tensor")), inplace)
                     changed = True
         return tensors if changed else None
+
+    def measure(self, rs: RuleState, target: str, rows: list[tuple[str, str]], t: torch.Tensor, ran: Sequence[Ran]) -> None:
+        """`execute` of a program that only measures (`measures_only`) on one plain tensor (no DTensor) of a hook,
+        contained and timed as `Faults.guarded` does (a hook calls it directly: one call less per hook).
+
+        What `execute` would record, without what cannot happen here: no shards, no
+        replacement, no deferred count (a hook's tensor is gone by the read-back). `rows` is
+        the tensor's one row, `ran` the `hookpolicy_actions_total` labels one execution counts
+        (`ran_labels`). A tensor that requires grad is read through `detach()`: the same
+        values, without entering `no_grad`.
+        """
+        start = time.perf_counter()
+        try:
+            tensors = [t.detach() if t.requires_grad else t]
+            numels = [t.numel()]
+            on_host = reads_at_once(tensors)  # CPU: read in the hook (stats, the rule per device)
+            entries = self._ledger.entries
+            for op in rs.program:
+                assert isinstance(op, StatsOp)  # measures_only
+                copies = _copies(op, rows, tensors, None) if op.tensors else []
+                matrix = host_partials(tensors, op.kinds) if on_host else tensor_partials(tensors, op.kinds)
+                entries.append(Entry(rs, op, target, rows, numels, matrix, copies))
+            self._ledger.ran.update(ran)
+        except Exception as exc:  # noqa: BLE001 - containment is the point
+            self._faults.fail(rs, exc)
+        finally:
+            self._ledger.seconds[rs.key] += time.perf_counter() - start
 
     def _clip_units(
         self, rs: RuleState, op: MutateOp, rows: list[tuple[str, str]], grads: list[torch.Tensor],
@@ -243,6 +275,31 @@ class Programs:
                             module or "<root>")
             limits.append(limit if limit > 0 else None)  # NaN > 0 is False: no history, no clip
         return limits
+
+
+def _owners(rs: RuleState) -> list[tuple[tuple[str, str], torch.nn.Module, str]]:
+    """Per parameter of a step rule's bindings, in order: its row, the module that holds it, its name there.
+
+    The modules are found once per (re)bind: a module replaced by assignment re-plans (`executor.Rebinding`),
+    which finds them anew; the parameter itself is still looked up by name at each step.
+    """
+    owners = []
+    for b in rs.bindings:
+        for pname, path in zip(b.params, b.paths()):
+            owner_path, _, name = path.rpartition(".")
+            owners.append(((b.module, pname), b.obj.get_submodule(owner_path) if owner_path else b.obj, name))
+    return owners
+
+
+def measures_only(rs: RuleState) -> bool:
+    """Whether a rule's program only measures (statistics passes: captures and alerts), so that no
+    execution of it can change a tensor (`Programs.measure` may run it)."""
+    return all(isinstance(op, StatsOp) for op in rs.program)
+
+
+def ran_labels(rs: RuleState, module: str) -> tuple[Ran, ...]:
+    """What one execution of a statistics-only program on `module` adds to the ledger's `ran`."""
+    return tuple((key, module) for keys in rs.count_keys for key in keys)
 
 
 def device_limit(action: Clip, past: Past) -> DeviceLimit:
