@@ -161,9 +161,18 @@ def same_bits(a: list[list[float]], b: list[list[float]]) -> bool:
         for x, y in zip(a, b))
 
 
+@pytest.fixture(params=[False, True], ids=["count_nonzero", "division"])
+def division(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both ways a CPU hook counts the nonzero elements of a tensor proved finite: `count_nonzero`, or from
+    `_DIV_MIN` elements on (here: any) the NaN-skipping sum of `x / x`."""
+    if request.param:
+        monkeypatch.setattr(stats, "_DIV_MIN", 0)
+    return bool(request.param)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_hook_s_rows_read_on_cpu_are_the_device_path_s_bits(
-    case: str, chunked: bool, monkeypatch: pytest.MonkeyPatch,
+    case: str, chunked: bool, division: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What a CPU hook reads at once (`host_partials`: per-thread row buffer, host-side squares, the count
     proved) is, bit for bit, what the device path's matrix holds (`_partials`: the stacked float64 matrix
@@ -184,6 +193,39 @@ def test_a_hook_s_rows_read_on_cpu_are_the_device_path_s_bits(
             assert same_bits(stats.host_partials([t], kinds), tensor_partials([t], kinds).tolist()), (wanted, t.shape)
     # the row buffer serves the float32/float64 contiguous tensors (and the others take the general path)
     assert any(served) == any(t.dtype in (torch.float32, torch.float64) and t.is_contiguous() for t in tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("flush_denormal", [False, True], ids=["denormals", "flushed"])
+def test_zeros_counted_by_division_are_count_nonzero_s(
+    dtype: torch.dtype, flush_denormal: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The count of nonzero elements by `x / x` (a large tensor proved finite) is torch's `count_nonzero`,
+    with -0.0, subnormals, the largest and smallest normals among the values, and with denormals flushed
+    (`torch.set_flush_denormal`, where the CPU has it); a tensor with a NaN or Inf is counted as before."""
+    monkeypatch.setattr(stats, "_DIV_MIN", 0)
+    info = torch.finfo(dtype)
+    g = torch.Generator().manual_seed(7)
+    t = torch.randn(5000, generator=g, dtype=dtype)
+    t[::7] = 0.0
+    t[3::11] = -0.0
+    t[5::13] = info.smallest_normal / 4  # subnormal
+    t[6::17] = -info.tiny / 1024
+    t[1], t[2], t[4] = info.max, -info.max, info.smallest_normal
+    flushing = flush_denormal and torch.set_flush_denormal(True)
+    try:
+        for wanted in [("zero_fraction", "min", "max"), ("l2_norm", "mean", "std", "max", "min", "zero_fraction"),
+                       ("zero_fraction", "mean")]:
+            kinds = partials_for(wanted)
+            got = stats.host_partials([t], kinds)[0][kinds.index("nonzero")]
+            assert got == float(torch.count_nonzero(t)), (wanted, got)
+        bad = t.clone()
+        bad[9] = float("nan")
+        kinds = partials_for(("zero_fraction", "min", "max"))
+        assert stats.host_partials([bad], kinds)[0][kinds.index("nonzero")] == float(torch.count_nonzero(bad))
+    finally:
+        if flushing:
+            torch.set_flush_denormal(False)
 
 
 def test_a_sum_of_squares_that_overflows_is_counted_not_trusted(monkeypatch: pytest.MonkeyPatch) -> None:

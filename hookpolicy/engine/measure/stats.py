@@ -234,6 +234,8 @@ class _RowPlan(NamedTuple):
     m2: bool
     nonzero: bool
     at: tuple[int, ...]
+    #: the places of the partials whose finite values prove every element finite (`_PROOFS`), if any
+    proof: tuple[int, ...]
 
 
 @functools.lru_cache(maxsize=64)
@@ -241,8 +243,10 @@ def _row_plan(kinds: tuple[str, ...]) -> Optional[_RowPlan]:
     """`_buffered_row`'s plan for `kinds`, computed once; None when it does not serve them."""
     if not _BUFFERED.keys() >= set(kinds):
         return None
-    return _RowPlan("min" in kinds or "max" in kinds, "sumsq" in kinds, "sum" in kinds or "m2" in kinds,
-                    "m2" in kinds, "nonzero" in kinds, tuple(_BUFFERED[k] for k in kinds))
+    minmax, sumsq, m2 = "min" in kinds or "max" in kinds, "sumsq" in kinds, "m2" in kinds
+    total = m2 or "sum" in kinds
+    proof = (3, 4) if minmax else (0,) if sumsq else (2,) if m2 else (1,) if total else ()
+    return _RowPlan(minmax, sumsq, total, m2, "nonzero" in kinds, tuple(_BUFFERED[k] for k in kinds), proof)
 
 
 def _buffered_row(t: torch.Tensor, kinds: Sequence[str]) -> Optional[list[float]]:
@@ -252,8 +256,9 @@ def _buffered_row(t: torch.Tensor, kinds: Sequence[str]) -> Optional[list[float]
 
     No `stack` and no cast: in a training step one small operator costs 10-20 us, more than
     the reduction of a small tensor. The same kernels on the same data as `_columns` (`sum`,
-    `x - mean` into the scratch buffer and its `dot`, `aminmax`, `dot`, `count_nonzero`),
-    so the same bits.
+    `x - mean` into the scratch buffer and its `dot`, `aminmax`, `dot`), so the same bits;
+    the count of nonzero elements is an integer, exact either way (`count_nonzero`, or for
+    a large tensor proved finite the division below).
     """
     plan = _row_plan(tuple(kinds))
     if (plan is None or t.dtype not in _DOT_DTYPES or not t.is_contiguous()
@@ -273,8 +278,20 @@ def _buffered_row(t: torch.Tensor, kinds: Sequence[str]) -> Optional[list[float]
             torch.dot(dev, dev, out=cells[2])
     values = row.tolist()
     if plan.nonzero:
-        values[5] = float(torch.count_nonzero(flat))  # NaN counts as nonzero, as in `_columns`
+        n = flat.numel()
+        if plan.proof and _DIV_MIN <= n <= _SCRATCH_ELEMENTS and all(math.isfinite(values[i]) for i in plan.proof):
+            # every element is finite (the proof, as in `_host_rows`): x / x is exactly 1 where x is not zero
+            # and NaN (0 / 0) where it is, so the NaN-skipping sum of ones counts the nonzero elements,
+            # exactly (integers below 2**24 in float32); two vectorized passes, faster than `count_nonzero`'s
+            # scalar loop from `_DIV_MIN` elements on (1M float32 elements: 305 us against 485)
+            values[5] = float(torch.nansum(torch.div(flat, flat, out=_scratch(n, t.dtype))))
+        else:
+            values[5] = float(torch.count_nonzero(flat))  # NaN counts as nonzero, as in `_columns`
     return [values[i] for i in plan.at]
+
+
+#: From this many elements on, a tensor proved finite counts its nonzero elements by division (`_buffered_row`).
+_DIV_MIN = 1 << 16
 
 
 def _row_buffer(dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
