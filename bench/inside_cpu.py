@@ -3,6 +3,7 @@
     python bench/inside_cpu.py            # GPT, CNN, LSTM: monitor.yaml and seed-stats.yaml
     python bench/inside_cpu.py --publish  # also the step that publishes 10,000 series, split
     python bench/inside_cpu.py --split nanogpt  # monitor.yaml's step cost: the statistics and the rest
+    python bench/inside_cpu.py --entries nanogpt cnn --against /work/main  # all of hookpolicy's CPU, two trees A/B
 
 hookpolicy's own `hookpolicy_hook_seconds_total` is wall time: on a shared machine it
 counts the time other processes held the core. Here the hook bodies and the read-back are
@@ -17,12 +18,24 @@ computed (every hook, the ledger, the read-back and the publishing run on rows o
 partials that prove every element finite) and a second floor (the A/A spread), and gives each
 one's median CPU time per step over the floor: what the statistics' operators cost against what
 hookpolicy's machinery around them does.
+`--entries` times hookpolicy at every entry point torch calls (module hooks, tensor hooks, the
+post-accumulate-grad hooks, the end-of-backward callbacks, the optimizer step hooks): all of its
+CPU, the walk and the dispatch around the hook bodies included, which `hookpolicy_hook_seconds`
+leaves out. With `--against DIR` the hookpolicy package of another tree (a copy of main, say)
+is loaded beside this one under another name, both are attached to copies of one model, and
+their steps are interleaved in one process: an A/B that two processes on a busy machine cannot
+resolve (the process-wide patches of both copies are in, each answering only for its own model).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import copy
+import importlib
+import shutil
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -141,16 +154,99 @@ def split(name: str, rounds: int) -> None:
         f"{key} {m:.2f} ms (+{m - med[0]:.2f})" for key, m in zip(keys, med)), flush=True)
 
 
+#: (module under the package, class, method): every place torch calls into hookpolicy on a training step
+ENTRIES = [
+    ("engine.execute.executor", "Executor", "pre_hook"), ("engine.execute.executor", "Executor", "post_hook"),
+    ("engine.execute.executor", "Executor", "_grad_hook"), ("engine.execute.steps", "Scopes", "_wrote"),
+    ("engine.cycle", "StepCycle", "_pre_hook"), ("engine.cycle", "StepCycle", "_post_hook"),
+    ("engine.cycle", "StepCycle", "_grad_hook"), ("engine.cycle", "StepCycle", "_pass_ends"),
+    ("engine.cycle", "StepCycle", "_pass_ended"), ("engine.cycle", "StepCycle", "before_update"),
+    ("engine.cycle", "StepCycle", "after_update"),
+]
+
+
+def _timed_entries(package: types.ModuleType, spent: dict[str, float]) -> None:
+    """Wrap `package`'s entry points (before it attaches: hooks bind them then) to add their CPU time to `spent`."""
+    for module, cls, attr in ENTRIES:
+        owner = getattr(importlib.import_module(f"{package.__name__}.{module}"), cls)
+        original = getattr(owner, attr)
+
+        def timed(*args, _f=original, _attr=attr, **kwargs):  # type: ignore[no-untyped-def]
+            start = time.thread_time()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                spent[_attr] += time.thread_time() - start
+
+        setattr(owner, attr, timed)
+
+
+def entries(names: list[str], rounds: int, against: str | None, policy: str) -> None:
+    packages: list[types.ModuleType] = [hookpolicy]
+    if against is not None:
+        copied = Path(tempfile.mkdtemp(prefix="inside_cpu_"))
+        shutil.copytree(Path(against) / "hookpolicy", copied / "hookpolicy_against")
+        sys.path.insert(0, str(copied))
+        packages.insert(0, importlib.import_module("hookpolicy_against"))
+    spent = [collections.defaultdict(float) for _ in packages]
+    for package, into in zip(packages, spent):
+        _timed_entries(package, into)
+    for name in names:
+        workload = WORKLOADS[name]
+        torch.manual_seed(0)
+        base = workload.build()
+        x, y = workload.batch(torch.Generator().manual_seed(0), torch.device("cpu"))
+        steps, handles = [], []
+        for package in packages:
+            model = copy.deepcopy(base)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            handles.append(package.load(POLICIES / policy).attach(model, registry=CollectorRegistry()))
+
+            def step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
+                workload.loss(model(x), y).backward()  # type: ignore[no-untyped-call]
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            steps.append(step)
+        for _ in range(3):
+            for step in steps:
+                step()
+        totals: list[list[float]] = [[] for _ in packages]
+        per: list[dict[str, list[float]]] = [collections.defaultdict(list) for _ in packages]
+        for r in range(rounds):
+            for i in range(len(packages)):
+                k = (i + r) % len(packages)  # rotate who goes first
+                spent[k].clear()
+                steps[k]()
+                totals[k].append(sum(spent[k].values()))
+                for attr, seconds in spent[k].items():
+                    per[k][attr].append(seconds)
+        for handle in handles:
+            handle.remove()
+        med = [sorted(t)[len(t) // 2] * 1e3 for t in totals]
+        label = ["this tree"] if against is None else [against, "this tree"]
+        print(f"{name} {policy}: hookpolicy's CPU at its entry points per step, median of {rounds}: " + ", ".join(
+            f"{lab} {m:.2f} ms" for lab, m in zip(label, med)), flush=True)
+        for attr in per[-1]:
+            print(f"    {attr}: " + " / ".join(f"{sorted(p[attr])[len(p[attr]) // 2] * 1e3:.3f}" for p in per), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--publish", action="store_true", help="also the 10,000-series step, split")
     parser.add_argument("--split", metavar="WORKLOAD", help="only monitor.yaml's step cost split (gpt, nanogpt, ...)")
-    parser.add_argument("--rounds", type=int, default=60, help="rounds of --split")
+    parser.add_argument("--rounds", type=int, default=60, help="rounds of --split and --entries")
+    parser.add_argument("--entries", nargs="+", metavar="WORKLOAD",
+                        help="only hookpolicy's CPU at its entry points on these workloads (nanogpt, cnn, ...)")
+    parser.add_argument("--against", metavar="DIR", help="with --entries: A/B against the hookpolicy of the tree DIR")
+    parser.add_argument("--policy", default="monitor.yaml", help="with --entries: the policy in bench/policies")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"load average {open('/proc/loadavg').read().split()[0]}", flush=True)
     if args.split:
         split(args.split, args.rounds)
+        return
+    if args.entries:
+        entries(args.entries, args.rounds, args.against, args.policy)
         return
     inside({"gpt": 6, "cnn": 40, "lstm": 20})
     if args.publish:
