@@ -839,3 +839,78 @@ def test_a_bounded_skip_stays_a_skip_where_its_rules_cool_down_acts(tmp_path: Pa
         ref_opt.zero_grad()
     assert_same(model, reference)
     assert metric(registry, "hookpolicy_skipped_steps_total", {"policy": "p", "rule": "heal"}) == 3
+
+
+#: the steps at which the test makes each Linear's gradient a spike (its weight's gradient x 2**14, put back
+#: before the update by the script's own step pre-hook): the two groups of a `per: module` alert take turns
+TURNS: dict[int, set[str]] = {2: {"0"}, 3: {"2"}, 4: {"0"}, 5: {"2"}, 7: {"0"}, 8: {"0", "2"}, 9: {"2"}}
+
+PER_MODULE = """
+    - name: spikes
+      match: {types: [Linear]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - alert: {if: "l2_norm > 100", per: module, then: skip_step, skip_step: {max_in_a_row: 2}}
+"""
+
+
+def test_a_bounded_skip_per_module_counts_the_alerts_steps_in_a_row_whichever_group_fired(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`skip_step: {max_in_a_row: 2}` on a `per: module` alert whose groups take turns firing (module 0 at
+    2, module 2 at 3, ...): the count in a row is the alert's, not a group's, so step 4 (module 0 firing for
+    the second time, the alert's third step in a row) is applied, and a step where no group fires (6) ends
+    the count. A count per group would have skipped every firing step. The reference: the firing steps from
+    the gradient norms the test computes itself (torch.linalg.vector_norm), the skips from them by the
+    header's rule, and the same SGD loop leaving `optimizer.step()` out at those steps, parameters bit for
+    bit after every step; each group's alert record says skipped or applied as the reference does."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    pol = load_policy(tmp_path, PER_MODULE)
+    scale = 2.0 ** 14  # a power of two: x and / are exact
+
+    def run(model: nn.Module, skipped: Optional[set[int]], seen: list[set[str]], after: AfterStep) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        spiked: list[nn.Module] = []
+
+        def put_back(*_: Any) -> None:  # after hookpolicy's global pre-hook read the gradients
+            for module in spiked:
+                if module.weight.grad is not None:  # None: hidden by a skip
+                    module.weight.grad.div_(scale)
+
+        opt.register_step_pre_hook(put_back)
+        for i, (x, y) in enumerate(batches(10)):
+            nn.functional.mse_loss(model(x), y).backward()
+            spiked[:] = [model[int(name)] for name in sorted(TURNS.get(i, set()))]
+            for module in spiked:
+                module.weight.grad.mul_(scale)
+            seen.append({name for name in ("0", "2") if torch.linalg.vector_norm(torch.cat(
+                [model[int(name)].weight.grad.flatten(), model[int(name)].bias.grad.flatten()])) > 100})
+            if skipped is None or i not in skipped:
+                opt.step()
+            after(i, model, opt)
+            opt.zero_grad()
+
+    firing: list[set[str]] = []
+    live: list[dict[str, torch.Tensor]] = []
+    model = tiny(seed=3)
+    with pol.attach(model, registry=CollectorRegistry()):
+        run(model, None, firing, lambda i, m, o: live.append(copy.deepcopy(m.state_dict())))
+    assert firing == [TURNS.get(i, set()) for i in range(10)]  # the test's gradients fire where it meant
+    expected: set[int] = set()
+    in_a_row = 0
+    for i, fired in enumerate(firing):  # the alert's count: skipped steps in a row at which any group fired
+        if not fired:
+            in_a_row = 0
+        elif in_a_row >= 2:
+            in_a_row = 0
+        else:
+            expected.add(i)
+            in_a_row += 1
+    assert expected == {2, 3, 5, 7, 8}
+    by_hand: list[dict[str, torch.Tensor]] = []
+    run(tiny(seed=3), expected, [], lambda i, m, o: by_hand.append(copy.deepcopy(m.state_dict())))
+    for i, (a, b) in enumerate(zip(live, by_hand)):
+        assert all(torch.equal(a[k], b[k]) for k in a), i
+    records = {(r["step"], r["module"], r["outcome"] == "step skipped") for r in json_lines(tmp_path / "alerts.jsonl")}
+    assert records == {(i, name, i in expected) for i, fired in enumerate(firing) for name in fired}
