@@ -252,41 +252,62 @@ def test_loss_spike_guard_halts_at_the_20th_step_of_a_loss_that_stays_nan(
     assert counter(reg, "hookpolicy_alerts_total", **labels, severity="critical") == 1
 
 
+#: recover.yaml's header: "never more than 4 finite spikes skipped in a row", "at the 9th spike in a row ... x0.1
+#: for 100 steps", "at the 12th spike in a row, the run goes back to the newest snapshot at least 15 steps older"
+BOUND, COOL, REWIND = 4, 9, 12
+
+
 @pytest.mark.slow
 def test_recover_climbs_its_ladder_as_its_header_says(
         workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """recover.yaml against its header, the spikes told by loss-spike-guard's reference
-    condition (`_loss_spike`) from the losses of the applied steps: a single spike skipped (bit
-    for bit); from the 3rd in a row the lr the optimizer uses (read by its own step pre-hook) is
-    0.1x for 100 steps; at the 6th the state is the test's own copy taken after step 149 (the
-    newest snapshot at least 10 steps older, snapshots after every 50 steps), the streaks start
-    again; the 4th rewind halts, and the rewind alerts' records say so."""
+    condition (`_loss_spike`) from the losses of the applied steps: a spike is skipped (bit for
+    bit), the 5th in a row on the same weights is applied (its loss enters the history) unless a
+    rung acted at it; from the 9th in a row the lr the optimizer uses (read by its own step
+    pre-hook) is 0.1x for 100 steps, and those steps stay skipped; at the 12th the state is the
+    test's own copy taken after step 149 (the newest snapshot at least 15 steps older, snapshots
+    after every 50 steps), the streaks start again; the 4th rewind halts, and the rewind alerts'
+    records say so. The spikes of 60, 80-87 (8 in a row: no rung acts, the 5th is applied) and
+    100-108 (the 9th cools down) are the loss plus a constant (the gradients unchanged); 200-247
+    are scrambled batches: the 5th in a row, applied, damages the weights of this batch learned
+    by heart, so the spike stays and climbs to the rewinds."""
     monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
     model = make_model()
     lr = 1e-2
     opt, used = lr_seen(torch.optim.AdamW(model.parameters(), lr=lr))
     idx, targets = batch(0)
     scrambled = batch(1)[1]
-    bad = {60, 80, 81, 82, *range(200, 206), *range(206, 212), *range(212, 218), *range(218, 224)}
+    shifted = {60, *range(80, 88), *range(100, 100 + COOL)}
+    bad = set(range(200, 200 + 4 * REWIND))
     applied: list[float] = []
-    streak, cool_until, rewinds, skipped = 0, 0, 0, 0
+    streak, in_a_row, cool_until, rewinds, skipped = 0, 0, 0, 0, 0
     expected_lr: list[float] = []
+    held: list[int] = []  # the spikes applied past the bound
     copy_149: dict[str, Any] = {}
     reg = CollectorRegistry()
     with load("recover.yaml").attach(model, registry=reg, rank=0), pytest.raises(hookpolicy.Halt) as halted:
-        for step in range(230):
+        for step in range(260):
             _, loss = model(idx, scrambled if step in bad else targets)
             assert loss is not None
+            if step in shifted:
+                loss = loss + 10.0
             loss.backward()
             params, state = snapshot(model), opt_state(opt)
             spike = _loss_spike(loss.item(), applied)
-            skipped += spike  # every spike's step is a skipped one, a rewinding or halting step included
+            assert spike or step not in shifted | bad, step
             streak = streak + 1 if spike else 0
-            rewind = streak >= 6
+            rewind = streak >= REWIND
             if rewind and rewinds == 3:
                 expected_halt = step
-            if streak >= 3 and not rewind:
+            cooling = streak >= COOL and not rewind
+            if cooling:
                 cool_until = max(cool_until, step + 100)
+            # past the bound the spike's step is applied, unless a rung acted at it (the rung's step stays skipped)
+            skip = spike and (in_a_row < BOUND or cooling or rewind)
+            in_a_row = in_a_row + 1 if skip else 0
+            skipped += skip  # a rewinding or halting step is a skipped one
+            if spike and not skip:
+                held.append(step)
             expected_lr.append(lr * 0.1 if step < cool_until else lr)
             opt.step()
             assert used[-1] == expected_lr[-1], step
@@ -294,17 +315,20 @@ def test_recover_climbs_its_ladder_as_its_header_says(
                 copy_149 = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
             if rewind:
                 rewinds += 1
-                streak = 0
+                streak = in_a_row = 0
                 assert all(torch.equal(p, copy_149["model"][n]) for n, p in model.state_dict().items()), step
                 assert same_state(opt_state(opt), [s for s in copy_149["opt"]["state"].values()]), step
-            elif spike:
+            elif skip:
                 assert all(torch.equal(params[n], p) for n, p in model.named_parameters()), step
                 assert same_state(state, opt_state(opt)), step
             else:
+                assert not all(torch.equal(params[n], p) for n, p in model.named_parameters()), step
                 applied.append(loss.item())
             opt.zero_grad(set_to_none=True)
     assert (halted.value.rule, halted.value.step) == ("recover", expected_halt)
     assert rewinds == 3  # the fourth halted inside its optimizer.step()
+    assert held[:2] == [84, 104]  # the 5th of 80-87 and of 100-108, applied
+    assert all(x == lr for x in expected_lr[:100 + COOL - 1])  # 8 spikes in a row cooled nothing down
     labels = {"policy": "recover", "rule": "recover"}
     assert counter(reg, "hookpolicy_rewinds_total", **labels, model="GPT") == 3
     assert counter(reg, "hookpolicy_skipped_steps_total", **labels, model="GPT") == skipped
@@ -358,10 +382,10 @@ def test_recover_takes_a_nan_loss_for_a_spike_up_its_ladder(
         workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """recover.yaml: a loss that is "not finite" is a spike, from the first step on (before any
     history), and climbs the ladder like any other: the script backpropagates `loss + nan` (the
-    gradients stay finite, so only the loss tells) at step 0, at step 5, and at the six steps 62-67;
-    a rewind at 67 goes back to the test's own copy taken after step 49 (the newest snapshot at least
-    10 steps older) and the counts in a row start again, so the NaN losses of 68 and 69 are single
-    skips. Each step's alert records (rung, severity, outcome: at the rewind's step the cool-down's
+    gradients stay finite, so only the loss tells) at step 0, at step 5, and at the twelve steps 62-73
+    (a loss that is not finite is never applied: no bound); the cool-down from the 9th (70); a rewind
+    at 73 goes back to the test's own copy taken after step 49 (the newest snapshot at least 15 steps
+    older) and the counts in a row start again, so the NaN losses of 74 and 75 are single skips. Each step's alert records (rung, severity, outcome: at the rewind's step the cool-down's
     says it was not applied, the rewind took the step), the lr the optimizer's own pre-hook sees
     and the parameters and AdamW state are checked against the ladder the test climbs itself."""
     monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
@@ -369,14 +393,14 @@ def test_recover_takes_a_nan_loss_for_a_spike_up_its_ladder(
     lr = 1e-2
     opt, used = lr_seen(torch.optim.AdamW(model.parameters(), lr=lr))
     idx, targets = batch(0)
-    nan = {0, 5, *range(62, 68), 68, 69}
+    nan = {0, 5, *range(62, 62 + REWIND), 74, 75}
     applied: list[float] = []
     streak, cool_until = 0, 0
     expected: list[tuple[int, str, str, str]] = []  # (step, then, severity, outcome) of each alert record
     copy_49: dict[str, Any] = {}
     reg = CollectorRegistry()
     with load("recover.yaml").attach(model, registry=reg, rank=0):
-        for step in range(74):
+        for step in range(80):
             loss = model(idx, targets)[1]
             assert loss is not None
             (loss + float("nan") if step in nan else loss).backward()
@@ -384,10 +408,10 @@ def test_recover_takes_a_nan_loss_for_a_spike_up_its_ladder(
             spike = step in nan or _loss_spike(loss.item(), applied)
             assert spike == (step in nan), step  # the clean steps of a batch learned by heart hold no spike
             streak = streak + 1 if spike else 0
-            rewind = streak >= 6
+            rewind = streak >= REWIND
             if spike:
                 expected.append((step, "skip_step", "warning", "step skipped"))
-            if streak >= 3:
+            if streak >= COOL:
                 # at a rewind's step the cool-down's alert fires too, and the rewind takes the step
                 expected.append((step, "cool_down", "warning", "cooling down" if not rewind else
                                  "not cooled down (a rewind by recover/recover took the step)"))

@@ -6,13 +6,13 @@ Its unguarded run is healthy and noisy: isolated loss spikes, each made by the u
 it and undone by the next one. A skip keeps those weights, so the step after a skipped spike
 is a spike too; loss-spike-guard used to skip until its own skips made "20 in a row" and halt
 the run (status 3 at step 51 here), recover.yaml to climb rungs that cannot act here to its
-halt (step 37). Now each guard skips at most a few spikes in a row on the same weights and
-applies the next (`skip_step: {max_in_a_row: N}`: 4 for loss-spike-guard, 2 for recover, whose
-cool-down fires at the third). Checked against a reference hookpolicy did not
-compute: the steps the guard skips are those its header's rule gives on the losses the script
+halt (step 37). Now each guard skips at most 4 spikes in a row on the same weights and applies
+the next (`skip_step: {max_in_a_row: 4}`; recover's rungs, at the 9th and 12th spike in a row, are
+never reached here: each applied update undoes its spike). Checked against a reference hookpolicy
+did not compute: the steps the guard skips are those its header's rule gives on the losses the script
 printed (`helpers.references.guard_skips`), the run equals bit for bit the same script
-leaving out those steps' updates by hand (`--skip`), and, under recover.yaml, its best
-validation loss is within 5% of the unguarded run's.
+leaving out those steps' updates by hand (`--skip`), and each guard's best validation loss
+is within 5% of the unguarded run's (one seed: docs/guardrails.md measures five).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ SCRIPT = REPO / "tests" / "stacks" / "word_lm_pattern.py"
 
 
 def run(tmp_path: Path, policy: str = "", *args: str) -> tuple[int, list[dict[str, Any]], str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HOOKPOLICY_OUTPUT_DIR": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HOOKPOLICY_OUTPUT_DIR": str(tmp_path),
+           "HOOKPOLICY_ALERT_LOG": str(tmp_path / f"{policy or 'bare'}.alerts.jsonl")}
     head = [sys.executable, "-m", "hookpolicy", "apply", str(REPO / "policies" / f"{policy}.yaml"), "--"] if policy else []
     done = subprocess.run([*head, sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=900)
@@ -53,7 +54,7 @@ def test_the_loss_guards_heal_a_transformer_updated_by_hand(tmp_path: Path) -> N
     code, bare, _ = run(tmp_path)
     assert code == 0
     assert not any(not s["updated"] for s in steps(bare))
-    for policy, bound in (("loss-spike-guard", 4), ("recover", 2)):
+    for policy, bound in (("loss-spike-guard", 4), ("recover", 4)):
         code, guarded, err = run(tmp_path, policy)
         assert code == 0, err[-3000:]
         seen = steps(guarded)
@@ -68,6 +69,8 @@ def test_the_loss_guards_heal_a_transformer_updated_by_hand(tmp_path: Path) -> N
         assert code == 0
         assert [(s["loss"], s["updated"]) for s in steps(by_hand)] == [(s["loss"], s["updated"]) for s in seen]
         assert final(by_hand) == final(guarded)
-        if policy == "recover":  # loss-spike-guard's 4 skips per spike cost more of this noisy run (docs/guardrails.md)
-            assert final(guarded) <= final(bare) * 1.05, (policy, final(guarded), final(bare))
+        # one seed of a chaotic run (docs/guardrails.md: 5 updates left out by hand move it -3.5..+27%): a bound
+        assert final(guarded) <= final(bare) * 1.05, (policy, final(guarded), final(bare))
         assert "halted" not in err
+        alerts = [json.loads(line) for line in (tmp_path / f"{policy}.alerts.jsonl").read_text().splitlines()]
+        assert {a["then"] for a in alerts} == {"skip_step"}  # no rung of recover's fired
