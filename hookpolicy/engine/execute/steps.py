@@ -453,6 +453,11 @@ class Scopes:
         """A step is evaluated at `optimizer`'s step: the ids of parameters its rules leave out."""
         self._unseen.clear()
         group = self._groups.get(optimizer)
+        if group is not None and len(group) == 1 and len(self._groups) == 1:
+            # the one optimizer seen, stepping alone (its group holds it): what the lines below give, without
+            # iterating a WeakSet (a guarded Python iteration, the costliest part of a step's start)
+            self._current = group
+            return frozenset()
         members = [optimizer] if group is None else list(group)
         if group is None or len(members) != 1:
             group = weakref.WeakSet([optimizer])
