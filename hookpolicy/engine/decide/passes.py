@@ -66,6 +66,7 @@ class Layout:
         ] if self.exports_only else []
         #: `keys` with the store's labels (`ModelMetrics.key`), set by the read-back
         self.store_keys: list[tuple[str, Labels]] = []
+        self._series: dict[int, list[list[tuple[str, tuple[str, Labels]]]]] = {}
         #: (store generation, world) at which the store last said whether it holds every series of
         #: `keys`, and its answer: while both stand, a step swaps the values in (`MetricsStore.swap_in`)
         self.checked: Optional[tuple[int, int]] = None
@@ -77,6 +78,17 @@ class Layout:
         rule = self._rule()
         assert rule is not None, "a pass's rule is read after its attachment was dropped"
         return rule
+
+    def series(self, index: int, action: Capture) -> list[list[tuple[str, tuple[str, Labels]]]]:
+        """Per group of `action` (the capture at `index`), each statistic and its series (family, labels),
+        in `Finished.statistics`' order: built once per layout, not at every step's read-back."""
+        series = self._series.get(index)
+        if series is None:
+            families = [(stat, stat_family(self.target, stat)) for stat in action.stats]
+            series = self._series[index] = [
+                [(stat, (family, (*self.rule.key, module, tensor))) for stat, family in families]
+                for (module, tensor), _, _, _ in self.groups[action.per]]
+        return series
 
     def fits(self, entries: Sequence[Entry]) -> bool:
         """Whether `entries` (one pass of a step) have this layout: the same rule, pass and rows."""

@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union, cast
 import torch
 
 from ...environment import run_id
-from ...export.metrics import ALERT_FIRING, ALERTS, CLIPPED, Labels, stat_family
+from ...export.metrics import ALERT_FIRING, ALERTS, CLIPPED, Labels
 from ...export.store import ModelMetrics
 from ...export.tensorboard import scalar_tag
 from ...policy.model import Capture, Clip, LogSink, Policy, rule_name
@@ -289,17 +289,16 @@ class Readback:
         boarded: dict[int, list[tuple[str, float]]] = defaultdict(list)
         for index, action in p.layout.op.actions:
             whose = self.exported(rs, action) if isinstance(action, Capture) else Export.RANK
-            families = [(s, stat_family(target, s)) for s in action.stats] if isinstance(action, Capture) else []
-            for (module, tensor), stats in p.statistics(action.per):
+            series = p.layout.series(index, action) if isinstance(action, Capture) and action.exports else None
+            for group, ((module, tensor), stats) in enumerate(p.statistics(action.per)):
                 if isinstance(action, Capture):
                     if action.keep is not None:
                         self.recorder.keep(rs, index, action, p.step, now, module, tensor, stats)
-                    labels = (*rs.key, module, tensor)
-                    for stat, family in families if action.exports else ():
-                        key = (family, labels)
-                        published[key] = stats[stat]
-                        if whose is not Export.RANK:
-                            jobs[key] = whose
+                    if series is not None:
+                        for stat, key in series[group]:
+                            published[key] = stats[stat]
+                            if whose is not Export.RANK:
+                                jobs[key] = whose
                     if action.log is None and action.tensorboard is None:
                         continue
                 base = {"run": self.run_id, "time": now, "step": p.step, "rank": self.rank, "model": self.store.model,

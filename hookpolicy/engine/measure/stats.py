@@ -210,8 +210,9 @@ def _host_matrix(
     if n == 1:  # torch.stack promotes mixed dtypes to the widest, exactly
         values = torch.stack([col[0] for col in columns]).tolist()
         rows = [values]
-    elif width == 1:
-        rows = [[v] for v in _column(columns[0]).tolist()]
+    elif width == 1:  # a step rule's l2_norm: the norms squared at once
+        values = _column(columns[0]).tolist()
+        return [[v * v] for v in values] if norms == 0 else [[v] for v in values]
     else:
         flat = torch.cat([_column(col) for col in columns]).tolist()  # column after column
         rows = [flat[i::n] for i in range(n)]
@@ -360,30 +361,32 @@ def _host_rows(
     """
     if "finite" not in kinds:
         return _host_matrix(tensors, kinds, references)
-    measured, at, col, last = _host_plan(tuple(kinds))
+    measured, a, b, col, added = _host_plan(tuple(kinds))
     if len(tensors) >= _MANY:  # many tensors: one check for all, on the matrix
         matrix = _partials(tensors, measured, False, references)
         rows = matrix.tolist()
-        every = bool(torch.isfinite(matrix[:, at]).all())
+        every = bool(torch.isfinite(matrix[:, sorted({a, b})]).all())
     else:  # a few: the rows read, checked on the host (no operator)
         rows = _host_matrix(tensors, measured, references)
         every = False
+    isfinite = math.isfinite
     for row, t in zip(rows, tensors):
-        finite = float(t.numel()) if every or all(math.isfinite(row[i]) for i in at) else float(_finite(t))
-        del row[last:]  # the added sum of squares, if any
+        finite = float(t.numel()) if every or (isfinite(row[a]) and isfinite(row[b])) else float(_finite(t))
+        if added:
+            row.pop()  # the added sum of squares
         row.insert(col, finite)
     return rows
 
 
 @functools.lru_cache(maxsize=64)
-def _host_plan(kinds: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...], int, int]:
-    """For `_host_rows`, once per `kinds`: the partials measured, where its proof is among them, where
-    `finite` goes in a row, and where an added sum of squares starts."""
+def _host_plan(kinds: tuple[str, ...]) -> tuple[tuple[str, ...], int, int, int, bool]:
+    """For `_host_rows`, once per `kinds`: the partials measured, the places of its proof among them (min
+    and max, or one partial twice), where `finite` goes in a row, and whether a sum of squares was added."""
     others = tuple(k for k in kinds if k != "finite")
     proof = next((p for p in _PROOFS if all(k in others for k in p)), None)
     measured = others if proof is not None else (*others, "sumsq")
-    at = tuple(measured.index(k) for k in (proof or ("sumsq",)))
-    return measured, at, kinds.index("finite"), len(kinds) - 1
+    at = [measured.index(k) for k in (proof or ("sumsq",))]
+    return measured, at[0], at[-1], kinds.index("finite"), proof is None
 
 
 def resolve_counts(rows: list[list[float]], tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> None:
