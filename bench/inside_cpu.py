@@ -1,6 +1,6 @@
 """CPU time spent inside hookpolicy per step, robust to a busy machine (issue 36).
 
-    python bench/inside_cpu.py            # GPT, CNN, LSTM: monitor.yaml and seed-stats.yaml
+    python bench/inside_cpu.py            # GPT, nanoGPT, CNN, LSTM: monitor.yaml and seed-stats.yaml
     python bench/inside_cpu.py --publish  # also the step that publishes 10,000 series, split
     python bench/inside_cpu.py --split nanogpt  # monitor.yaml's step cost: the statistics and the rest
     python bench/inside_cpu.py --entries nanogpt cnn --against /work/main  # all of hookpolicy's CPU, two trees A/B
@@ -197,8 +197,8 @@ def entries(names: list[str], rounds: int, against: str | None, policy: str) -> 
         base = workload.build()
         x, y = workload.batch(torch.Generator().manual_seed(0), torch.device("cpu"))
         steps, handles = [], []
-        for package in packages:
-            model = copy.deepcopy(base)
+        models = [copy.deepcopy(base) for _ in packages]  # before any attaches: each copy patches Module's reduce
+        for package, model in zip(packages, models):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             handles.append(package.load(POLICIES / policy).attach(model, registry=CollectorRegistry()))
 
@@ -220,7 +220,7 @@ def entries(names: list[str], rounds: int, against: str | None, policy: str) -> 
                 totals[k].append(sum(spent[k].values()))
                 for attr, seconds in spent[k].items():
                     per[k][attr].append(seconds)
-        for handle in handles:
+        for handle in reversed(handles):  # last in, first out: the copies' patches of torch nest
             handle.remove()
         med = [sorted(t)[len(t) // 2] * 1e3 for t in totals]
         label = ["this tree"] if against is None else [against, "this tree"]
@@ -248,7 +248,7 @@ def main() -> None:
     if args.entries:
         entries(args.entries, args.rounds, args.against, args.policy)
         return
-    inside({"gpt": 6, "cnn": 40, "lstm": 20})
+    inside({"gpt": 6, "nanogpt": 20, "cnn": 40, "lstm": 20})
     if args.publish:
         publish()
 
