@@ -378,6 +378,33 @@ def test_explosion_guard_counts_a_non_finite_norm_as_beyond_the_limit(workdir: P
         assert stat(reg, "hookpolicy_grad_nonfinite", **labels) == 0  # step 8 was clean
 
 
+@pytest.mark.slow
+def test_recover_heals_the_benchs_corrupted_shard_by_skips_alone(tmp_path: Path) -> None:
+    """recover.yaml's header: "8 bad batches in a row (bench/instability.py's shard) have their 5th
+    applied and no rung acts". The bench's script under `hookpolicy apply` (300 steps, batches 80-87 of
+    every 100 scrambled): the steps it saw not applied (its own per-step report) are the skips of the
+    header's rule computed by the test from the losses the script printed (`guard_skips`, no rung), they
+    are each shard's batches but its 5th (84, 184, 284), and no cool-down or rewind alert fired."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "HOOKPOLICY_ALERT_LOG": str(tmp_path / "alerts.jsonl")}
+    done = subprocess.run([sys.executable, "-m", "hookpolicy", "apply", str(POLICIES / "recover.yaml"), "--",
+                           sys.executable, str(REPO / "bench" / "instability.py"), "train", "--corrupt", "epoch",
+                           "--steps", "300"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"step"')]
+    assert len(steps) == 300
+    skipped = {s["step"] for s in steps if not s["updated"]}
+    assert skipped == guard_skips([s["loss"] for s in steps], 4)
+    assert skipped == {s["step"] for s in steps if s["corrupt"]} - {84, 184, 284}
+    assert {a["then"] for a in alert_records(tmp_path / "alerts.jsonl")} == {"skip_step"}
+
+
 def test_recover_takes_a_nan_loss_for_a_spike_up_its_ladder(
         workdir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """recover.yaml: a loss that is "not finite" is a spike, from the first step on (before any
