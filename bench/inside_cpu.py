@@ -1,6 +1,7 @@
 """CPU time spent inside hookpolicy per step, robust to a busy machine (issue 36).
 
     python bench/inside_cpu.py            # GPT, nanoGPT, CNN, LSTM: monitor.yaml and seed-stats.yaml
+    python bench/inside_cpu.py --workloads nanogpt cnn  # the same on these workloads
     python bench/inside_cpu.py --publish  # also the step that publishes 10,000 series, split
     python bench/inside_cpu.py --split nanogpt  # monitor.yaml's step cost: the statistics and the rest
     python bench/inside_cpu.py --entries nanogpt cnn --against /work/main  # all of hookpolicy's CPU, two trees A/B
@@ -239,6 +240,8 @@ def main() -> None:
                         help="only hookpolicy's CPU at its entry points on these workloads (nanogpt, cnn, ...)")
     parser.add_argument("--against", metavar="DIR", help="with --entries: A/B against the hookpolicy of the tree DIR")
     parser.add_argument("--policy", default="monitor.yaml", help="with --entries: the policy in bench/policies")
+    parser.add_argument("--workloads", nargs="+", default=["gpt", "nanogpt", "cnn", "lstm"], metavar="WORKLOAD",
+                        help="the workloads of the default run (gpt, nanogpt, cnn, lstm)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"load average {open('/proc/loadavg').read().split()[0]}", flush=True)
@@ -248,7 +251,8 @@ def main() -> None:
     if args.entries:
         entries(args.entries, args.rounds, args.against, args.policy)
         return
-    inside({"gpt": 6, "nanogpt": 20, "cnn": 40, "lstm": 20})
+    steps = {"gpt": 6, "nanogpt": 20, "cnn": 40, "lstm": 20}
+    inside({name: steps.get(name, 20) for name in args.workloads})
     if args.publish:
         publish()
 

@@ -121,6 +121,12 @@ def test_every_statistic_matches_float64(case: str, chunked: bool, proved: bool)
     assert not mismatches, mismatches
 
 
+def test_every_statistic_of_the_policy_language_is_computed_and_finished() -> None:
+    """Each statistic a policy may name has its partials (`partials_for`) and its finishing step (`finish`)."""
+    from hookpolicy.policy.expr import STATS
+    assert set(STATS) == set(stats._NEEDS) == set(stats._FINISH)
+
+
 def test_the_chunked_path_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     """The chunked cases above mean something only if the chunk loop runs on them."""
     monkeypatch.setattr(stats, "_SCRATCH_ELEMENTS", 1000)

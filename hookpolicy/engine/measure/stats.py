@@ -330,6 +330,8 @@ _READ_ON_CPU = True
 
 def reads_at_once(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether a hook may read the partials of `tensors` at once: on CPU (no sync there), never on CUDA."""
+    if len(tensors) == 1:  # a hook's one tensor
+        return _READ_ON_CPU and tensors[0].is_cpu
     return _READ_ON_CPU and all(t.is_cpu for t in tensors)
 
 
@@ -639,10 +641,7 @@ def _nan_aware(pick: Callable[[Sequence[float]], float], values: Sequence[float]
 
 def finish(partials: Mapping[str, float], numel: int, stats: Iterable[str]) -> dict[str, float]:
     """Turn merged partials into the named statistics."""
-    out: dict[str, float] = {}
-    for stat in stats:
-        out[stat] = _finish_one(stat, partials, numel)
-    return out
+    return {stat: _FINISH[stat](partials, numel) for stat in stats}
 
 
 def _sumsq(p: Mapping[str, float], n: int) -> float:
@@ -651,33 +650,32 @@ def _sumsq(p: Mapping[str, float], n: int) -> float:
     return p["m2"] + p["sum"] * p["sum"] / n if n else 0.0  # see partials_for
 
 
-def _finish_one(stat: str, p: Mapping[str, float], n: int) -> float:
-    if stat == "numel":
-        return float(n)
-    if stat == "nonfinite":
-        return float(n) - p["finite"]
-    if stat == "update_ratio":
-        return _ratio(math.sqrt(_sumsq(p, n)), math.sqrt(p["ref_sumsq"]))
-    if stat == "l2_norm":
-        return math.sqrt(_sumsq(p, n))
-    if stat == "min":
-        return p["min"]
-    if stat == "max":
-        return p["max"]
-    if stat == "abs_max":
-        return max(abs(p["min"]), abs(p["max"])) if not math.isnan(p["min"] + p["max"]) else math.nan
-    if n == 0:
-        return math.nan
-    if stat == "mean":
-        return p["sum"] / n
-    if stat == "rms":
-        return math.sqrt(_sumsq(p, n) / n)
-    if stat == "zero_fraction":
-        return (n - p["nonzero"]) / n
-    # std, unbiased like torch.std
+def _abs_max(p: Mapping[str, float], n: int) -> float:
+    return max(abs(p["min"]), abs(p["max"])) if not math.isnan(p["min"] + p["max"]) else math.nan
+
+
+def _std(p: Mapping[str, float], n: int) -> float:
+    """Unbiased, like torch.std."""
     if n < 2:
         return math.nan
     return math.sqrt(max(p["m2"], 0.0) / (n - 1)) if not math.isnan(p["m2"]) else math.nan
+
+
+#: Each statistic from its merged partials and element count: looked up once per statistic, not
+#: found along a chain of tests (the read-back finishes every group of every pass at every step).
+_FINISH: Mapping[str, Callable[[Mapping[str, float], int], float]] = {
+    "numel": lambda p, n: float(n),
+    "nonfinite": lambda p, n: float(n) - p["finite"],
+    "update_ratio": lambda p, n: _ratio(math.sqrt(_sumsq(p, n)), math.sqrt(p["ref_sumsq"])),
+    "l2_norm": lambda p, n: math.sqrt(_sumsq(p, n)),
+    "min": lambda p, n: p["min"],
+    "max": lambda p, n: p["max"],
+    "abs_max": _abs_max,
+    "mean": lambda p, n: p["sum"] / n if n else math.nan,
+    "rms": lambda p, n: math.sqrt(_sumsq(p, n) / n) if n else math.nan,
+    "zero_fraction": lambda p, n: (n - p["nonzero"]) / n if n else math.nan,
+    "std": _std,
+}
 
 
 def _ratio(update: float, weight: float) -> float:
