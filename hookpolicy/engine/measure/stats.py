@@ -21,7 +21,10 @@ The passes, chosen by measurement (`bench/run.py`; numbers in docs/benchmarks.md
   dot product with itself (two passes, vectorized: `var_mean` is a scalar loop there,
   about 30x slower); on CUDA one `var_mean`. With `m2` at hand, l2_norm and rms need no
   pass of their own: `sumsq = m2 + sum**2 / n`.
-- zero_fraction: `count_nonzero(x)`, one pass (`x == 0` and a count would be two).
+- zero_fraction: `count_nonzero(x)`, one pass (`x == 0` and a count would be two); on CPU,
+  from `_DIV_MIN` elements of a tensor proved finite (below), the NaN-skipping sum of `x / x`
+  (1 where x is not zero, NaN at 0 / 0): two vectorized passes, faster than `count_nonzero`'s
+  scalar loop, and the same exact count.
 - update_ratio (`target: update` only): the update's sum of squares (`sumsq`) and its
   parameter's before the update (`ref_sumsq`), which the caller measured before the
   update and hands over (`references`): `sqrt(sumsq / ref_sumsq)`, so `per: module`
