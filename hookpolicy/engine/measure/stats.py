@@ -283,7 +283,8 @@ def _buffered_row(t: torch.Tensor, kinds: Sequence[str]) -> Optional[list[float]
     values = row.tolist()
     if plan.nonzero:
         n = flat.numel()
-        if plan.proof and _DIV_MIN <= n <= _SCRATCH_ELEMENTS and all(math.isfinite(values[i]) for i in plan.proof):
+        if (plan.proof and _DIV_MIN <= n <= min(_SCRATCH_ELEMENTS, _EXACT_FLOAT32)
+                and all(math.isfinite(values[i]) for i in plan.proof)):
             # every element is finite (the proof, as in `_host_rows`): x / x is exactly 1 where x is not zero
             # and NaN (0 / 0) where it is, so the NaN-skipping sum of ones counts the nonzero elements,
             # exactly (integers below 2**24 in float32); two vectorized passes, faster than `count_nonzero`'s
