@@ -89,10 +89,19 @@ class Executor:
     def rules_changed(self) -> None:
         """Derive what the hook bodies need from `rules` (again, after a rule joined on a rebind)."""
         self._selectors = {key: selector(rs.rule.select) for key, rs in self.rules.items()}
+        #: each binding's `Call` (by the binding's id, the binding kept to tell a reused id), made at its first install
+        self._calls: dict[int, tuple[Binding, Call]] = {}
 
     def calls(self, bindings: Sequence[Binding]) -> tuple["Call", ...]:
-        """What a hook call does for each of `bindings`, decided once when the hook is installed (`Call`)."""
-        return tuple(Call(self.rules[b.key], b, self._selectors[b.key], self._grad_hook) for b in bindings)
+        """What a hook call does for each of `bindings` (`Call`), decided when its hook is first installed and
+        kept until the rules are bound anew (a rule with `every: 10` has its hooks installed 10 times in 100 steps)."""
+        calls = []
+        for b in bindings:
+            known = self._calls.get(id(b))
+            if known is None or known[0] is not b:
+                known = self._calls[id(b)] = (b, Call(self.rules[b.key], b, self._selectors[b.key], self._grad_hook))
+            calls.append(known[1])
+        return tuple(calls)
 
     # -- module hooks ------------------------------------------------------------------
     def pre_hook(self, calls: Sequence[Call], module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
