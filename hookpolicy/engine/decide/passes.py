@@ -14,7 +14,7 @@ way, on the same rows in the same order, so the values are the same.
 from __future__ import annotations
 
 import weakref
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 from ...export.metrics import Labels, stat_family
 from ...policy.model import OPTIMIZER_STATE, Capture
@@ -106,12 +106,18 @@ class Finished:
         #: the step its values belong to (an `update` pass: the step of the update it measured)
         self.step = step
         self._values: Optional[list[float]] = None
+        self._statistics: dict[str, list[tuple[tuple[str, str], dict[str, float]]]] = {}
 
-    def statistics(self, per: str) -> Iterator[tuple[tuple[str, str], dict[str, float]]]:
-        """(module, tensor) and every statistic of the pass, per group of `per`."""
-        rows, kinds, stats = self.rows, self.layout.op.kinds, self.layout.op.stats
-        for key, at, numels, total in self.layout.groups[per]:
-            yield key, finish(combine([rows[i] for i in at], numels, kinds), total, stats)
+    def statistics(self, per: str) -> list[tuple[tuple[str, str], dict[str, float]]]:
+        """(module, tensor) and every statistic of the pass, per group of `per`: finished once per `per`
+        (a capture and an alert of one pass, grouped alike, read the same values; no reader changes them)."""
+        finished = self._statistics.get(per)
+        if finished is None:
+            rows, kinds, stats = self.rows, self.layout.op.kinds, self.layout.op.stats
+            finished = self._statistics[per] = [
+                (key, finish(combine([rows[i] for i in at], numels, kinds), total, stats))
+                for key, at, numels, total in self.layout.groups[per]]
+        return finished
 
     def values(self) -> list[float]:
         """The values of `Layout.keys`, in order, finished once (any thread may ask first)."""
@@ -123,4 +129,5 @@ class Finished:
                     for _, stats in self.statistics(action.per):
                         values.extend(stats[stat] for stat in action.stats)
             self._values = values
+            self._statistics = {}  # a pass handed over to the store keeps its values only, not a dict per group
         return values
