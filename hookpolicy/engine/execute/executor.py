@@ -48,7 +48,6 @@ installer's next `activate`; series of modules no longer bound are removed.
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from typing import Any, Callable, Collection, Iterator, Mapping, Optional, Protocol, Sequence, Union
@@ -144,7 +143,7 @@ class Executor:
                     continue
                 for name, t in named_tensors(output, c.keep):
                     if t.requires_grad:
-                        t.register_hook(functools.partial(self._grad_hook, c, name))  # type: ignore[no-untyped-call]
+                        t.register_hook(bound(self._grad_hook, c, name))  # type: ignore[no-untyped-call]
             elif target == "grad_input":
                 self._check_grad_input(c, (args, kwargs))
             elif not inside_recompute:
@@ -177,7 +176,7 @@ class Executor:
         for name, t in _input_tensors(inputs, c.keep):
             if t.requires_grad:
                 view = t.view_as(t)
-                view.register_hook(functools.partial(self._grad_hook, c, name))  # type: ignore[no-untyped-call]
+                view.register_hook(bound(self._grad_hook, c, name))  # type: ignore[no-untyped-call]
                 views[name] = view
         if not views:
             if self._said_inplace(b.key + (b.module,)):
@@ -232,7 +231,19 @@ class Call:
         self.measures = measures_only(rs)
         self.rows = [(binding.module, "")]
         self.ran = ran_labels(rs, binding.module)
-        self.on_grad = functools.partial(grad_hook, self, "")
+        self.on_grad = bound(grad_hook, self, "")
+
+
+def bound(fn: Callable[..., Any], *head: Any) -> Callable[..., Any]:
+    """`fn` with its first arguments given: a function, not a `functools.partial`.
+
+    A hook lives in a module's or a tensor's hook dict, and `copy.deepcopy` of the model
+    copies those dicts wherever `nn.Module.__reduce_ex__`'s filter is not in place (a class
+    with its own reduction, the filter switched off after its faults). It keeps a function as
+    it is, but deep-copies a partial's arguments: the rules' state, with its locks, which
+    cannot be copied, so the user's copy would raise.
+    """
+    return lambda *rest: fn(*head, *rest)
 
 
 def _input_tensors(inputs: tuple[Any, Any], keep: Any) -> Named:
@@ -358,10 +369,10 @@ class HookInstaller:
         for module, pre, post in by_module.values():
             if pre:
                 self._handles.append(module_hooks.forward_pre_hook(
-                    module, functools.partial(run.pre_hook, run.calls(pre)), with_kwargs=True))
+                    module, bound(run.pre_hook, run.calls(pre)), with_kwargs=True))
             if post:
                 self._handles.append(module_hooks.forward_hook(
-                    module, functools.partial(run.post_hook, run.calls(post)), with_kwargs=True))
+                    module, bound(run.post_hook, run.calls(post)), with_kwargs=True))
 
     def step_rules(self) -> list[RuleState]:
         """The `step` rules active now and not switched off, in plan order."""
