@@ -62,6 +62,23 @@ spec:
       actions: [{capture: {stats: [l2_norm]}}]
 """
 
+#: a pass with an alert beside its capture: the capture's values may wait for a scrape, the alert's may not
+GUARDED = """\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {{name: p}}
+spec:
+  limits: {{maxSeries: {limit}}}
+  rules:
+    - name: grads
+      match: {{types: [Linear]}}
+      trigger: {{at: step}}
+      target: grad
+      actions:
+        - capture: {{stats: [l2_norm, nonfinite], per: tensor{sink}}}
+        - alert: {{if: "l2_norm > {threshold!r}", per: rule, severity: warning, message: "large gradients"}}
+"""
+
 #: steps after which the test scrapes (not after 3: step 4's values replace step 3's unread ones)
 SCRAPED = {1, 2, 4, 5, 6}
 
@@ -87,11 +104,12 @@ class _Finishes:
 
 def _run(tmp_path: Path, name: str, limit: int, logged: bool, finishes: _Finishes, steps: int = 6,
          between: Optional[Callable[[int, CollectorRegistry, nn.Module], None]] = None,
-         registry: Optional[CollectorRegistry] = None, scraped: set[int] = SCRAPED) -> dict[str, Any]:
+         registry: Optional[CollectorRegistry] = None, scraped: set[int] = SCRAPED, policy: str = POLICY,
+         threshold: float = 0.0) -> dict[str, Any]:
     """Train a 3-Linear model `steps` steps under the policy; what was exposed, kept and finished per step."""
     sink = f", log: {{path: {name}.jsonl}}" if logged else ""  # relative to the output folder: tmp_path
     path = tmp_path / f"{name}.yaml"
-    path.write_text(POLICY.format(limit=limit, sink=sink))
+    path.write_text(policy.format(limit=limit, sink=sink, threshold=threshold))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -147,6 +165,40 @@ def test_exported_values_and_budgets_are_those_of_the_step_that_finishes_them(
                 ("tensor", "")))]
             both = torch.cat([grads[f"{module}.weight"].flatten(), grads[f"{module}.bias"]])
             assert exposed == pytest.approx(torch.linalg.vector_norm(both).item(), rel=1e-6)
+
+
+def test_an_alert_is_judged_at_the_step_while_the_captures_of_its_pass_are_handed_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step rule's capture per tensor and its alert per rule, one pass: from the second step only the
+    alert's group is finished in the step, and every sample (the alert's count and gauge included) and every
+    `last_values()` is the twin's whose capture logs (finished at the step); the alert fires at the steps
+    whose gradients, all of them together, have a norm above the threshold, computed by torch."""
+    monkeypatch.chdir(tmp_path)
+    finishes = _Finishes(monkeypatch)
+    # the alert changes nothing in the training: the gradients of every run are those of the first
+    first = _run(tmp_path, "first", 1000, False, finishes, policy=GUARDED)
+    norms = [torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()])).item()
+             for grads in first["grads"]]
+    ordered = sorted(norms)
+    threshold = (ordered[2] + ordered[3]) / 2  # half the steps fire, none near the threshold
+    logged, handed = (_run(tmp_path, f"guarded{logged}", 1000, logged, finishes, policy=GUARDED, threshold=threshold)
+                      for logged in (True, False))
+    assert handed["exposed"] == logged["exposed"] and handed["last"] == logged["last"]
+    assert logged["in_step"] == [7] * 6  # 6 tensors and the rule
+    assert handed["in_step"][0] == 7 and handed["in_step"][1:] == [1] * 5
+    fired = [n > threshold for n in norms]
+    assert 0 < sum(fired) < len(fired)
+    labels = (("model", "Sequential"), ("policy", "p"), ("rank", "0"), ("rule", "grads"), ("severity", "warning"))
+    for step in SCRAPED:
+        assert handed["exposed"][step][("hookpolicy_alerts_total", labels)] == sum(fired[:step])
+        assert handed["exposed"][step][("hookpolicy_alert_firing", labels)] == float(fired[step - 1])
+        grads = handed["grads"][step - 1]
+        for name, grad in grads.items():
+            module, tensor = name.split(".")
+            exposed = handed["exposed"][step][("hookpolicy_grad_l2_norm", (
+                ("model", "Sequential"), ("module", module), ("policy", "p"), ("rank", "0"), ("rule", "grads"),
+                ("tensor", tensor)))]
+            assert exposed == pytest.approx(torch.linalg.vector_norm(grad).item(), rel=1e-6)
 
 
 def test_a_forgotten_series_sends_the_next_step_through_the_budget_again(

@@ -4,11 +4,12 @@ The read-back groups a pass's rows by each action's `per` (`history.group_key`) 
 every group (`stats.combine`, `stats.finish`). `Layout` does the grouping once and is kept
 while the pass's rows (module, tensor, element count, in order) stay the same, which they do
 at every step of a rule whose bindings do not change. `Finished` is one step's rows under a
-layout, finished when first read: at once by the read-back for a pass whose statistics an
-alert or a sink reads, but later, at scrape time (`store.MetricsStore.snapshot`) or at
-`last_values()`, for a pass that only exports them (`Layout.exports_only`): the step then
-only swaps them in, whatever the number of series. The same functions finish them either
-way, on the same rows in the same order, so the values are the same.
+layout, finished when first read: at once by the read-back for the groups an alert or a
+sink reads, but later, at scrape time (`store.MetricsStore.snapshot`) or at `last_values()`,
+for captures that only export (`Layout.hands_over`; the alerts of the same pass are judged
+at the step on their own grouping): the step then only swaps them in, whatever the number of
+series. The same functions finish them either way, on the same rows in the same order, so
+the values are the same.
 """
 
 from __future__ import annotations
@@ -55,15 +56,18 @@ class Layout:
         self.groups: dict[str, list[Group]] = {
             per: [(k, at, numels, sum(numels)) for k, (at, numels) in groups.items()] for per, groups in buckets.items()
         }
-        #: every action a capture that writes no log, no TensorBoard and keeps no ring: its values are only exported
-        self.exports_only = all(isinstance(a, Capture) and a.log is None and a.tensorboard is None and a.keep is None
-                                for _, a in self.op.actions)
+        captures = [a for _, a in self.op.actions if isinstance(a, Capture)]
+        #: every capture writes no log, no TensorBoard and keeps no ring: its values are only exported, so they may
+        #: be handed over unfinished (the pass's alerts, if any, are still judged at the step)
+        self.hands_over = bool(captures) and all(a.log is None and a.tensorboard is None and a.keep is None
+                                                 for a in captures)
+        #: every action such a capture: nothing at the step reads the pass's values
+        self.exports_only = self.hands_over and len(captures) == len(self.op.actions)
         #: the series `Finished.values` gives, in its order (the order the read-back publishes them in)
         self.keys: list[tuple[str, Labels]] = [
             (stat_family(self.target, stat), (*self.rule.key, module, tensor))
-            for _, action in self.op.actions if isinstance(action, Capture)
-            for (module, tensor), _, _, _ in self.groups[action.per] for stat in action.stats
-        ] if self.exports_only else []
+            for action in captures for (module, tensor), _, _, _ in self.groups[action.per] for stat in action.stats
+        ] if self.hands_over else []
         #: `keys` with the store's labels (`ModelMetrics.key`), set by the read-back
         self.store_keys: list[tuple[str, Labels]] = []
         self._series: dict[int, list[list[tuple[str, tuple[str, Labels]]]]] = {}

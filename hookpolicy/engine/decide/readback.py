@@ -10,8 +10,9 @@ the agreement reduced (the job's loss, the `ranks: job` statistics: host-side en
 transfer) with `Readback.add`, and `Readback.publish` puts every statistic of the step into
 the metrics store at once: one read-back a step, one admission order under `maxSeries` and
 `maxJobSeries` (`store.MetricsStore.set_stats`: the job's series first, then each rank's, in
-the order they were read); a pass that only exports, once the store holds all its series, is
-handed over unfinished instead (`store.MetricsStore.swap_in`). Nothing here runs inside a hook, and nothing here calls back
+the order they were read); the captures of a pass that only export, once the store holds all
+their series, are handed over unfinished instead (`store.MetricsStore.swap_in`; the pass's
+alerts are judged at the step all the same). Nothing here runs inside a hook, and nothing here calls back
 into the step cycle: the outcome is a `StepReport` (skip? halt? which rules' sinks failed?
 time spent per rule) that the step cycle acts on.
 """
@@ -200,6 +201,8 @@ class Readback:
                 if final or not self._handing(pkey, p, reading):
                     self._settle(pkey, reading)
                     self._report_pass(p, reading, decides)
+                elif not p.layout.exports_only:  # its captures handed over, its alerts judged now
+                    self._report_pass(p, reading, decides, captures=False)
             except SinkHalts:
                 raise
             except Exception as exc:  # noqa: BLE001 - a fault of this rule (a bug, a message), never of the training
@@ -218,15 +221,16 @@ class Readback:
         return Finished(layout, rows, step if entries[0].step is None else entries[0].step)
 
     def _handing(self, pkey: PassKey, p: Finished, reading: "Reading") -> bool:
-        """Whether a pass that only exports is handed over at `publish` (the store holds all its series); True if so.
+        """Whether the captures of a pass that only export (`Layout.hands_over`) are handed over at `publish`
+        (the store holds all their series); True if so: the read-back then judges only the pass's alerts.
 
         This rank's own series only (the job's are counted and withheld by `set_stats`); a
         layout the store has not answered for at this generation and world is asked about
         once the step's statistics are published (`Reading.ask`), so its next step may be.
         """
         layout = p.layout
-        if not layout.exports_only or any(self.exported(layout.rule, cast(Capture, a)) is not Export.RANK
-                                          for _, a in layout.op.actions):
+        if not layout.hands_over or any(isinstance(a, Capture) and self.exported(layout.rule, a) is not Export.RANK
+                                        for _, a in layout.op.actions):
             return False
         if layout.checked != (reading.generation, reading.world):
             reading.ask.append(layout)
@@ -280,14 +284,17 @@ class Readback:
         if self._withheld:
             self._withheld.difference_update(k for k in published if k not in withheld)
 
-    def _report_pass(self, p: Finished, reading: "Reading", decides: bool) -> None:
-        """Log and decide one rule's statistics pass into `reading` (its statistics published with the step's)."""
+    def _report_pass(self, p: Finished, reading: "Reading", decides: bool, captures: bool = True) -> None:
+        """Log and decide one rule's statistics pass into `reading` (its statistics published with the step's);
+        its alerts only when its `captures` were handed over (`_handing`)."""
         rs, target = p.layout.rule, p.layout.target
         now, final, report, published, jobs = reading.now, reading.final, reading.report, reading.published, reading.jobs
         firing: dict[str, bool] = {}
         logged: dict[tuple[int, Optional[LogSink]], list[dict[str, Any]]] = defaultdict(list)  # one write per sink
         boarded: dict[int, list[tuple[str, float]]] = defaultdict(list)
         for index, action in p.layout.op.actions:
+            if not captures and isinstance(action, Capture):
+                continue
             whose = self.exported(rs, action) if isinstance(action, Capture) else Export.RANK
             series = p.layout.series(index, action) if isinstance(action, Capture) and action.exports else None
             for group, ((module, tensor), stats) in enumerate(p.statistics(action.per)):
