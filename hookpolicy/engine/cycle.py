@@ -350,12 +350,10 @@ class StepCycle:
     def _count(self, done: Ledger, seconds: dict[tuple[str, str], float]) -> None:
         """`hookpolicy_actions_total` (once per step and binding) and `hookpolicy_hook_seconds_total`."""
         counts = Counter(map(itemgetter(0), done.ran))  # bindings per action's labels, counted in C
-        for labels, count in counts.items():
-            self.store.inc(ACTIONS, labels, count)
+        self.store.inc_all(ACTIONS, counts.items())
         for key, spent in seconds.items():
             done.seconds[key] += spent
-        for key, spent in done.seconds.items():
-            self.store.inc(HOOK_SECONDS, key, spent)
+        self.store.inc_all(HOOK_SECONDS, done.seconds.items())
 
     def after_update(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer_hooks` subscriber: restore hidden gradients and state; at the step's end, count and activate."""

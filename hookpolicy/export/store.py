@@ -31,6 +31,9 @@ log = logging.getLogger("hookpolicy")
 
 Key = tuple[str, Labels]
 
+#: the families whose series carry the `model` label, by name (a name is found without hashing a `Family`)
+_MODEL_NAMES = frozenset(family.name for family in MODEL_FAMILIES)
+
 
 class Deferred(Protocol):
     """Values handed over unfinished (`engine.decide.passes.Finished`)."""
@@ -79,6 +82,14 @@ class MetricsStore:
         with self._lock:
             series = self._engine[name]
             series[labels] = series.get(labels, 0.0) + by
+
+    def inc_all(self, family: Family, counts: Iterable[tuple[Labels, float]]) -> None:
+        """`inc` of several series of one family, under one lock: a step's counts (`labels`, by)."""
+        checked = [(checked_name(family, labels), labels, by) for labels, by in counts]
+        with self._lock:
+            for name, labels, by in checked:
+                series = self._engine[name]
+                series[labels] = series.get(labels, 0.0) + by
 
     def raise_to(self, family: Family, labels: Labels, value: float) -> None:
         """Set a counter to `value` unless it is already higher (several models, one process)."""
@@ -374,10 +385,17 @@ class ModelMetrics:
         self.rank = store.rank
 
     def _labels(self, family: Family, labels: Labels) -> Labels:
-        return (*labels, self.model) if family in MODEL_FAMILIES else labels
+        return (*labels, self.model) if family.name in _MODEL_NAMES else labels
 
     def inc(self, family: Family, labels: Labels = (), by: float = 1.0) -> None:
         self.store.inc(family, self._labels(family, labels), by)
+
+    def inc_all(self, family: Family, counts: Iterable[tuple[Labels, float]]) -> None:
+        """`MetricsStore.inc_all`, each series with this model's label where `family` has it."""
+        if family.name in _MODEL_NAMES:
+            model = self.model
+            counts = [((*labels, model), by) for labels, by in counts]
+        self.store.inc_all(family, counts)
 
     def raise_to(self, family: Family, labels: Labels, value: float) -> None:
         self.store.raise_to(family, self._labels(family, labels), value)
