@@ -201,14 +201,15 @@ class StepCycle:
         could heal -> the alert records -> skips counted -> the history committed.
         A sink that failed is a fault of its rule (`Faults.fail`: counted, maybe a Halt).
         """
-        if not job and loss is None and self.ledger.empty() and not self.agreement.active():
+        agreeing = self.agreement.active()  # a process group cannot come up during the decision
+        if not job and loss is None and self.ledger.empty() and not agreeing:
             return False  # an inactive step: nothing measured, nothing to report, agree on or decide
         layout = self.agreement.layout
-        held = bool(layout.slots) and self.agreement.active()  # `ranks: job` statistics wait for the agreement
+        held = bool(layout.slots) and agreeing  # `ranks: job` statistics wait for the agreement
         done = self.ledger.close()
         reading = self.readback.read(done.entries, self.step, final=False, hold=reduced if held else None)
         report = reading.report
-        if self.agreement.active():
+        if agreeing:
             self._fail(report)  # a sink fault's halt (onError: halt) goes into this step's agreement
         pending = self._faults.take_pending(self.step)
         if report.halt is None:

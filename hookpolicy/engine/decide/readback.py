@@ -275,6 +275,8 @@ class Readback:
         Every statistic goes to the store, which counts the job's series against
         `maxJobSeries` on every rank alike, exported here or not.
         """
+        if not published and not jobs:  # every pass handed over: nothing to admit, drop or write
+            return
         withheld = {k for k, whose in jobs.items() if whose in (Export.BY_RANK_0, Export.NOT_NOW)}
         self.store.set_stats(published, self._policies, job_world(), jobs.keys(), withheld)
         gone = [k for k, whose in jobs.items() if whose is Export.BY_RANK_0 and k not in self._withheld]
