@@ -322,6 +322,7 @@ class HookInstaller:
         self._rules = rules
         self._executor = executor
         self._active: Optional[frozenset[tuple[str, str]]] = None
+        self._step: list[RuleState] = []  # the `step` rules of `_active`, in plan order (switched off or not)
         self._handles: list[module_hooks.OwnHandle] = []
         #: per rule with `trigger.after`: the steps it is awake on, `range(first, end)` (none until woken)
         self.awake: dict[RuleKey, tuple[int, int]] = {}
@@ -345,6 +346,7 @@ class HookInstaller:
         """Bind to `plan` (the model changed); the next `activate` installs its hooks whatever the set."""
         self._plan = plan
         self._active = None
+        self._step = []
 
     def activate(self, step: int) -> None:
         """Install hooks for the rules active at `step`; nothing changes if the set is the same."""
@@ -355,6 +357,7 @@ class HookInstaller:
         if active == self._active:
             return
         self._active = active
+        self._step = [rs for key, rs in self._rules.items() if rs.rule.trigger.at == "step" and key in active]
         self.remove()
         by_module: dict[int, tuple[torch.nn.Module, list[Binding], list[Binding]]] = {}
         for b in self._plan.bindings:
@@ -375,10 +378,8 @@ class HookInstaller:
                     module, bound(run.post_hook, run.calls(post)), with_kwargs=True))
 
     def step_rules(self) -> list[RuleState]:
-        """The `step` rules active now and not switched off, in plan order."""
-        active = self._active or frozenset()
-        return [rs for key, rs in self._rules.items()
-                if rs.rule.trigger.at == "step" and key in active and not rs.off]
+        """The `step` rules active now and not switched off, in plan order (found when the active set changed)."""
+        return [rs for rs in self._step if not rs.off]
 
     @property
     def handles(self) -> list[module_hooks.OwnHandle]:

@@ -132,6 +132,8 @@ class StepTracker:
         self._param_ids = {id(p) for p in model.parameters()}
         self._model_params = weakref.ref(model)
         self._owned: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+        #: the optimizer `owns` last found owning this model: asked three times a step, answered without a lookup
+        self._last_owner: Optional["weakref.ref[torch.optim.Optimizer]"] = None
         # not a method of this tracker: each parameter's hook holds the scopes, and a tracker
         # (holding a parameter as its probe) reachable from it would keep a dropped model's
         # parameters alive, in a cycle through PyTorch's C++ hook list that gc cannot see
@@ -162,6 +164,7 @@ class StepTracker:
         """The model's parameters changed (a module or parameter replaced): whose optimizer is whose anew."""
         self._param_ids = self._current_param_ids()
         self._owned = weakref.WeakKeyDictionary()
+        self._last_owner = None
         self._scopes.reset()
         self._probe = None
 
@@ -262,6 +265,9 @@ class StepTracker:
     # -- optimizer steps ---------------------------------------------------------------
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether `optimizer` holds some of this model's parameters (asked once per optimizer)."""
+        last = self._last_owner
+        if last is not None and last() is optimizer:
+            return True
         owned = self._owned.get(optimizer)
         if owned is None:
             owned = any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
@@ -269,6 +275,8 @@ class StepTracker:
                 self._param_ids = self._current_param_ids()
                 owned = any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
             self._owned[optimizer] = owned
+        if owned:
+            self._last_owner = weakref.ref(optimizer)
         return owned
 
     def update_starts(self, optimizer: torch.optim.Optimizer) -> Optional[frozenset[int]]:
