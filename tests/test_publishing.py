@@ -27,7 +27,8 @@ from hookpolicy.export.metrics import stat_family
 from hookpolicy.export.store import MetricsStore
 from hookpolicy.policy.model import Policy
 
-POLICY = """\
+#: policy `p` up to its step rule's actions (a `str.format` template: `limit`, then `sink` in each action)
+GRADS = """\
 apiVersion: hookpolicy/v1
 kind: HookPolicy
 metadata: {{name: p}}
@@ -39,6 +40,9 @@ spec:
       trigger: {{at: step}}
       target: grad
       actions:
+"""
+
+POLICY = GRADS + """\
         - capture: {{stats: [l2_norm, mean, nonfinite]{sink}}}
         - capture: {{stats: [max], per: tensor{sink}}}
     - name: outs
@@ -63,18 +67,7 @@ spec:
 """
 
 #: a pass with an alert beside its capture: the capture's values may wait for a scrape, the alert's may not
-GUARDED = """\
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata: {{name: p}}
-spec:
-  limits: {{maxSeries: {limit}}}
-  rules:
-    - name: grads
-      match: {{types: [Linear]}}
-      trigger: {{at: step}}
-      target: grad
-      actions:
+GUARDED = GRADS + """\
         - capture: {{stats: [l2_norm, nonfinite], per: tensor{sink}}}
         - alert: {{if: "l2_norm > {threshold!r}", per: rule, severity: warning, message: "large gradients"}}
 """
