@@ -23,7 +23,7 @@ from ..policy.model import (
     AFTER_UPDATE, LOSS, OPTIMIZER_STATE, PARAM_TARGETS, UPDATE, Action, Alert, Capture, Clip, Policy, Rule, Scale,
 )
 
-__all__ = ["LOSS_SOURCE", "STATE_KEYS", "Binding", "Plan", "build_plan", "describe_action", "param"]
+__all__ = ["LOSS_SOURCE", "STATE_KEYS", "Binding", "Plan", "build_plan", "describe_action", "owner_of", "param", "param_in"]
 
 #: what `target: loss` is (engine/hooks/loss.py takes it there)
 LOSS_SOURCE = ("the tensor the script calls backward() on (loss.backward(), torch.autograd.backward), at each "
@@ -459,12 +459,19 @@ def _binding(policy: Policy, rule: Rule, entry: ModuleEntry, target: Target,
 
 
 def param(module: Any, path: str) -> Any:
-    """The parameter at dotted `path` from `module`, looked up now (it may have been replaced).
+    """The parameter at dotted `path` from `module`, looked up now (it may have been replaced)."""
+    return param_in(*owner_of(module, path))
 
-    A registered parameter first; else the attribute (a property, a wrapper's alias).
-    """
+
+def owner_of(module: Any, path: str) -> tuple[Any, str]:
+    """The module holding the parameter at dotted `path` from `module`, and the parameter's name there."""
     owner_path, _, name = path.rpartition(".")
-    owner = module.get_submodule(owner_path) if owner_path else module
+    return (module.get_submodule(owner_path) if owner_path else module), name
+
+
+def param_in(owner: Any, name: str) -> Any:
+    """`owner`'s parameter `name` now: a registered parameter first; else the attribute (a property, a
+    wrapper's alias)."""
     found = owner._parameters.get(name)
     return found if found is not None else getattr(owner, name)
 

@@ -29,6 +29,7 @@ import torch
 from ...errors import Halt
 from ...export.metrics import HOOK_ERRORS
 from ...export.store import ModelMetrics
+from ...plan.planner import owner_of, param_in
 from ...policy.expr import Past, Value
 from ...policy.model import AFTER_UPDATE, LOSS, Clip, rule_name
 from ...process import Once
@@ -118,8 +119,7 @@ class Programs:
         if owners is None:
             owners = self._owners[rs.key] = _owners(rs)
         for row, owner, name in owners:
-            found = owner._parameters.get(name)  # the parameter now (it may have been replaced), as `planner.param`
-            param = found if found is not None else getattr(owner, name)
+            param = param_in(owner, name)  # the parameter now (it may have been replaced)
             if left_out and id(param) in left_out:
                 continue
             t = param.grad if grad else param.detach()
@@ -286,8 +286,7 @@ def _owners(rs: RuleState) -> list[tuple[tuple[str, str], torch.nn.Module, str]]
     owners = []
     for b in rs.bindings:
         for pname, path in zip(b.params, b.paths()):
-            owner_path, _, name = path.rpartition(".")
-            owners.append(((b.module, pname), b.obj.get_submodule(owner_path) if owner_path else b.obj, name))
+            owners.append(((b.module, pname), *owner_of(b.obj, path)))
     return owners
 
 
