@@ -78,10 +78,7 @@ class MetricsStore:
 
     # -- engine families ---------------------------------------------------------------
     def inc(self, family: Family, labels: Labels = (), by: float = 1.0) -> None:
-        name = checked_name(family, labels)
-        with self._lock:
-            series = self._engine[name]
-            series[labels] = series.get(labels, 0.0) + by
+        self.inc_all(family, ((labels, by),))
 
     def inc_all(self, family: Family, counts: Iterable[tuple[Labels, float]]) -> None:
         """`inc` of several series of one family, under one lock: a step's counts (`labels`, by)."""
