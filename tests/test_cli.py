@@ -465,6 +465,18 @@ spec:
     ]
 
 
+def test_a_hint_quotes_a_string_it_cannot_write_back_plain(tmp_path: Path) -> None:
+    """The shorthand hint writes a bare string back as it was written only where it reads so on one line;
+    a string with a line break (hypothesis found '\\n' in metadata) or edge spaces is quoted, and the
+    problem stays one line."""
+    path = tmp_path / "hints.yaml"
+    path.write_text('apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata: "a\\nb "\nspec: {rules: []}\n')
+    result = invoke("check", str(path))
+    assert result.exit_code == 1
+    assert f"{path}:3:11: $.metadata: expected a mapping, got string 'a\\nb '; write metadata: {{name: \"a\\nb \"}}" \
+        in result.stderr.splitlines()
+
+
 def test_explain_of_a_script_without_a_main_guard_does_not_train_it(tmp_path: Path) -> None:
     """`--model train.py:model` runs the script's top level only up to the line that builds `model`."""
     script = tmp_path / "train.py"

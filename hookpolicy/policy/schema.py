@@ -210,7 +210,9 @@ def _shorthand_hint(error: ValidationError, path: JsonPath) -> str:
     if schema.get("type") != "object" or key is None or not path or not isinstance(path[-1], str) \
             or isinstance(value, (dict, list)):
         return ""
-    shown = json.dumps(value) if not isinstance(value, str) else value
+    # a string as it was written where it reads so on one line; else quoted (JSON is a YAML flow scalar)
+    plain = isinstance(value, str) and value.isprintable() and value == value.strip() and value != ""
+    shown = value if plain else json.dumps(value)
     return f"; write {path[-1]}: {{{key}: {shown}}}"
 
 
