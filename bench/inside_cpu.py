@@ -170,7 +170,9 @@ def _timed_entries(package: types.ModuleType, spent: dict[str, float]) -> None:
     """Wrap `package`'s entry points (before it attaches: hooks bind them then) to add their CPU time to `spent`."""
     for module, cls, attr in ENTRIES:
         owner = getattr(importlib.import_module(f"{package.__name__}.{module}"), cls)
-        original = getattr(owner, attr)
+        original = getattr(owner, attr, None)
+        if original is None:  # not in this tree (Scopes._wrote: since session 6 a hook that runs no Python)
+            continue
 
         def timed(*args, _f=original, _attr=attr, **kwargs):  # type: ignore[no-untyped-def]
             start = time.thread_time()
