@@ -46,9 +46,10 @@ that requires grad carries a post-accumulate-grad hook
 (`Tensor.register_post_accumulate_grad_hook`), which the autograd engine calls right after
 it accumulated that parameter's gradient, whatever started the backward pass (the
 model's forward or not, `zero_grad` with `set_to_none` or in place, a closure inside
-`step()`). The hook adds the parameter's id to two sets and sets a flag: no tensor is
-read, no host sync. `written`: since its optimizer's last step; `unseen`: since the last
-step was evaluated. An optimizer's step
+`step()`). The hook runs no Python: it takes the parameter's id out of a dict
+(`Scopes._hook_params`), and whoever asks takes the writes in first (`_flush`: the ids
+gone from the dict join two sets); no tensor is read, no host sync. `written`: since its
+optimizer's last step; `unseen`: since the last step was evaluated. An optimizer's step
 
 - **begins a step** when one of its parameters was written since the last evaluation
   (`begins` is True): a backward pass came after it;
@@ -69,9 +70,8 @@ in its group the last time it stepped. Parameters no optimizer holds (frozen wei
 optimizer, those of optimizers that have not stepped yet (nothing says yet that they step
 apart: at worst that first step sees more than it updates).
 
-Cost: one Python call per written parameter per backward pass (two set insertions and an
-attribute store); at each optimizer step a few set operations done in C over its
-parameter ids. Each optimizer's parameter ids are computed once and kept while its
+Cost: one C call per written parameter per backward pass (a `dict.pop`, no Python frame);
+at each optimizer step a few set operations done in C over its parameter ids. Each optimizer's parameter ids are computed once and kept while its
 `param_groups` look the same (the ids and lengths of the groups' lists, so an
 `add_param_group` is seen); the left-out set is rebuilt only when a group or an
 optimizer's parameters change. The hooks are on the parameters, not in the module's
@@ -400,31 +400,69 @@ class Scopes:
         self._left_out: dict[int, tuple[tuple[object, ...], frozenset[int]]] = {}
         self._written: set[int] = set()  # ids written by a backward pass since their optimizer's last step
         self._unseen: set[int] = set()  # ids written since the last evaluated step
-        #: set by every write; whoever wants to know whether a backward pass wrote this model clears it first
-        self.touched = False
+        self._touched = False
+        #: the ids of the hooked parameters, each mapped to None; `_fresh` holds those not written since `_flush`
+        self._all: dict[int, None] = {}
+        self._fresh: dict[int, None] = {}
         self._hooks: dict[int, tuple["weakref.ref[torch.Tensor]", RemovableHandle]] = {}
         self._hook_params()
 
     # -- the writes ------------------------------------------------------------------------
-    def _wrote(self, param: torch.Tensor) -> None:
-        """hook(param) -> None, after the autograd engine accumulated `param`'s gradient."""
-        key = id(param)
-        self._written.add(key)
-        self._unseen.add(key)
-        self.touched = True
+    @property
+    def touched(self) -> bool:
+        """Set by every write; whoever wants to know whether a backward pass wrote this model clears it first."""
+        self._flush()
+        return self._touched
+
+    @touched.setter
+    def touched(self, value: bool) -> None:
+        self._flush()  # the writes so far come before the clearing
+        self._touched = value
+
+    def _flush(self) -> None:
+        """Take in the writes the hooks noted since the last call: the ids popped from `_fresh`."""
+        fresh = self._fresh
+        if len(fresh) == len(self._all):
+            return
+        wrote = self._all.keys() - fresh.keys()
+        fresh.update(dict.fromkeys(wrote))  # not `_all`: a write landing meanwhile (another thread's) is kept
+        self._written |= wrote
+        self._unseen |= wrote
+        self._touched = True
 
     def _hook_params(self) -> None:
-        """A post-accumulate-grad hook on every parameter that requires grad and has none of ours yet."""
+        """A post-accumulate-grad hook on every parameter that requires grad and has none of ours yet.
+
+        The hook is `functools.partial(self._fresh.pop, id(p))`: torch calls it with the
+        parameter, which becomes `pop`'s default, so the call takes the id out of `_fresh`
+        and holds nothing. It runs no Python frame (about a third of a Python hook's cost,
+        and more in a step's cold caches), and it refers to no tensor and not to this
+        object: a dropped model's parameters are freed as before (a hook that kept the
+        tensor, `list.append`, would hold it from the C++ hook list, in a cycle gc cannot
+        see). The second write to a parameter before `_flush` finds the id gone and returns
+        the default, the parameter itself: torch's hook caller (`_call_hooks`) takes a hook
+        returning its own argument as returning None.
+        """
+        self._flush()
+        self._hooks = {key: known for key, known in self._hooks.items() if known[0]() is not None}
         for p in self._params():
             known = self._hooks.get(id(p))
             if p.requires_grad and p.is_leaf and (known is None or known[0]() is not p):
-                handle = p.register_post_accumulate_grad_hook(self._wrote)  # type: ignore[no-untyped-call]
+                hook = functools.partial(self._fresh.pop, id(p))
+                handle = p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
                 self._hooks[id(p)] = (weakref.ref(p), handle)
+        self._all.clear()
+        self._all.update(dict.fromkeys(self._hooks))
+        self._fresh.clear()
+        self._fresh.update(self._all)
 
     def remove(self) -> None:
+        self._flush()
         for _, handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
+        self._all.clear()
+        self._fresh.clear()
 
     def reset(self) -> None:
         """The model's parameters changed: hook the new ones, forget the parameter ids (the groups stay)."""
@@ -447,6 +485,7 @@ class Scopes:
         """Whether `optimizer`'s step begins a step (True), belongs to the one evaluated last (False),
         or cannot be told from the writes (None); see the module docstring."""
         ids = self.param_ids(optimizer)
+        self._flush()
         if not self._unseen.isdisjoint(ids):
             return True
         if not self._written.isdisjoint(ids):
@@ -459,6 +498,7 @@ class Scopes:
 
     def evaluating(self, optimizer: Optimizer) -> frozenset[int]:
         """A step is evaluated at `optimizer`'s step: the ids of parameters its rules leave out."""
+        self._flush()
         self._unseen.clear()
         group = self._groups.get(optimizer)
         if group is not None and len(group) == 1 and len(self._groups) == 1:
@@ -490,11 +530,13 @@ class Scopes:
 
     def used_up(self) -> None:
         """A step without an optimizer (one per backward pass) was evaluated: every write so far is its."""
+        self._flush()
         self._written.clear()
         self._unseen.clear()
 
     def stepped(self, optimizer: Optimizer) -> None:
         """`optimizer` updated its parameters: what was written to them is used up."""
         ids = self.param_ids(optimizer)
+        self._flush()
         self._written.difference_update(ids)
         self._unseen.difference_update(ids)
