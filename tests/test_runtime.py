@@ -719,6 +719,7 @@ def test_failing_rule_is_contained_then_switched_off(tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(programs, "tensor_partials", explode)
     monkeypatch.setattr(programs, "host_partials", explode)  # the CPU path (stats.host_partials)
+    monkeypatch.setattr(programs, "host_row", explode)  # a hook's one CPU tensor (stats.host_row)
     model, opt = fresh()
     reg = CollectorRegistry()
     with pol.attach(model, registry=reg):
@@ -740,6 +741,7 @@ def test_on_error_halt_stops_training(tmp_path: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(programs, "tensor_partials", lambda *a: 1 / 0)
     monkeypatch.setattr(programs, "host_partials", lambda *a: 1 / 0)  # the CPU path (stats.host_partials)
+    monkeypatch.setattr(programs, "host_row", lambda *a: 1 / 0)  # a hook's one CPU tensor (stats.host_row)
     model, opt = fresh()
     with pol.attach(model), pytest.raises(Halt, match="ZeroDivisionError"):
         train(model, opt, batches(2))

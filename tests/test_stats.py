@@ -201,6 +201,38 @@ def test_a_hook_s_rows_read_on_cpu_are_the_device_path_s_bits(
     assert any(served) == any(t.dtype in (torch.float32, torch.float64) and t.is_contiguous() for t in tensors)
 
 
+SEED_SIX = ("l2_norm", "mean", "std", "max", "min", "zero_fraction")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_hook_s_one_row_is_the_device_path_s_bits_and_its_statistics_torch_s(
+    case: str, chunked: bool, division: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`host_row` (a hook's one tensor, its plan found once) gives, bit for bit, the device path's row
+    (`_partials`) for every set of statistics, and the statistics finished from it are torch's float64
+    ones of the same tensor; it serves the float32/float64 contiguous tensors (an `m2` within the scratch
+    buffer's one piece) and leaves the rest (None)."""
+    monkeypatch.setattr(stats, "_HOST_MIN", 1 << 62)  # tensor_partials: always the device path
+    for t in CASES[case]:
+        nonfinite = not bool(torch.isfinite(t).all())
+        want_stats = reference([t])
+        for wanted in SETS + (SEED_SIX, SEED_SIX + ("nonfinite",)):
+            kinds = partials_for(wanted)
+            plan = stats.row_plan(kinds)
+            assert plan is not None  # every partial but `ref_sumsq` has its place in the row buffer
+            row = stats.host_row(t, plan)
+            served = (t.dtype in (torch.float32, torch.float64) and t.is_contiguous()
+                      and not ("m2" in kinds and t.numel() > stats._SCRATCH_ELEMENTS))
+            if not served:
+                assert row is None, (case, wanted)
+                continue
+            assert row is not None and same_bits([row], tensor_partials([t], kinds).tolist()), (case, wanted, row)
+            got = finish(dict(zip(kinds, row)), t.numel(), wanted)
+            rel = 1e-5 if t.numel() > 1 else 1e-6
+            bad = [s for s in wanted if not agrees(got[s], want_stats[s], s, rel, nonfinite)]
+            assert not bad, (case, wanted, {s: (got[s], want_stats[s]) for s in bad})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("flush_denormal", [False, True], ids=["denormals", "flushed"])
 def test_zeros_counted_by_division_are_count_nonzero_s(

@@ -60,7 +60,7 @@ from ...plan.planner import Binding, Plan, build_plan
 from ...process import Once
 from ...policy.model import Alert, AlertKey, Policy, RuleKey
 from ..hooks import module_hooks
-from .programs import Faults, Programs, measures_only, ran_labels
+from .programs import Faults, Programs, measure_plans, measures_only, ran_labels
 from ..measure.rulestate import RuleState, rebind
 from .steps import Phase, recomputing
 
@@ -149,7 +149,7 @@ class Executor:
             elif not inside_recompute:
                 if bare and c.measures and target == "output":
                     if output.is_floating_point() and output.numel() > 0:
-                        self._programs.measure(rs, target, c.rows, output, c.ran)
+                        self._programs.measure(rs, target, c.rows, output, c.ran, c.plans)
                     continue
                 named = named_tensors(output, c.keep) if target == "output" else _input_tensors((args, kwargs), c.keep)
                 new = self.guarded(rs, self._run_named, c, named)
@@ -164,7 +164,7 @@ class Executor:
             return None
         if c.measures and type(grad) is torch.Tensor:
             rows = c.rows if name == "" else [(c.binding.module, name)]
-            self._programs.measure(rs, c.target, rows, grad, c.ran)
+            self._programs.measure(rs, c.target, rows, grad, c.ran, c.plans)
             return None
         new = self.guarded(rs, self._run_named, c, [(name, grad)])
         return new[name] if new else None
@@ -211,12 +211,12 @@ class Call:
     The rule's state, its phase (`train`: None for `phase: any`), its tensor selector, the
     row of a bare tensor, the `hookpolicy_actions_total` labels its program counts, whether
     the program only measures (`programs.measures_only`: nothing it does can change a
-    tensor), and the tensor hook of a bare output's gradient, made once. What cannot be
+    tensor) and then its passes' row plans (`programs.measure_plans`), and the tensor hook of a bare output's gradient, made once. What cannot be
     known then (whether the output is a bare tensor or a DTensor, a recomputed forward, the
     phase of this forward, a rule switched off since) is still asked at each call.
     """
 
-    __slots__ = ("rs", "binding", "target", "train", "keep", "measures", "rows", "ran", "on_grad")
+    __slots__ = ("rs", "binding", "target", "train", "keep", "measures", "plans", "rows", "ran", "on_grad")
 
     def __init__(
         self, rs: RuleState, binding: Binding, keep: Selector,
@@ -229,6 +229,7 @@ class Call:
         self.train: Optional[bool] = None if phase == "any" else phase == "train"
         self.keep = keep
         self.measures = measures_only(rs)
+        self.plans = measure_plans(rs) if self.measures else ()
         self.rows = [(binding.module, "")]
         self.ran = ran_labels(rs, binding.module)
         self.on_grad = bound(grad_hook, self, "")

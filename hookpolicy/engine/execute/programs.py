@@ -38,9 +38,9 @@ from ..measure.distributed import Shards, local_shards, shard_name, shard_partia
 from ..measure.history import History, group_key
 from .ledger import ClipEntry, Entry, Ledger, Ran
 from ..measure.rulestate import MAX_ERRORS, RuleState
-from ..measure.stats import host_partials, reads_at_once, tensor_partials
+from ..measure.stats import RowPlan, host_partials, host_row, reads_at_once, row_plan, tensor_partials
 
-__all__ = ["Faults", "Programs", "measures_only", "ran_labels"]
+__all__ = ["Faults", "Plans", "Programs", "measure_plans", "measures_only", "ran_labels"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -183,26 +183,33 @@ class Programs:
                     changed = True
         return tensors if changed else None
 
-    def measure(self, rs: RuleState, target: str, rows: list[tuple[str, str]], t: torch.Tensor, ran: Sequence[Ran]) -> None:
+    def measure(
+        self, rs: RuleState, target: str, rows: list[tuple[str, str]], t: torch.Tensor, ran: Sequence[Ran],
+        plans: Plans,
+    ) -> None:
         """`execute` of a program that only measures (`measures_only`) on one plain tensor (no DTensor) of a hook,
         contained and timed as `Faults.guarded` does (a hook calls it directly: one call less per hook).
 
         What `execute` would record, without what cannot happen here: no shards, no
         replacement, no deferred count (a hook's tensor is gone by the read-back). `rows` is
         the tensor's one row, `ran` the `hookpolicy_actions_total` labels one execution counts
-        (`ran_labels`). A tensor that requires grad is read through `detach()`: the same
-        values, without entering `no_grad`.
+        (`ran_labels`), `plans` the program's passes with their row plans (`measure_plans`):
+        on CPU a pass the row buffer serves is read in one call (`stats.host_row`). A tensor
+        that requires grad is read through `detach()`: the same values, without entering `no_grad`.
         """
         start = time.perf_counter()
         try:
-            tensors = [t.detach() if t.requires_grad else t]
+            if t.requires_grad:
+                t = t.detach()
+            tensors = [t]
             numels = [t.numel()]
             on_host = reads_at_once(tensors)  # CPU: read in the hook (stats, the rule per device)
             entries = self._ledger.entries
-            for op in rs.program:
-                assert isinstance(op, StatsOp)  # measures_only
+            for op, plan in plans:
+                row = host_row(t, plan) if on_host and plan is not None else None
+                matrix = ([row] if row is not None else host_partials(tensors, op.kinds) if on_host
+                          else tensor_partials(tensors, op.kinds))
                 copies = _copies(op, rows, tensors, None) if op.tensors else []
-                matrix = host_partials(tensors, op.kinds) if on_host else tensor_partials(tensors, op.kinds)
                 entries.append(Entry(rs, op, target, rows, numels, matrix, copies))
             self._ledger.ran.update(ran)
         except Exception as exc:  # noqa: BLE001 - containment is the point
@@ -294,6 +301,15 @@ def measures_only(rs: RuleState) -> bool:
     """Whether a rule's program only measures (statistics passes: captures and alerts), so that no
     execution of it can change a tensor (`Programs.measure` may run it)."""
     return all(isinstance(op, StatsOp) for op in rs.program)
+
+
+#: A program that only measures, as `Programs.measure` runs it: each pass with its `stats.row_plan`.
+Plans = tuple[tuple[StatsOp, Optional[RowPlan]], ...]
+
+
+def measure_plans(rs: RuleState) -> Plans:
+    """The passes of a program that only measures (`measures_only`), each with its row plan, found once."""
+    return tuple((op, row_plan(op.kinds)) for op in rs.program if isinstance(op, StatsOp))
 
 
 def ran_labels(rs: RuleState, module: str) -> tuple[Ran, ...]:

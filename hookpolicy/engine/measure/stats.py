@@ -61,8 +61,8 @@ from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, 
 import torch
 
 __all__ = [
-    "PARTIALS", "partials_for", "tensor_partials", "host_partials", "reads_at_once", "sums_of_squares",
-    "resolve_counts", "combine", "finish",
+    "PARTIALS", "RowPlan", "partials_for", "tensor_partials", "host_partials", "host_row", "row_plan",
+    "reads_at_once", "sums_of_squares", "resolve_counts", "combine", "finish",
 ]
 
 #: The partials a hook computes, in column order.
@@ -265,8 +265,12 @@ def _buffered_row(t: torch.Tensor, kinds: Sequence[str]) -> Optional[list[float]
     a large tensor proved finite the division below).
     """
     plan = _row_plan(tuple(kinds))
-    if (plan is None or t.dtype not in _DOT_DTYPES or not t.is_contiguous()
-            or (plan.m2 and t.numel() > _SCRATCH_ELEMENTS)):
+    return None if plan is None else _planned_row(t, plan)
+
+
+def _planned_row(t: torch.Tensor, plan: _RowPlan) -> Optional[list[float]]:
+    """`_buffered_row` with its plan found already (`host_row`'s callers find it once, not at each call)."""
+    if t.dtype not in _DOT_DTYPES or not t.is_contiguous() or (plan.m2 and t.numel() > _SCRATCH_ELEMENTS):
         return None
     row, cells = _row_buffer(t.dtype)
     flat = t.view(-1) if t.dim() != 1 else t
@@ -393,6 +397,49 @@ def _host_plan(kinds: tuple[str, ...]) -> tuple[tuple[str, ...], int, int, int, 
     measured = others if proof is not None else (*others, "sumsq")
     at = [measured.index(k) for k in (proof or ("sumsq",))]
     return measured, at[0], at[-1], kinds.index("finite"), proof is None
+
+
+class RowPlan(NamedTuple):
+    """What `host_row` runs for one `kinds` (`row_plan`): the buffered partials, and where the count of finite
+    elements goes."""
+    row: _RowPlan
+    #: the place of `finite` in the row (-1: not asked for)
+    finite: int
+    #: the places, in the buffered row, of the partials that prove the count (`_host_plan`'s)
+    a: int
+    b: int
+    #: a sum of squares was added to the buffered row for the proof only (dropped from the row)
+    added: bool
+
+
+def row_plan(kinds: Sequence[str]) -> Optional[RowPlan]:
+    """`host_row`'s plan for `kinds`, found once (a hook's `Call` keeps it); None when the row buffer cannot serve."""
+    kinds = tuple(kinds)
+    if "finite" not in kinds:
+        plan = _row_plan(kinds)
+        return None if plan is None else RowPlan(plan, -1, 0, 0, False)
+    measured, a, b, col, added = _host_plan(kinds)
+    plan = _row_plan(measured)
+    return None if plan is None else RowPlan(plan, col, a, b, added)
+
+
+def host_row(t: torch.Tensor, plan: RowPlan) -> Optional[list[float]]:
+    """`host_partials([t], kinds)[0]` for one CPU tensor that does not require grad, with `row_plan(kinds)`
+    found already; None where the row buffer does not serve `t` (then `host_partials` does).
+
+    The same work as `host_partials`' for one tensor (`_host_rows`, `_host_matrix`,
+    `_buffered_row`), in one frame: a hook on a small tensor spends more on the calls
+    between those functions, in a step's cold caches, than on its reductions.
+    """
+    values = _planned_row(t, plan.row)
+    if values is None or plan.finite < 0:
+        return values
+    isfinite = math.isfinite
+    finite = float(t.numel()) if isfinite(values[plan.a]) and isfinite(values[plan.b]) else float(_finite(t))
+    if plan.added:
+        values.pop()  # the added sum of squares
+    values.insert(plan.finite, finite)
+    return values
 
 
 def resolve_counts(rows: list[list[float]], tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> None:
