@@ -134,6 +134,51 @@ def last_values(attached: Attached) -> dict[tuple[str, ...], float]:
     return last
 
 
+def test_a_step_rule_reads_every_gradient_there_is_at_each_step(tmp_path: Path) -> None:
+    """A step rule's rows follow the gradients at each step: all of them, one missing (its parameter's grad
+    set to None), all, a module's two missing, then a NaN in one, which skips the step; per tensor its norm (torch's
+    vector_norm), its non-finite count (torch.isfinite), what hookpolicy_actions_total counts (the modules
+    with a gradient), and the parameters bit for bit against the same loop leaving that step out by hand."""
+    pol = load_policy(tmp_path, """
+        - name: grads
+          match: {modules: ["**"]}
+          trigger: {at: step}
+          actions:
+            - capture: {stats: [l2_norm, nonfinite], per: tensor}
+            - alert: {if: "nonfinite > 0", per: rule, then: skip_step}
+    """)
+    model, opt = fresh()
+    ref_model, ref_opt = fresh()
+    reg = CollectorRegistry()
+    missing, poisoned = {1: ["bias"], 3: ["weight", "bias"]}, 4  # step: head's parameters without a grad
+    counted = 0.0
+    with pol.attach(model, registry=reg) as attached:
+        for i, (x, y) in enumerate(batches(6)):
+            for m, o in ((model, opt), (ref_model, ref_opt)):
+                nn.functional.mse_loss(m(x), y).backward()
+                for name in missing.get(i, []):
+                    getattr(m.head, name).grad = None
+                if i == poisoned:
+                    m.inp.weight.grad[0, 0] = float("nan")  # type: ignore[index]
+            grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+            opt.step()
+            opt.zero_grad()
+            if i != poisoned:
+                ref_opt.step()
+            ref_opt.zero_grad()
+            last = last_values(attached)
+            for name, grad in grads.items():
+                module, _, tensor = name.rpartition(".")
+                assert last[("grads", "l2_norm", module, tensor)] == pytest.approx(
+                    torch.linalg.vector_norm(grad.double()).item(), rel=1e-6, nan_ok=True), (i, name)
+                assert last[("grads", "nonfinite", module, tensor)] == (~torch.isfinite(grad)).sum().item(), (i, name)
+            counted += len({name.rpartition(".")[0] for name in grads})
+            assert sample(reg, "hookpolicy_actions_total", rule="grads", action="capture", mode="enforce") == counted
+            assert sample(reg, "hookpolicy_skipped_steps_total", rule="grads") == (1.0 if i >= poisoned else 0.0)
+            for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+                assert torch.equal(p, q), (i, name)
+
+
 def test_rule_clip_equals_clip_grad_norm(tmp_path: Path) -> None:
     pol = load_policy(tmp_path, """
         - name: clip

@@ -56,7 +56,7 @@ from .execute.executor import Executor, HookInstaller, Rebinding, named_tensors
 from .execute.programs import Faults, Programs
 from .heal.healing import Healing
 from .measure.history import History
-from .execute.ledger import Ledger
+from .execute.ledger import Ledger, Ran
 from .hooks.loss import LossTap
 from .decide.readback import Reading, Readback
 from .decide.replicas import Replicas
@@ -111,6 +111,9 @@ class StepCycle:
         self._rebinding.fault = _WeakFaults(self).fault
         self._forwarded = False  # a training forward ran in this step
         self._checked_parallel = False  # whether the model showed data parallelism was looked at (job's loss)
+        #: the actions that ran at the last step counted (`_count`) and their counts per action's labels
+        self._ran: set[Ran] = set()
+        self._ran_counts: list[tuple[tuple[str, ...], int]] = []
         self._removed = False
         self._handles: list[Any] = []
 
@@ -176,12 +179,13 @@ class StepCycle:
         """
         self._replan_if_changed()
         rules = self.installer.step_rules()
-        job = [rs for rs in rules if job_loss_rule(rs)] if self.agreement.active() else []
+        agreeing = self.agreement.active()  # a process group cannot come up during the step's evaluation
+        job = [rs for rs in rules if job_loss_rule(rs)] if agreeing else []
         loss = self._take_loss([rs for rs in rules if rs.rule.target == LOSS and rs not in job])
         if job:
             self._say_not_data_parallel(job)
-        self.programs.run_step_rules([rs for rs in rules if rs not in job], loss, left_out)
-        return self._decide(job, loss)
+        self.programs.run_step_rules([rs for rs in rules if rs not in job] if job else rules, loss, left_out)
+        return self._decide(job, loss, agreeing)
 
     def _take_loss(self, rules: Sequence[RuleState]) -> Optional[torch.Tensor]:
         """This rank's roots of the step; a missing loss is said for `rules` (those that would see this rank's)."""
@@ -190,7 +194,7 @@ class StepCycle:
         return self._loss.take(self.step, [rule_name(rs.key) for rs in rules])
 
     # -- the three read-backs: a step's, an evaluation forward's, the last one at remove() ----
-    def _decide(self, job: Sequence[RuleState], loss: Optional[torch.Tensor]) -> bool:
+    def _decide(self, job: Sequence[RuleState], loss: Optional[torch.Tensor], agreeing: bool) -> bool:
         """The step's read-back and decision, top to bottom; True to skip the step.
 
         Read back what the ledger holds (one transfer) -> agree with every rank on the skip,
@@ -200,8 +204,8 @@ class StepCycle:
         step's heal (`_heal`, the one place that sets it) and what became of each alert that
         could heal -> the alert records -> skips counted -> the history committed.
         A sink that failed is a fault of its rule (`Faults.fail`: counted, maybe a Halt).
+        `agreeing`: whether this attachment agrees at its steps (`Agreement.active`, asked once a step).
         """
-        agreeing = self.agreement.active()  # a process group cannot come up during the decision
         if not job and loss is None and self.ledger.empty() and not agreeing:
             return False  # an inactive step: nothing measured, nothing to report, agree on or decide
         layout = self.agreement.layout
@@ -217,7 +221,7 @@ class StepCycle:
         own = len(report.pending)
         agreed = self.agreement.agree(report, self.step, loss, layout.values(report.held) if held else (),
                                       heal=self.healing.choose(report.heals),
-                                      fired=frozenset(p.key for p in report.pending))
+                                      fired=frozenset(p.key for p in report.pending)) if agreeing else None
         if agreed is not None:
             self.store.inc(AGREEMENT_WAIT, (), agreed.waited)
             later = self._agreed(job, agreed, loss)
@@ -350,8 +354,9 @@ class StepCycle:
 
     def _count(self, done: Ledger, seconds: dict[tuple[str, str], float]) -> None:
         """`hookpolicy_actions_total` (once per step and binding) and `hookpolicy_hook_seconds_total`."""
-        counts = Counter(map(itemgetter(0), done.ran))  # bindings per action's labels, counted in C
-        self.store.inc_all(ACTIONS, counts.items())
+        if done.ran != self._ran:  # counted again only when other actions or modules ran than last time
+            self._ran, self._ran_counts = done.ran, list(Counter(map(itemgetter(0), done.ran)).items())
+        self.store.inc_all(ACTIONS, self._ran_counts)  # bindings per action's labels
         for key, spent in seconds.items():
             done.seconds[key] += spent
         self.store.inc_all(HOOK_SECONDS, done.seconds.items())

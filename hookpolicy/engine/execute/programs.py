@@ -67,8 +67,9 @@ class Programs:
         self._defer_step_counts = not any(
             not isinstance(op, StatsOp) for rs in self.rules.values() if rs.rule.trigger.at == "step" for op in rs.program
         )
-        #: per step rule, its parameters' rows and owning modules (`_owners`), found at its first run after a (re)bind
-        self._owners: dict[tuple[str, str], list[tuple[tuple[str, str], torch.nn.Module, str]]] = {}
+        #: per step rule, where its parameters are and what a step that reads them all records (`_Gather`),
+        #: found at its first run after a (re)bind
+        self._gathers: dict[tuple[str, str], _Gather] = {}
 
     def run_step_rules(
         self, rules: Sequence[RuleState], loss: Optional[torch.Tensor] = None, left_out: frozenset[int] = frozenset(),
@@ -110,42 +111,50 @@ class Programs:
             self._ledger.ran.update((key, "") for key in count_keys)
 
     def _run_step_rule(self, rs: RuleState, left_out: frozenset[int]) -> None:
+        gather = self._gathers.get(rs.key)
+        if gather is None or gather.rs is not rs:
+            gather = self._gathers[rs.key] = _Gather(rs)
+        params = [param_in(owner, name) for owner, name in gather.places]  # now (one may have been replaced)
+        if left_out:
+            kept = [i for i, param in enumerate(params) if id(param) not in left_out]
+        else:
+            kept = None
+        tensors = [param.grad for param in params] if gather.grad else [param.detach() for param in params]
+        if kept is None and all(t is not None and t.numel() > 0 for t in tensors):  # the usual step: every row
+            self.execute(rs, rs.rule.target, gather.rows, tensors, inplace=True, defer=self._defer_step_counts,
+                         weights=params if gather.unitwise else (), bound=gather)
+            return
         rows: list[tuple[str, str]] = []
-        tensors: list[torch.Tensor] = []
-        weights: list[torch.Tensor] = []  # AGC's: the weight of each gradient in `tensors`
-        unitwise = any(isinstance(op, MutateOp) and op.unitwise for op in rs.program)
-        grad = rs.rule.target == "grad"
-        owners = self._owners.get(rs.key)
-        if owners is None:
-            owners = self._owners[rs.key] = _owners(rs)
-        for row, owner, name in owners:
-            param = param_in(owner, name)  # the parameter now (it may have been replaced)
-            if left_out and id(param) in left_out:
-                continue
-            t = param.grad if grad else param.detach()
+        present: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []  # AGC's: the weight of each gradient in `present`
+        for i in range(len(params)) if kept is None else kept:
+            t = tensors[i]
             if t is not None and t.numel() > 0:
-                rows.append(row)
-                tensors.append(t)
-                if unitwise:
-                    weights.append(param)
-        if tensors:
-            self.execute(rs, rs.rule.target, rows, tensors, inplace=True, defer=self._defer_step_counts,
+                rows.append(gather.rows[i])
+                present.append(t)
+                if gather.unitwise:
+                    weights.append(params[i])
+        if present:
+            self.execute(rs, rs.rule.target, rows, present, inplace=True, defer=self._defer_step_counts,
                          weights=weights)
 
     def execute(
         self, rs: RuleState, target: str, rows: list[tuple[str, str]], tensors: list[torch.Tensor], inplace: bool,
         defer: bool = False, weights: Sequence[torch.Tensor] = (), references: Optional[torch.Tensor] = None,
-        step: Optional[int] = None,
+        step: Optional[int] = None, bound: Optional[_Gather] = None,
     ) -> Optional[list[torch.Tensor]]:
         """Run a rule's program on tensors; returns replacements when a mutation applied.
 
         `references` (`target: update`): per tensor, the sum of squares of its parameter
         before the update (of the local shard, for a DTensor), which `update_ratio` divides
         by. `step` stamps entries that measure an update already applied (`Entry.step`).
+        `bound`: a step rule's `_Gather` when `rows` are all of its rows (its modules and the
+        labels each pass counts, found once).
         """
         changed = False
-        modules = {module for module, _ in rows}
-        for op, count_keys in zip(rs.program, rs.count_keys):
+        modules = {module for module, _ in rows} if bound is None else bound.modules
+        ran = self._ledger.ran
+        for at, (op, count_keys) in enumerate(zip(rs.program, rs.count_keys)):
             if isinstance(op, StatsOp):
                 sharded = local_shards(tensors)
                 copies = _copies(op, rows, tensors, sharded) if op.tensors else []
@@ -162,18 +171,19 @@ class Programs:
                     matrix = tensor_partials(tensors, op.kinds, references=references)
                 else:
                     matrix = tensor_partials(tensors, op.kinds)
-                self._ledger.entries.append(Entry(rs, op, target, rows, [t.numel() for t in tensors], matrix, copies,
+                self._ledger.entries.append(Entry(rs, op, target, rows, list(map(_numel, tensors)), matrix, copies,
                                          list(tensors) if deferred else None,
                                          None if sharded is None else sharded[1], step))
-                self._ledger.ran.update((key, module) for key in count_keys for module in modules)
+                ran.update(bound.ran[at] if bound is not None else
+                           [(key, module) for key in count_keys for module in modules])
             elif op.unitwise:
-                self._ledger.ran.update((count_keys[0], module) for module in modules)
+                ran.update((count_keys[0], module) for module in modules)
                 counts = self._clip_units(rs, op, rows, tensors, list(weights))
                 # what it clipped (audit: would have) goes to the read-back; AGC measures no group norm
                 report = torch.stack([torch.full_like(counts, math.nan), counts, torch.zeros_like(counts)], dim=1)
                 self._ledger.entries.append(ClipEntry(rs, op.index, list(rows), report))
             else:
-                self._ledger.ran.update((count_keys[0], module) for module in modules)
+                ran.update((count_keys[0], module) for module in modules)
                 action = op.action
                 if isinstance(action, Clip) and action.max_norm is not None:
                     tensors, clipped = self._clip(rs, op.index, action, rows, tensors, inplace)
@@ -284,17 +294,32 @@ class Programs:
         return limits
 
 
-def _owners(rs: RuleState) -> list[tuple[tuple[str, str], torch.nn.Module, str]]:
-    """Per parameter of a step rule's bindings, in order: its row, the module that holds it, its name there.
+class _Gather:
+    """Where a step rule's parameters are, and what a step that reads all of them records.
 
-    The modules are found once per (re)bind: a module replaced by assignment re-plans (`executor.Rebinding`),
-    which finds them anew; the parameter itself is still looked up by name at each step.
+    Found once per (re)bind: a module replaced by assignment re-plans (`executor.Rebinding`),
+    which finds them anew; each parameter itself is still looked up by name at each step.
     """
-    owners = []
-    for b in rs.bindings:
-        for pname, path in zip(b.params, b.paths()):
-            owners.append(((b.module, pname), *owner_of(b.obj, path)))
-    return owners
+
+    def __init__(self, rs: RuleState) -> None:
+        rows: list[tuple[str, str]] = []
+        places: list[tuple[torch.nn.Module, str]] = []
+        for b in rs.bindings:
+            for pname, path in zip(b.params, b.paths()):
+                rows.append((b.module, pname))
+                places.append(owner_of(b.obj, path))
+        self.rs = rs
+        #: per parameter, in order: its row (module, name in the rule) and (the module holding it, its name there)
+        self.rows, self.places = rows, places
+        self.grad = rs.rule.target == "grad"
+        self.unitwise = any(isinstance(op, MutateOp) and op.unitwise for op in rs.program)
+        self.modules = {module for module, _ in rows}
+        #: per op of the program, the `hookpolicy_actions_total` labels a statistics pass over every row counts
+        self.ran: list[list[Ran]] = [[(key, module) for key in keys for module in self.modules]
+                                     for keys in rs.count_keys]
+
+
+_numel = torch.Tensor.numel
 
 
 def measures_only(rs: RuleState) -> bool:
