@@ -43,6 +43,8 @@ class Layout:
         self.op: StatsOp = first.op
         self.target = first.target
         self.shape = [(e.rows, e.numels) for e in entries]
+        self._rows = [e.rows for e in entries]  # `shape`, apart: `fits` compares each as one list
+        self._numels = [e.numels for e in entries]
         key = state_group_key if self.target == OPTIMIZER_STATE else group_key
         buckets: dict[str, dict[tuple[str, str], tuple[list[int], list[int]]]] = {a.per: {} for _, a in self.op.actions}
         index = 0
@@ -97,9 +99,11 @@ class Layout:
     def fits(self, entries: Sequence[Entry]) -> bool:
         """Whether `entries` (one pass of a step) have this layout: the same rule, pass and rows."""
         first = entries[0]
-        return (first.rule is self.rule and first.op is self.op and first.target == self.target
-                and len(entries) == len(self.shape)
-                and all(e.rows == rows and e.numels == numels for e, (rows, numels) in zip(entries, self.shape)))
+        if first.op is not self.op or first.rule is not self._rule() or first.target != self.target:
+            return False
+        if len(entries) == 1:
+            return len(self._rows) == 1 and first.rows == self._rows[0] and first.numels == self._numels[0]
+        return [e.rows for e in entries] == self._rows and [e.numels for e in entries] == self._numels
 
 
 class Finished:

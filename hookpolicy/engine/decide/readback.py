@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from collections import defaultdict
+from itertools import chain
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Sequence, Union, cast
@@ -171,10 +172,14 @@ class Readback:
     ) -> None:
         start = time.perf_counter()
         step, final, report = reading.step, reading.final, reading.report
-        passes: dict[PassKey, list[Entry]] = {}
-        rows_of: dict[int, list[list[float]]] = {}
-        entries = [e for e in buffered if isinstance(e, Entry)]
-        clips = [e for e in buffered if isinstance(e, ClipEntry)]
+        passes: dict[PassKey, tuple[list[Entry], list[list[list[float]]]]] = {}  # each pass's entries and their rows
+        entries: list[Entry] = []
+        clips: list[ClipEntry] = []
+        for e in buffered:
+            if isinstance(e, Entry):
+                entries.append(e)
+            else:
+                clips.append(e)
         entries = _drop_shards(entries) if final else entries
         try:
             fetched = _fetch(_full_matrices(entries) + [c.matrix for c in clips])
@@ -191,12 +196,17 @@ class Readback:
             if hold is not None and hold(entry.rule):
                 report.held.append((entry, rows))
                 continue
-            passes.setdefault((entry.rule.key, entry.op.segment), []).append(entry)
-            rows_of[id(entry)] = rows
+            pkey = (entry.rule.key, entry.op.segment)
+            group = passes.get(pkey)
+            if group is None:
+                passes[pkey] = ([entry], [rows])
+            else:
+                group[0].append(entry)
+                group[1].append(rows)
         fetch_share = (time.perf_counter() - start) / max(1, len(passes))  # the transfer serves every pass
-        for pkey, group in passes.items():
+        for pkey, (in_pass, rows_of) in passes.items():
             pass_start = time.perf_counter()
-            p = self._finished(pkey, group, rows_of, step)
+            p = self._finished(pkey, in_pass, rows_of, step)
             try:
                 if final or not self._handing(pkey, p, reading):
                     self._settle(pkey, reading)
@@ -210,14 +220,13 @@ class Readback:
             report.seconds[p.layout.rule.key] += fetch_share + time.perf_counter() - pass_start
         reading.copies.extend(entry for entry in entries if entry.copies)
 
-    def _finished(self, pkey: PassKey, entries: list[Entry], rows_of: Mapping[int, list[list[float]]],
-                  step: int) -> Finished:
-        """One pass's rows under its layout (the last one while it fits)."""
+    def _finished(self, pkey: PassKey, entries: list[Entry], rows_of: list[list[list[float]]], step: int) -> Finished:
+        """One pass's rows (`rows_of`: each entry's) under its layout (the last one while it fits)."""
         layout = self._layouts.get(pkey)
         if layout is None or not layout.fits(entries):
             layout = self._layouts[pkey] = Layout(entries)
             layout.store_keys = [self.store.key(k) for k in layout.keys]
-        rows = rows_of[id(entries[0])] if len(entries) == 1 else [r for e in entries for r in rows_of[id(e)]]
+        rows = rows_of[0] if len(rows_of) == 1 else list(chain.from_iterable(rows_of))
         return Finished(layout, rows, step if entries[0].step is None else entries[0].step)
 
     def _handing(self, pkey: PassKey, p: Finished, reading: "Reading") -> bool:
@@ -229,8 +238,10 @@ class Readback:
         once the step's statistics are published (`Reading.ask`), so its next step may be.
         """
         layout = p.layout
-        if not layout.hands_over or any(isinstance(a, Capture) and self.exported(layout.rule, a) is not Export.RANK
-                                        for _, a in layout.op.actions):
+        if not layout.hands_over:
+            return False
+        if reading.world > 1 and any(isinstance(a, Capture) and self.exported(layout.rule, a) is not Export.RANK
+                                     for _, a in layout.op.actions):  # alone, every series is this rank's
             return False
         if layout.checked != (reading.generation, reading.world):
             reading.ask.append(layout)
@@ -289,46 +300,26 @@ class Readback:
     def _report_pass(self, p: Finished, reading: "Reading", decides: bool, captures: bool = True) -> None:
         """Log and decide one rule's statistics pass into `reading` (its statistics published with the step's);
         its alerts only when its `captures` were handed over (`_handing`)."""
-        rs, target = p.layout.rule, p.layout.target
-        now, final, report, published, jobs = reading.now, reading.final, reading.report, reading.published, reading.jobs
+        rs, final, report = p.layout.rule, reading.final, reading.report
         firing: dict[str, bool] = {}
         logged: dict[tuple[int, Optional[LogSink]], list[dict[str, Any]]] = defaultdict(list)  # one write per sink
         boarded: dict[int, list[tuple[str, float]]] = defaultdict(list)
         for index, action in p.layout.op.actions:
-            if not captures and isinstance(action, Capture):
-                continue
-            whose = self.exported(rs, action) if isinstance(action, Capture) else Export.RANK
-            series = p.layout.series(index, action) if isinstance(action, Capture) and action.exports else None
-            for group, ((module, tensor), stats) in enumerate(p.statistics(action.per)):
-                if isinstance(action, Capture):
-                    if action.keep is not None:
-                        self.recorder.keep(rs, index, action, p.step, now, module, tensor, stats)
-                    if series is not None:
-                        for stat, key in series[group]:
-                            published[key] = stats[stat]
-                            if whose is not Export.RANK:
-                                jobs[key] = whose
-                    if action.log is None and action.tensorboard is None:
+            if not isinstance(action, Capture):
+                for (module, tensor), stats in p.statistics(action.per):
+                    fired, past = self._alerts.judge(rs, index, action, module, tensor, stats, report.observed)
+                    if not fired:
+                        firing.setdefault(action.severity, False)
                         continue
-                base = {"run": self.run_id, "time": now, "step": p.step, "rank": self.rank, "model": self.store.model,
-                        "policy": rs.policy.name,
-                        "rule": rs.rule.name, "module": module, "target": target, "tensor": tensor}
-                if isinstance(action, Capture):
-                    if action.log is not None:
-                        shown = {s: json_number(stats[s]) for s in action.stats}
-                        logged[(index, action.log)].append({**base, "stats": shown})
-                    if action.tensorboard is not None:
-                        boarded[index] += [(scalar_tag(*rs.key, target, s, module, tensor), stats[s])
-                                           for s in action.stats]
-                    continue
-                fired, past = self._alerts.judge(rs, index, action, module, tensor, stats, report.observed)
-                firing[action.severity] = firing.get(action.severity, False) or fired
-                if fired:
+                    firing[action.severity] = True
                     self.store.inc(ALERTS, (*rs.key, action.severity))
                     # its record is written once the step is decided (`settle`): what its `then` did is known only then
                     held = (rs.enforce and not final and decides and action.then == "skip_step"
                             and self._alerts.holds_back(rs, index, action))
-                    fire(report, rs, index, action, base, stats, past, final, decides, held)
+                    fire(report, rs, index, action, self._base(reading, p, module, tensor), stats, past, final,
+                         decides, held)
+            elif captures:
+                self._report_capture(p, reading, index, action, logged, boarded)
         for (index, sink), records in logged.items():
             if self.writers.write_log(rs, index, sink, records, report) and sink is not None:
                 self.store.wrote(rs.key, sink.path or "", len(records))  # for the run summary
@@ -336,6 +327,37 @@ class Readback:
             self.writers.write_board(rs, index, lambda board: self.writers.boards.scalars(board, p.step, scalars), report)
         for severity, on in firing.items():
             self.store.set(ALERT_FIRING, (*rs.key, severity), 1.0 if on else 0.0)
+
+    def _report_capture(
+        self, p: Finished, reading: "Reading", index: int, action: Capture,
+        logged: dict[tuple[int, Optional[LogSink]], list[dict[str, Any]]], boarded: dict[int, list[tuple[str, float]]],
+    ) -> None:
+        """One capture of a pass read back at the step: its ring, its series, its log records and scalars."""
+        rs, now, published, jobs = p.layout.rule, reading.now, reading.published, reading.jobs
+        # alone (a world of one), every series is this rank's own
+        whose = self.exported(rs, action) if reading.world > 1 else Export.RANK
+        series = p.layout.series(index, action) if action.exports else None
+        for group, ((module, tensor), stats) in enumerate(p.statistics(action.per)):
+            if action.keep is not None:
+                self.recorder.keep(rs, index, action, p.step, now, module, tensor, stats)
+            if series is not None:
+                for stat, key in series[group]:
+                    published[key] = stats[stat]
+                    if whose is not Export.RANK:
+                        jobs[key] = whose
+            if action.log is not None:
+                shown = {s: json_number(stats[s]) for s in action.stats}
+                logged[(index, action.log)].append({**self._base(reading, p, module, tensor), "stats": shown})
+            if action.tensorboard is not None:
+                boarded[index] += [(scalar_tag(*rs.key, p.layout.target, s, module, tensor), stats[s])
+                                   for s in action.stats]
+
+    def _base(self, reading: "Reading", p: Finished, module: str, tensor: str) -> dict[str, Any]:
+        """The fields every record of one group of a pass carries."""
+        rs = p.layout.rule
+        return {"run": self.run_id, "time": reading.now, "step": p.step, "rank": self.rank, "model": self.store.model,
+                "policy": rs.policy.name, "rule": rs.rule.name, "module": module, "target": p.layout.target,
+                "tensor": tensor}
 
     def settle(
         self, report: StepReport, healed: Mapping[tuple[tuple[str, str], int], str], decided: bool,
