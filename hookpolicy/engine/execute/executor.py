@@ -143,7 +143,7 @@ class Executor:
                     continue
                 for name, t in named_tensors(output, c.keep):
                     if t.requires_grad:
-                        t.register_hook(bound(self._grad_hook, c, name))  # type: ignore[no-untyped-call]
+                        t.register_hook(grad_hook_of(self._grad_hook, c, name))  # type: ignore[no-untyped-call]
             elif target == "grad_input":
                 self._check_grad_input(c, (args, kwargs))
             elif not inside_recompute:
@@ -176,7 +176,7 @@ class Executor:
         for name, t in _input_tensors(inputs, c.keep):
             if t.requires_grad:
                 view = t.view_as(t)
-                view.register_hook(bound(self._grad_hook, c, name))  # type: ignore[no-untyped-call]
+                view.register_hook(grad_hook_of(self._grad_hook, c, name))  # type: ignore[no-untyped-call]
                 views[name] = view
         if not views:
             if self._said_inplace(b.key + (b.module,)):
@@ -220,7 +220,7 @@ class Call:
 
     def __init__(
         self, rs: RuleState, binding: Binding, keep: Selector,
-        grad_hook: Callable[["Call", str, torch.Tensor], Optional[torch.Tensor]],
+        on_grad: GradBody,
     ) -> None:
         self.rs = rs
         self.binding = binding
@@ -232,7 +232,17 @@ class Call:
         self.plans = measure_plans(rs) if self.measures else ()
         self.rows = [(binding.module, "")]
         self.ran = ran_labels(rs, binding.module)
-        self.on_grad = bound(grad_hook, self, "")
+        self.on_grad = grad_hook_of(on_grad, self, "")
+
+
+#: `Executor._grad_hook`: the body of a gradient's tensor hook, given its call and the tensor's name
+GradBody = Callable[["Call", str, torch.Tensor], Optional[torch.Tensor]]
+
+
+def grad_hook_of(body: GradBody, c: Call, name: str) -> Callable[[torch.Tensor], Optional[torch.Tensor]]:
+    """`hook(grad) -> None or a new gradient` for the tensor `name` of `c`'s target: `body` with its first
+    arguments given, as a function (see `bound`), of fixed arity (no argument tuples built per call)."""
+    return lambda grad: body(c, name, grad)
 
 
 def bound(fn: Callable[..., Any], *head: Any) -> Callable[..., Any]:
@@ -245,6 +255,14 @@ def bound(fn: Callable[..., Any], *head: Any) -> Callable[..., Any]:
     cannot be copied, so the user's copy would raise.
     """
     return lambda *rest: fn(*head, *rest)
+
+
+def post_hook_of(
+    run: "Executor", calls: tuple["Call", ...],
+) -> Callable[[torch.nn.Module, Any, Any, Any], Any]:
+    """`hook(module, args, kwargs, output)` running `run.post_hook` for `calls`: `bound`, of fixed arity."""
+    post = run.post_hook
+    return lambda module, args, kwargs, output: post(calls, module, args, kwargs, output)
 
 
 def _input_tensors(inputs: tuple[Any, Any], keep: Any) -> Named:
@@ -376,7 +394,7 @@ class HookInstaller:
                     module, bound(run.pre_hook, run.calls(pre)), with_kwargs=True))
             if post:
                 self._handles.append(module_hooks.forward_hook(
-                    module, bound(run.post_hook, run.calls(post)), with_kwargs=True))
+                    module, post_hook_of(run, run.calls(post)), with_kwargs=True))
 
     def step_rules(self) -> list[RuleState]:
         """The `step` rules active now and not switched off, in plan order (found when the active set changed)."""
