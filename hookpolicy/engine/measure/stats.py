@@ -230,8 +230,8 @@ def _host_matrix(
 _BUFFERED = {"sumsq": 0, "sum": 1, "m2": 2, "min": 3, "max": 4, "nonzero": 5}
 
 
-class _RowPlan(NamedTuple):
-    """What `_buffered_row` runs for one `kinds`, and where each partial of the row is in its buffer."""
+class RowPlan(NamedTuple):
+    """What `host_row` runs for one `kinds`, and where each partial of the row is in its buffer."""
     minmax: bool
     sumsq: bool
     sum: bool
@@ -240,17 +240,35 @@ class _RowPlan(NamedTuple):
     at: tuple[int, ...]
     #: the places of the partials whose finite values prove every element finite (`_PROOFS`), if any
     proof: tuple[int, ...]
+    #: the place of `finite` in the row (-1: not asked for), and the places in the row of the
+    #: partials that prove it (`_host_plan`'s)
+    finite: int = -1
+    a: int = 0
+    b: int = 0
+    #: a sum of squares was added to the row for the proof only (dropped from it)
+    added: bool = False
 
 
 @functools.lru_cache(maxsize=64)
-def _row_plan(kinds: tuple[str, ...]) -> Optional[_RowPlan]:
+def _row_plan(kinds: tuple[str, ...]) -> Optional[RowPlan]:
     """`_buffered_row`'s plan for `kinds`, computed once; None when it does not serve them."""
     if not _BUFFERED.keys() >= set(kinds):
         return None
     minmax, sumsq, m2 = "min" in kinds or "max" in kinds, "sumsq" in kinds, "m2" in kinds
     total = m2 or "sum" in kinds
     proof = (3, 4) if minmax else (0,) if sumsq else (2,) if m2 else (1,) if total else ()
-    return _RowPlan(minmax, sumsq, total, m2, "nonzero" in kinds, tuple(_BUFFERED[k] for k in kinds), proof)
+    return RowPlan(minmax, sumsq, total, m2, "nonzero" in kinds, tuple(_BUFFERED[k] for k in kinds), proof)
+
+
+def row_plan(kinds: Sequence[str]) -> Optional[RowPlan]:
+    """`host_row`'s plan for `kinds` (the count of finite elements too), found once (a hook's `Call` keeps it);
+    None when the row buffer cannot serve them."""
+    kinds = tuple(kinds)
+    if "finite" not in kinds:
+        return _row_plan(kinds)
+    measured, a, b, col, added = _host_plan(kinds)
+    plan = _row_plan(measured)
+    return None if plan is None else plan._replace(finite=col, a=a, b=b, added=added)
 
 
 def _buffered_row(t: torch.Tensor, kinds: Sequence[str]) -> Optional[list[float]]:
@@ -265,14 +283,22 @@ def _buffered_row(t: torch.Tensor, kinds: Sequence[str]) -> Optional[list[float]
     a large tensor proved finite the division below).
     """
     plan = _row_plan(tuple(kinds))
-    return None if plan is None else _planned_row(t, plan)
+    return None if plan is None else host_row(t, plan)
 
 
-def _planned_row(t: torch.Tensor, plan: _RowPlan) -> Optional[list[float]]:
-    """`_buffered_row` with its plan found already (`host_row`'s callers find it once, not at each call)."""
+def host_row(t: torch.Tensor, plan: RowPlan) -> Optional[list[float]]:
+    """`host_partials([t], kinds)[0]` for one CPU tensor that does not require grad, with `row_plan(kinds)`
+    found already; None where the row buffer does not serve `t` (then `host_partials` does).
+
+    `_buffered_row`'s work, and for a plan with `finite` the count as `_host_rows` takes it
+    (proved by the other partials, else counted), in one frame: a hook on a small tensor
+    spends more on the calls between functions, in a step's cold caches, than on its
+    reductions.
+    """
     if t.dtype not in _DOT_DTYPES or not t.is_contiguous() or (plan.m2 and t.numel() > _SCRATCH_ELEMENTS):
         return None
-    row, cells = _row_buffer(t.dtype)
+    rows: Optional[dict[torch.dtype, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]] = getattr(_local, "rows", None)
+    row, cells = (rows and rows.get(t.dtype)) or _row_buffer(t.dtype)
     flat = t.view(-1) if t.dim() != 1 else t
     if plan.minmax:
         torch.aminmax(flat, out=(cells[3], cells[4]))
@@ -296,7 +322,15 @@ def _planned_row(t: torch.Tensor, plan: _RowPlan) -> Optional[list[float]]:
             values[5] = float(torch.nansum(torch.div(flat, flat, out=_scratch(n, t.dtype))))
         else:
             values[5] = float(torch.count_nonzero(flat))  # NaN counts as nonzero, as in `_columns`
-    return [values[i] for i in plan.at]
+    values = [values[i] for i in plan.at]
+    if plan.finite < 0:
+        return values
+    isfinite = math.isfinite
+    finite = float(t.numel()) if isfinite(values[plan.a]) and isfinite(values[plan.b]) else float(_finite(t))
+    if plan.added:
+        values.pop()  # the added sum of squares
+    values.insert(plan.finite, finite)
+    return values
 
 
 #: From this many elements on, a tensor proved finite counts its nonzero elements by division (`_buffered_row`).
@@ -397,49 +431,6 @@ def _host_plan(kinds: tuple[str, ...]) -> tuple[tuple[str, ...], int, int, int, 
     measured = others if proof is not None else (*others, "sumsq")
     at = [measured.index(k) for k in (proof or ("sumsq",))]
     return measured, at[0], at[-1], kinds.index("finite"), proof is None
-
-
-class RowPlan(NamedTuple):
-    """What `host_row` runs for one `kinds` (`row_plan`): the buffered partials, and where the count of finite
-    elements goes."""
-    row: _RowPlan
-    #: the place of `finite` in the row (-1: not asked for)
-    finite: int
-    #: the places, in the buffered row, of the partials that prove the count (`_host_plan`'s)
-    a: int
-    b: int
-    #: a sum of squares was added to the buffered row for the proof only (dropped from the row)
-    added: bool
-
-
-def row_plan(kinds: Sequence[str]) -> Optional[RowPlan]:
-    """`host_row`'s plan for `kinds`, found once (a hook's `Call` keeps it); None when the row buffer cannot serve."""
-    kinds = tuple(kinds)
-    if "finite" not in kinds:
-        plan = _row_plan(kinds)
-        return None if plan is None else RowPlan(plan, -1, 0, 0, False)
-    measured, a, b, col, added = _host_plan(kinds)
-    plan = _row_plan(measured)
-    return None if plan is None else RowPlan(plan, col, a, b, added)
-
-
-def host_row(t: torch.Tensor, plan: RowPlan) -> Optional[list[float]]:
-    """`host_partials([t], kinds)[0]` for one CPU tensor that does not require grad, with `row_plan(kinds)`
-    found already; None where the row buffer does not serve `t` (then `host_partials` does).
-
-    The same work as `host_partials`' for one tensor (`_host_rows`, `_host_matrix`,
-    `_buffered_row`), in one frame: a hook on a small tensor spends more on the calls
-    between those functions, in a step's cold caches, than on its reductions.
-    """
-    values = _planned_row(t, plan.row)
-    if values is None or plan.finite < 0:
-        return values
-    isfinite = math.isfinite
-    finite = float(t.numel()) if isfinite(values[plan.a]) and isfinite(values[plan.b]) else float(_finite(t))
-    if plan.added:
-        values.pop()  # the added sum of squares
-    values.insert(plan.finite, finite)
-    return values
 
 
 def resolve_counts(rows: list[list[float]], tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> None:
