@@ -725,6 +725,42 @@ def test_log_records_are_json_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert lines[0]["stats"]["nonfinite"] == 0 and isinstance(lines[0]["stats"]["l2_norm"], float)
 
 
+def test_an_alert_s_record_carries_every_statistic_of_its_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An alert is judged on what its condition and message read, and the record of a group it fires for
+    carries every statistic of its pass, in the pass's order, with torch's values; its message reads one its
+    condition does not."""
+    monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
+    pol = load_policy(tmp_path, """
+        - name: go
+          match: {modules: ["head"]}
+          trigger: {at: backward}
+          target: grad_output
+          actions:
+            - capture: {stats: [l2_norm, abs_max, mean, nonfinite]}
+            - alert: {if: "nonfinite > 0", per: tensor, then: skip_step, message: "bad at {abs_max}"}
+    """)
+    model, opt = fresh()
+    seen: list[torch.Tensor] = []
+    model.head.register_full_backward_hook(lambda m, gi, go: seen.append(go[0].detach().clone()))
+    with pol.attach(model):
+        for i, (x, y) in enumerate(batches(3)):
+            out = model(x)
+            if i == 1:
+                out = out * torch.tensor([1.0, float("inf")])
+            nn.functional.mse_loss(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+    records = [json.loads(line) for line in (tmp_path / "alerts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1]
+    grad = seen[1].double()
+    expected = {"l2_norm": torch.linalg.vector_norm(grad).item(), "abs_max": grad.abs().max().item(),
+                "mean": grad.mean().item(), "nonfinite": (~torch.isfinite(grad)).sum().item()}
+    assert sorted(records[0]["stats"]) == sorted(expected)
+    for stat, value in expected.items():
+        assert records[0]["stats"][stat] == pytest.approx(value, rel=1e-6, nan_ok=True), stat
+    assert records[0]["message"].startswith(f"bad at {records[0]['stats']['abs_max']}")
+
+
 def test_tensor_files_bounded_and_loadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path))
     pol = load_policy(tmp_path, """

@@ -127,6 +127,17 @@ class Finished:
                 for key, at, numels, total in self.layout.groups[per]]
         return finished
 
+    def judged(self, per: str, stats: frozenset[str]) -> list[tuple[tuple[str, str], dict[str, float]]]:
+        """(module, tensor) and the statistics `stats` (an alert's: what its condition and message read), per
+        group of `per`: the same values `statistics` gives them, without finishing what only a record or a
+        series reads (`statistics` finishes every one where the alert fires)."""
+        finished = self._statistics.get(per)
+        if finished is not None:
+            return finished
+        rows, kinds = self.rows, self.layout.op.kinds
+        return [(key, finish(combine([rows[i] for i in at], numels, kinds), total, stats))
+                for key, at, numels, total in self.layout.groups[per]]
+
     def values(self) -> list[float]:
         """The values of `Layout.keys`, in order, finished once (any thread may ask first)."""
         values = self._values

@@ -306,12 +306,13 @@ class Readback:
         boarded: dict[int, list[tuple[str, float]]] = defaultdict(list)
         for index, action in p.layout.op.actions:
             if not isinstance(action, Capture):
-                for (module, tensor), stats in p.statistics(action.per):
+                for group, ((module, tensor), stats) in enumerate(p.judged(action.per, action.stats)):
                     fired, past = self._alerts.judge(rs, index, action, module, tensor, stats, report.observed)
                     if not fired:
                         firing.setdefault(action.severity, False)
                         continue
                     firing[action.severity] = True
+                    stats = p.statistics(action.per)[group][1]  # its record carries every statistic of the pass
                     self.store.inc(ALERTS, (*rs.key, action.severity))
                     # its record is written once the step is decided (`settle`): what its `then` did is known only then
                     held = (rs.enforce and not final and decides and action.then == "skip_step"
