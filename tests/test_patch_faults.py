@@ -22,7 +22,7 @@ from torch import nn
 
 import hookpolicy
 from hookpolicy.engine import cycle
-from hookpolicy.engine.execute import executor
+from hookpolicy.engine.execute import executor, steps
 from hookpolicy.engine.hooks import loss, module_hooks, optimizer_hooks, schedulers
 from helpers.models import tiny
 from helpers.outputs import metric
@@ -110,7 +110,7 @@ FORCED: list[tuple[str, Callable[[], tuple[Any, str]], dict[str, Any]]] = [
     ("the closure's update", lambda: (cycle.StepCycle, "before_update"), {"closure": True}),
     ("the root's forward pre-hook", lambda: (cycle.StepCycle, "_root_pre"), {}),
     ("the root's forward hook", lambda: (cycle.StepCycle, "_root_post"), {}),
-    ("the backward marker", lambda: (cycle.StepCycle, "_output_grad"), {}),
+    ("the backward marker", lambda: (steps.StepTracker, "backward_starts"), {}),
     ("the tree watch (registration hooks)", lambda: (executor.Rebinding, "tree_changed"), {"grow": True}),
     ("LRScheduler.__init__", lambda: (schedulers._Made, "note"), {"schedule": True}),
 ]

@@ -180,6 +180,8 @@ class StepCycle:
         self._replan_if_changed()
         rules = self.installer.step_rules()
         agreeing = self.agreement.active()  # a process group cannot come up during the step's evaluation
+        if not rules and self._loss is None and not agreeing and self.ledger.empty():
+            return False  # an inactive step: what `_decide` below would find, without the calls on the way
         job = [rs for rs in rules if job_loss_rule(rs)] if agreeing else []
         loss = self._take_loss([rs for rs in rules if rs.rule.target == LOSS and rs not in job])
         if job:
@@ -433,16 +435,26 @@ class StepCycle:
             self.fault("the model's forward hook", exc)
 
     def _grad_hook(self, grad: torch.Tensor) -> None:
+        """On the root's outputs: the first one to fire marks a backward pass and queues its end (`_pass_ends`)."""
         try:
-            self._output_grad(grad)
+            if self._steps.backward_starts():
+                torch.autograd.Variable._execution_engine.queue_callback(self._pass_ends)
         except Halt:
             raise
         except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: contained
             self.fault("the backward marker on the model's output", exc)
 
     def _pass_ends(self) -> None:
+        """Queue the end of the backward pass again, behind the callbacks queued during the pass.
+
+        The engine runs its final callbacks in the order they were queued, including those
+        queued by a callback (`GraphTask::exec_post_processing` walks the list by index).
+        DDP's reducer queues `finalize_backward`, which writes the averaged gradients, when
+        its last bucket is ready, after this cycle's first callback: queued from here, the
+        step of a script that steps no optimizer reads the gradients DDP averaged.
+        """
         try:
-            self._after_the_pass()
+            torch.autograd.Variable._execution_engine.queue_callback(self._pass_ended)
         except Halt:
             raise
         except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: contained
@@ -450,7 +462,11 @@ class StepCycle:
 
     def _pass_ended(self) -> None:
         try:
-            self._backward_done()
+            if self._steps.backward_done():  # no optimizer steps this model: the backward pass is the step
+                self.updates.no_optimizer(self.installer.step_rules(), self.store.model)
+                if self._evaluate(frozenset()):
+                    self._steps.zero_grads()
+                self._end_step()
         except Halt:
             raise
         except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: contained
@@ -482,28 +498,6 @@ class StepCycle:
                 if t.requires_grad:
                     t.register_hook(self._grad_hook)  # type: ignore[no-untyped-call]
 
-    def _output_grad(self, grad: torch.Tensor) -> None:
-        """On the root's outputs: the first one to fire marks a backward pass."""
-        if self._steps.backward_starts():
-            torch.autograd.Variable._execution_engine.queue_callback(self._pass_ends)
-
-    def _after_the_pass(self) -> None:
-        """Queue the end of the backward pass again, behind the callbacks queued during the pass.
-
-        The engine runs its final callbacks in the order they were queued, including those
-        queued by a callback (`GraphTask::exec_post_processing` walks the list by index).
-        DDP's reducer queues `finalize_backward`, which writes the averaged gradients, when
-        its last bucket is ready, after this cycle's first callback: queued from here, the
-        step of a script that steps no optimizer reads the gradients DDP averaged.
-        """
-        torch.autograd.Variable._execution_engine.queue_callback(self._pass_ended)
-
-    def _backward_done(self) -> None:
-        if self._steps.backward_done():  # no optimizer steps this model: the backward pass is the step
-            self.updates.no_optimizer(self.installer.step_rules(), self.store.model)
-            if self._evaluate(frozenset()):
-                self._steps.zero_grads()
-            self._end_step()
 
 
 def _fired(report: StepReport, agreed: Optional[Agreed], own: int) -> frozenset[AlertKey]:

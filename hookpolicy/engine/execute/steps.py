@@ -83,7 +83,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Any, Callable, Iterable, Optional
+from typing import AbstractSet, Any, Callable, Iterable, Optional
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -203,7 +203,9 @@ class StepTracker:
     # -- backward passes ---------------------------------------------------------------
     def backward_starts(self) -> bool:
         """A gradient reached a root output: True for the first of a backward pass."""
-        self._scopes.touched = True  # a backward call reached the model (`loss`), also where no parameter hook fires
+        # a backward call reached the model (`loss`), also where no parameter hook fires; the writes not taken in
+        # yet would set it too, so it needs no `_flush`
+        self._scopes._touched = True
         if self._in_backward:
             return False
         self._in_backward = True
@@ -330,9 +332,7 @@ class StepTracker:
         self.skipping = skip
 
     def update_ends(self, optimizer: torch.optim.Optimizer) -> bool:
-        """After `optimizer`'s update: True when the step ends."""
-        if not self.owns(optimizer):
-            return False
+        """After the update of `optimizer`, one that `owns` this model (the caller asked): True when the step ends."""
         self._stepping = False
         self._hooked_steps += 1  # an update that ended after the last backward pass is an optimizer's too
         self._scopes.stepped(optimizer)
@@ -398,12 +398,18 @@ class Scopes:
         self._ids: "weakref.WeakKeyDictionary[Optimizer, tuple[_Signature, frozenset[int]]]" = (
             weakref.WeakKeyDictionary())
         self._left_out: dict[int, tuple[tuple[object, ...], frozenset[int]]] = {}
+        #: `param_ids`' last answer (the optimizer, its signature, the ids): asked twice a step, found without `_ids`
+        self._last_ids: Optional[tuple["weakref.ref[Optimizer]", _Signature, frozenset[int]]] = None
+        #: `evaluating`'s one optimizer seen, stepping alone, and its group, while `_groups` is as it was (`_changes`)
+        self._alone: Optional[tuple["weakref.ref[Optimizer]", "weakref.WeakSet[Optimizer]", int]] = None
+        self._changes = 0
         self._written: set[int] = set()  # ids written by a backward pass since their optimizer's last step
         self._unseen: set[int] = set()  # ids written since the last evaluated step
         self._touched = False
         #: the ids of the hooked parameters, each mapped to None; `_fresh` holds those not written since `_flush`
         self._all: dict[int, None] = {}
         self._fresh: dict[int, None] = {}
+        self._every: frozenset[int] = frozenset()  # the keys of `_all`
         self._hooks: dict[int, tuple["weakref.ref[torch.Tensor]", RemovableHandle]] = {}
         self._hook_params()
 
@@ -422,10 +428,15 @@ class Scopes:
     def _flush(self) -> None:
         """Take in the writes the hooks noted since the last call: the ids popped from `_fresh`."""
         fresh = self._fresh
-        if len(fresh) == len(self._all):
+        left = len(fresh)
+        if left == len(self._all):
             return
-        wrote = self._all.keys() - fresh.keys()
-        fresh.update(dict.fromkeys(wrote))  # not `_all`: a write landing meanwhile (another thread's) is kept
+        if left == 0:  # every hooked parameter written (the usual step): no set to build
+            wrote: AbstractSet[int] = self._every
+            fresh.update(self._all)
+        else:
+            wrote = self._all.keys() - fresh.keys()
+            fresh.update(dict.fromkeys(wrote))  # not `_all`: a write landing meanwhile (another thread's) is kept
         self._written |= wrote
         self._unseen |= wrote
         self._touched = True
@@ -448,11 +459,14 @@ class Scopes:
         for p in self._params():
             known = self._hooks.get(id(p))
             if p.requires_grad and p.is_leaf and (known is None or known[0]() is not p):
-                hook = functools.partial(self._fresh.pop, id(p))
-                handle = p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
-                self._hooks[id(p)] = (weakref.ref(p), handle)
+                key = id(p)  # one int object for the hook, `_hooks`, `_all` and `_fresh`: found by identity
+                handle = p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(self._fresh.pop, key))
+                self._hooks.pop(key, None)
+                self._hooks[key] = (weakref.ref(p), handle)
         self._all.clear()
         self._all.update(dict.fromkeys(self._hooks))
+        self._every = frozenset(self._all)
         self._fresh.clear()
         self._fresh.update(self._all)
 
@@ -462,11 +476,13 @@ class Scopes:
             handle.remove()
         self._hooks.clear()
         self._all.clear()
+        self._every = frozenset()
         self._fresh.clear()
 
     def reset(self) -> None:
         """The model's parameters changed: hook the new ones, forget the parameter ids (the groups stay)."""
         self._ids = weakref.WeakKeyDictionary()
+        self._last_ids = None
         self._left_out.clear()
         self._hook_params()
 
@@ -474,11 +490,15 @@ class Scopes:
     def param_ids(self, optimizer: Optimizer) -> frozenset[int]:
         """The ids of the parameters `optimizer` updates, recomputed when its param_groups changed."""
         signature = _signature(optimizer)
+        last = self._last_ids
+        if last is not None and last[0]() is optimizer and last[1] == signature:
+            return last[2]
         cached = self._ids.get(optimizer)
         if cached is None or cached[0] != signature:
             cached = (signature, frozenset(id(p) for g in optimizer.param_groups for p in g["params"]))
             self._ids[optimizer] = cached
             self._hook_params()  # a parameter unfrozen since (requires_grad set) gets its hook now
+        self._last_ids = (weakref.ref(optimizer), *cached)
         return cached[1]
 
     def begins(self, optimizer: Optimizer) -> Optional[bool]:
@@ -500,16 +520,22 @@ class Scopes:
         """A step is evaluated at `optimizer`'s step: the ids of parameters its rules leave out."""
         self._flush()
         self._unseen.clear()
+        alone = self._alone
+        if alone is not None and alone[0]() is optimizer and alone[2] == self._changes:
+            self._current = alone[1]  # as found below at its last step: nothing was added to `_groups` since
+            return frozenset()
         group = self._groups.get(optimizer)
         if group is not None and len(group) == 1 and len(self._groups) == 1:
             # the one optimizer seen, stepping alone (its group holds it): what the lines below give, without
             # iterating a WeakSet (a guarded Python iteration, the costliest part of a step's start)
             self._current = group
+            self._alone = (weakref.ref(optimizer), group, self._changes)
             return frozenset()
         members = [optimizer] if group is None else list(group)
         if group is None or len(members) != 1:
             group = weakref.WeakSet([optimizer])
             self._groups[optimizer] = group
+            self._changes += 1
         self._current = group
         if len(self._groups) == len(members):
             return frozenset()
@@ -527,6 +553,7 @@ class Scopes:
         """`optimizer` steps in the step evaluated last (after the same backward pass)."""
         self._current.add(optimizer)
         self._groups[optimizer] = self._current
+        self._changes += 1
 
     def used_up(self) -> None:
         """A step without an optimizer (one per backward pass) was evaluated: every write so far is its."""
