@@ -163,8 +163,7 @@ class StepCycle:
             return
         left_out = self._steps.update_starts(optimizer)  # scope: None when this update continues the step
         if left_out is not None:
-            skip = self._evaluate(left_out)
-            self._steps.evaluated(optimizer, skip)
+            self._steps.skipping = self._evaluate(left_out)
         if self._steps.skipping:
             self._hidden.hide(optimizer)
         else:

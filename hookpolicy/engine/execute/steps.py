@@ -142,7 +142,7 @@ class StepTracker:
         self.backward_seq = 0
         self._evaluated_seq = -1
         self._in_backward = False
-        #: the step being evaluated is skipped: its optimizers' updates get no gradients
+        #: the step being evaluated is skipped (the cycle sets it once it decided): its optimizers' updates get no gradients
         self.skipping = False
         self._ending = False
         self._probe: Optional[torch.nn.Parameter] = None
@@ -177,7 +177,7 @@ class StepTracker:
         """The root's forward begins: decide the phase; True when it is a training forward (not nested, not recomputed)."""
         phase = self.phase
         phase.depth += 1
-        if phase.depth > 1 or recomputing():
+        if phase.depth > 1 or torch._C._current_graph_task_id() != -1:  # nested, or `recomputing()`
             return False
         phase.train = module.training and torch.is_grad_enabled()
         return phase.train
@@ -186,7 +186,7 @@ class StepTracker:
         """The root's forward ended: False for an evaluation forward, True for a training one under grad, else None."""
         phase = self.phase
         phase.depth = max(0, phase.depth - 1)
-        if phase.depth or recomputing():
+        if phase.depth or torch._C._current_graph_task_id() != -1:  # nested, or `recomputing()`
             return None
         if not phase.train:
             return False
@@ -316,7 +316,15 @@ class StepTracker:
         grad hooks did not fire: gradients assigned by the script, or FSDP2 writing the
         sharded `.grad` itself).
         """
-        grads = any(p.grad is not None for g in optimizer.param_groups for p in g["params"] if id(p) in self._param_ids)
+        grads = False  # any of its parameters of this model with a .grad (a loop: no generator, stops at the first)
+        ids = self._param_ids
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in ids and p.grad is not None:
+                    grads = True
+                    break
+            if grads:
+                break
         name = type(optimizer).__name__
         if self.backward_seq > 0 and not grads:
             self._report(f"{name} steps its parameters after a backward pass, but none of "
@@ -326,10 +334,6 @@ class StepTracker:
                          "(assigned by the script, or sharded by FSDP2), while other optimizers step this model "
                          "too: which step they belong to and which parameters it updates cannot be told",
                          refused=True)
-
-    def evaluated(self, optimizer: torch.optim.Optimizer, skip: bool) -> None:
-        """The step `optimizer` began was evaluated: `skip` it or not."""
-        self.skipping = skip
 
     def update_ends(self, optimizer: torch.optim.Optimizer) -> bool:
         """After the update of `optimizer`, one that `owns` this model (the caller asked): True when the step ends."""
@@ -384,7 +388,11 @@ _Signature = tuple[tuple[int, int], ...]
 
 
 def _signature(optimizer: Optimizer) -> _Signature:
-    return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    groups = optimizer.param_groups
+    if len(groups) == 1:  # the usual optimizer: what the line below gives, without a generator
+        params = groups[0]["params"]
+        return ((id(params), len(params)),)
+    return tuple((id(g["params"]), len(g["params"])) for g in groups)
 
 
 class Scopes:
