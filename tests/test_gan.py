@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from prometheus_client import CollectorRegistry
 
+from helpers.models import GAN
 from helpers.outputs import metric
 from helpers.policies import load_policy
 
@@ -38,19 +39,6 @@ CLIP = """
       actions:
         - clip: {max_norm: 0.05, per: rule}
 """
-
-
-class GAN(nn.Module):
-    """A generator and a discriminator in one module; `forward` is the generator (Lightning's GAN example)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.generator = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 4))
-        self.discriminator = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.generator(z)
 
 
 #: takes the step: (which part, iteration, model, its optimizer, `optimizer.step`)

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from prometheus_client import CollectorRegistry
 
+from helpers.models import GAN
 from helpers.policies import load_policy
 from hookpolicy.engine.execute.steps import Scopes
 
@@ -37,29 +38,17 @@ CLIP_EVERY_2 = """
 """
 
 
-class Pair(nn.Module):
-    """Two parts with an optimizer each; `forward` is the first part only."""
+def train(gan: GAN, iterations: int, clip_at: set[int]) -> list[int]:
+    """The generator, then the discriminator, each after three micro-batches of its own.
 
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 3))
-        self.second = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.first(x)
-
-
-def train(pair: Pair, iterations: int, clip_at: set[int]) -> list[int]:
-    """Each part in turn, each after three micro-batches of its own; the first part's through the model's forward.
-
-    The second part's micro-batches call it alone (no root forward, no backward marker), and
-    the first part's loss flows through the second: its parameters hold gradients it does not
-    apply at the first part's step. Clips (`clip_at`, by hand) the stepping optimizer's
+    The generator's micro-batches go through the model's forward; the discriminator's call
+    it alone (no root forward, no backward marker), and the generator's loss flows through
+    the discriminator: its parameters hold gradients it does not apply at the generator's step. Clips (`clip_at`, by hand) the stepping optimizer's
     parameters at those optimizer steps, counted from 0. Returns the optimizer steps seen by
     the optimizers' own post-hooks, in order.
     """
-    opts = [torch.optim.Adam(pair.first.parameters(), lr=1e-2), torch.optim.Adam(pair.second.parameters(), lr=1e-2)]
+    opts = [torch.optim.Adam(gan.generator.parameters(), lr=1e-2),
+            torch.optim.Adam(gan.discriminator.parameters(), lr=1e-2)]
     seen: list[int] = []
     for k, opt in enumerate(opts):
         opt.register_step_post_hook(lambda o, a, kw, k=k: seen.append(k))
@@ -68,8 +57,8 @@ def train(pair: Pair, iterations: int, clip_at: set[int]) -> list[int]:
         for k, opt in enumerate(opts):
             opt.zero_grad()
             for _ in range(3):
-                x = torch.randn(4, 3, generator=data)
-                out = pair.second(x) if k == 1 else pair.second(pair(x))
+                out = (gan.discriminator(torch.randn(4, 4, generator=data)) if k == 1
+                       else gan.discriminator(gan(torch.randn(4, 2, generator=data))))
                 (out.pow(2).mean() / 3).backward()
             if len(seen) in clip_at:
                 torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 0.05)
@@ -83,22 +72,22 @@ def test_parts_stepped_in_turn_after_micro_batches_are_one_step_each_and_each_cl
     """Three backward passes write each parameter before its optimizer steps (a hook finds its id gone twice).
 
     Every optimizer step is one step (the optimizers' own post-hooks count them); a clip
-    active on every second step from the second part's first on clips only the stepping
+    active on every second step from the discriminator's first on clips only the stepping
     part, as `clip_grad_norm_` does over that optimizer's parameters; the inactive steps
-    leave the gradients alone. (Step 0 is left out: before the second part's optimizer has
+    leave the gradients alone. (Step 0 is left out: before the discriminator's optimizer has
     stepped once, nothing says yet that it steps apart, and step 0 sees all of the model.)
     """
-    pair = Pair()
-    with load_policy(tmp_path, CLIP_EVERY_2).attach(pair, registry=CollectorRegistry()) as attached:
-        seen = train(pair, 4, set())
+    gan = GAN()
+    with load_policy(tmp_path, CLIP_EVERY_2).attach(gan, registry=CollectorRegistry()) as attached:
+        seen = train(gan, 4, set())
         assert attached.step == len(seen) == 8
-    reference = Pair()
+    reference = GAN()
     assert train(reference, 4, {2, 4, 6}) == seen
-    for (name, got), want in zip(pair.named_parameters(), reference.parameters()):
+    for (name, got), want in zip(gan.named_parameters(), reference.parameters()):
         assert torch.equal(got, want), name
-    unclipped = Pair()
+    unclipped = GAN()
     train(unclipped, 4, set())
-    assert not all(torch.equal(a, b) for a, b in zip(pair.parameters(), unclipped.parameters()))  # the clip acted
+    assert not all(torch.equal(a, b) for a, b in zip(gan.parameters(), unclipped.parameters()))  # the clip acted
 
 
 def test_writes_before_and_after_the_check_are_told_apart() -> None:

@@ -18,6 +18,19 @@ def tiny(seed: int = 0, out: int = 2) -> nn.Sequential:
 
 VOCAB, BLOCK = 64, 16
 
+class GAN(nn.Module):
+    """A generator and a discriminator in one module; `forward` is the generator (Lightning's GAN example)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.generator = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.discriminator = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.generator(z)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, d: int, n_head: int) -> None:
         super().__init__()
