@@ -114,15 +114,21 @@ class Programs:
         gather = self._gathers.get(rs.key)
         if gather is None or gather.rs is not rs:
             gather = self._gathers[rs.key] = _Gather(rs)
-        params = [param_in(owner, name) for owner, name in gather.places]  # now (one may have been replaced)
-        if left_out:
-            kept = [i for i, param in enumerate(params) if id(param) not in left_out]
-        else:
-            kept = None
-        tensors = [param.grad for param in params] if gather.grad else [param.detach() for param in params]
-        if kept is None and all(t is not None and t.numel() > 0 for t in tensors):  # the usual step: every row
+        # each parameter now (one may have been replaced): a registered one, else as `param_in` finds it
+        params: list[Any] = [owner._parameters.get(name) for owner, name in gather.places]
+        try:
+            tensors = [param.grad for param in params] if gather.grad else [param.detach() for param in params]
+        except AttributeError:  # not a registered parameter (a property, a wrapper's alias)
+            params = [param_in(owner, name) for owner, name in gather.places]
+            tensors = [param.grad for param in params] if gather.grad else [param.detach() for param in params]
+        kept = [i for i, param in enumerate(params) if id(param) not in left_out] if left_out else None
+        try:
+            numels: Optional[list[int]] = list(map(_numel, tensors))
+        except TypeError:  # a parameter without a gradient
+            numels = None
+        if kept is None and numels is not None and 0 not in numels:  # the usual step: every row
             self.execute(rs, rs.rule.target, gather.rows, tensors, inplace=True, defer=self._defer_step_counts,
-                         weights=params if gather.unitwise else (), bound=gather)
+                         weights=params if gather.unitwise else (), bound=gather, numels=numels)
             return
         rows: list[tuple[str, str]] = []
         present: list[torch.Tensor] = []
@@ -141,7 +147,7 @@ class Programs:
     def execute(
         self, rs: RuleState, target: str, rows: list[tuple[str, str]], tensors: list[torch.Tensor], inplace: bool,
         defer: bool = False, weights: Sequence[torch.Tensor] = (), references: Optional[torch.Tensor] = None,
-        step: Optional[int] = None, bound: Optional[_Gather] = None,
+        step: Optional[int] = None, bound: Optional[_Gather] = None, numels: Optional[list[int]] = None,
     ) -> Optional[list[torch.Tensor]]:
         """Run a rule's program on tensors; returns replacements when a mutation applied.
 
@@ -149,7 +155,7 @@ class Programs:
         before the update (of the local shard, for a DTensor), which `update_ratio` divides
         by. `step` stamps entries that measure an update already applied (`Entry.step`).
         `bound`: a step rule's `_Gather` when `rows` are all of its rows (its modules and the
-        labels each pass counts, found once).
+        labels each pass counts, found once); `numels`: the tensors' element counts, when known.
         """
         changed = False
         modules = {module for module, _ in rows} if bound is None else bound.modules
@@ -171,7 +177,8 @@ class Programs:
                     matrix = tensor_partials(tensors, op.kinds, references=references)
                 else:
                     matrix = tensor_partials(tensors, op.kinds)
-                self._ledger.entries.append(Entry(rs, op, target, rows, list(map(_numel, tensors)), matrix, copies,
+                sizes = list(map(_numel, tensors)) if numels is None else numels
+                self._ledger.entries.append(Entry(rs, op, target, rows, sizes, matrix, copies,
                                          list(tensors) if deferred else None,
                                          None if sharded is None else sharded[1], step))
                 ran.update(bound.ran[at] if bound is not None else
