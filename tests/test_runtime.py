@@ -727,8 +727,7 @@ def test_log_records_are_json_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 def test_an_alert_s_record_carries_every_statistic_of_its_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An alert is judged on what its condition and message read, and the record of a group it fires for
-    carries every statistic of its pass, in the pass's order, with torch's values; its message reads one its
-    condition does not."""
+    carries every statistic of its pass with torch's values; its message reads one its condition does not."""
     monkeypatch.setenv("HOOKPOLICY_ALERT_LOG", str(tmp_path / "alerts.jsonl"))
     pol = load_policy(tmp_path, """
         - name: go
