@@ -33,6 +33,7 @@ loop steps no optimizer) and the last one at `remove()` (`_last`: what is left, 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -434,30 +435,26 @@ class StepCycle:
             self.fault("the model's forward hook", exc)
 
     def _grad_hook(self, grad: torch.Tensor) -> None:
-        """On the root's outputs: the first one to fire marks a backward pass and queues its end (`_pass_ends`)."""
+        """On the root's outputs: the first one to fire marks a backward pass and queues its end (`_pass_ended`).
+
+        The end is queued twice, behind the callbacks queued during the pass. The engine runs
+        its final callbacks in the order they were queued, including those queued by a
+        callback (`GraphTask::exec_post_processing` walks the list by index). DDP's reducer
+        queues `finalize_backward`, which writes the averaged gradients, when its last bucket
+        is ready, after this first callback: queued from the first callback, the step of a
+        script that steps no optimizer reads the gradients DDP averaged. The first callback
+        is `functools.partial(queue_callback, self._pass_ended)`, no Python frame: called by
+        the engine among its final callbacks, where a graph task is current, the one thing
+        `queue_callback` checks.
+        """
         try:
             if self._steps.backward_starts():
-                torch.autograd.Variable._execution_engine.queue_callback(self._pass_ends)
+                engine = torch.autograd.Variable._execution_engine
+                engine.queue_callback(functools.partial(engine.queue_callback, self._pass_ended))
         except Halt:
             raise
         except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: contained
             self.fault("the backward marker on the model's output", exc)
-
-    def _pass_ends(self) -> None:
-        """Queue the end of the backward pass again, behind the callbacks queued during the pass.
-
-        The engine runs its final callbacks in the order they were queued, including those
-        queued by a callback (`GraphTask::exec_post_processing` walks the list by index).
-        DDP's reducer queues `finalize_backward`, which writes the averaged gradients, when
-        its last bucket is ready, after this cycle's first callback: queued from here, the
-        step of a script that steps no optimizer reads the gradients DDP averaged.
-        """
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._pass_ended)
-        except Halt:
-            raise
-        except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: contained
-            self.fault("the end of the backward pass", exc)
 
     def _pass_ended(self) -> None:
         try:

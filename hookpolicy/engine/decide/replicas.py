@@ -17,7 +17,7 @@ and per rank otherwise:
 - the rule is a `step` rule on `grad`, `weight`, `update` or `optimizer_state`. Where no
   optimizer steps the model, the step is evaluated in an autograd callback that the step
   cycle queues behind the one DDP's reducer queues to finish its all-reduce
-  (`cycle.StepCycle._pass_ends`), so it reads the averaged gradients too;
+  (`cycle.StepCycle._grad_hook`), so it reads the averaged gradients too;
 - every parameter the rule reads is either
   * a `DTensor` (FSDP2 `fully_shard`, HSDP) on a device mesh of the whole default group:
     its statistics are those of the full tensor (`distributed.reduce_shards` reduces the
