@@ -8,6 +8,7 @@ global module hook in place (PyTorch's own `OptimizedModule.__call__`).
 from __future__ import annotations
 
 import ast
+import gc
 import re
 import threading
 import warnings
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.modules.module as torch_module
+from prometheus_client import CollectorRegistry
 from torch import nn
 
 from hookpolicy import process
@@ -197,3 +199,41 @@ def test_the_state_finder_finds_state() -> None:
     tree = ast.parse("import weakref\n_A = weakref.WeakSet()\n_b: dict[str, int] = {}\nLIMITS = {1: 2}\n"
                      "_c = None\ndef f():\n    global _c\n    _c = 1\n")
     assert _module_state(tree) == {"_A", "_b", "_c"}
+
+
+class _Recording(torch.nn.Sequential):
+    """A container that records whether the cyclic garbage collector runs whenever its children are listed."""
+
+    seen: list[bool] = []
+
+    def named_children(self):  # type: ignore[no-untyped-def]
+        _Recording.seen.append(gc.isenabled())
+        return super().named_children()
+
+
+def test_the_collector_is_paused_while_planning_and_attaching_and_given_back_as_it_was(tmp_path: Path) -> None:
+    """gc.isenabled() as read by the model's own named_children during plan and attach; after them, as before."""
+    from hookpolicy import load
+
+    path = tmp_path / "p.yaml"
+    path.write_text("apiVersion: hookpolicy/v1\nkind: HookPolicy\nmetadata: {name: p}\nspec:\n  rules:\n"
+                    "    - {name: a, match: {types: [Linear]}, trigger: {at: forward}, target: output,\n"
+                    "       actions: [{capture: {stats: [l2_norm]}}]}\n")
+    policies = load(path)
+    model = _Recording(nn.Linear(2, 2))
+    assert gc.isenabled()
+    _Recording.seen = []
+    policies.plan(model)
+    attached = policies.attach(model, registry=CollectorRegistry())
+    attached.remove()
+    assert _Recording.seen and not any(_Recording.seen)
+    assert gc.isenabled()
+    gc.disable()  # the user's own choice stays: a pause does not turn the collector on afterwards
+    try:
+        with process.collector_paused():
+            with process.collector_paused():
+                assert not gc.isenabled()
+        policies.plan(model)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -27,6 +27,7 @@ from ..export.sinks import output_root
 from ..export.summary import summary_lines
 from ..plan.matcher import model_class
 from ..plan.planner import Plan, build_plan
+from ..process import collector_paused
 from ..policy.model import Policy
 from .decide.agreement import Vote
 from .cycle import Leftovers, StepCycle
@@ -57,6 +58,14 @@ class Attached:
         registry: Optional[CollectorRegistry] = None, rank: Optional[int] = None, audit: bool = False,
         start_step: int = 0, on_halt: Optional[Callable[[Halt], object]] = None, strict: bool = False,
         generation: int = 0,
+    ) -> None:
+        with collector_paused():  # the plan and thousands of hooks on a large model: no garbage among them
+            self._attach(policies, model, registry, rank, audit, start_step, on_halt, strict, generation)
+
+    def _attach(
+        self, policies: Sequence[Policy], model: torch.nn.Module, registry: Optional[CollectorRegistry],
+        rank: Optional[int], audit: bool, start_step: int, on_halt: Optional[Callable[[Halt], object]],
+        strict: bool, generation: int,
     ) -> None:
         self.model = model
         self._on_halt = on_halt
