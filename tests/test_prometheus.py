@@ -14,15 +14,20 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 import hookpolicy
 from helpers.outputs import metric
+from hookpolicy.export.collector import StoreCollector, store_for
+from hookpolicy.export.metrics import STAT_LABELS
 from hookpolicy.export.rules import prometheus_rules
+from hookpolicy.export.store import MetricsStore
 from helpers.models import make_model, train_then_evaluate
 
 TESTS = Path(__file__).resolve().parent
@@ -127,6 +132,43 @@ def test_scrape_has_every_family_with_samples(tmp_path: Path) -> None:
     assert metric(reg, "hookpolicy_series_dropped_total", {"policy": "tiny", "rank": "0"}) == linears - 2
     assert metric(reg, "hookpolicy_skipped_steps_total", {"policy": "everything", "rule": "skip-one", "rank": "0"}) == 1
     assert b"# HELP hookpolicy_grad_l2_norm " in text
+
+
+class _ByAddMetric(Collector):
+    """`reg`'s families, the statistic ones rebuilt from the store with prometheus_client's own `add_metric`."""
+
+    def __init__(self, reg: CollectorRegistry, stats: dict[str, dict[tuple[str, ...], float]]) -> None:
+        self.reg, self.stats = reg, stats
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.reg.collect():
+            if family.name not in self.stats:
+                yield family
+                continue
+            rebuilt = GaugeMetricFamily(family.name, family.documentation, labels=[*STAT_LABELS, "rank"])
+            for labels, value in self.stats[family.name].items():
+                rebuilt.add_metric([*labels, "0"], value)
+            yield rebuilt
+
+
+def test_the_statistic_families_expose_what_add_metric_would(tmp_path: Path) -> None:
+    """The collector builds its statistic samples itself: the exposition is byte for byte that of `add_metric`'s."""
+    (tmp_path / "everything.yaml").write_text(EVERYTHING)
+    model = make_model()
+    reg = CollectorRegistry()
+    with hookpolicy.load(str(tmp_path / "everything.yaml")).attach(model, registry=reg, rank=0):
+        train_then_evaluate(model, steps=3)
+        _, stats = store_for(reg, 0).snapshot()
+        assert len(stats) >= 50 and sum(len(series) for series in stats.values()) >= 500
+        reference = CollectorRegistry()
+        reference.register(_ByAddMetric(reg, stats))
+        assert generate_latest(reg) == generate_latest(reference)
+    store = MetricsStore(0)  # a series of other labels than the five (written directly): zipped as before
+    store.set_stats({("hookpolicy_grad_l2_norm", ("p", "r", "m", "")): 2.5}, {})
+    ours = list(StoreCollector(store).collect())[-1]
+    expected = GaugeMetricFamily("hookpolicy_grad_l2_norm", ours.documentation, labels=[*STAT_LABELS, "rank"])
+    expected.add_metric(["p", "r", "m", "", "0"], 2.5)
+    assert ours.samples == expected.samples
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool (Debian package prometheus) is not installed")
