@@ -227,9 +227,11 @@ class Matcher:
         """
         adapters = self.match.adapters
         if adapters is None:
+            if not params:  # an activation rule: the module alone, its parameters not listed
+                return [Target(entry.name, entry.qualname, entry.module, ())]
             own = entry.tuner.params() if entry.tuner is not None else [
                 (n, n) for n, _ in entry.module.named_parameters(recurse=False)]
-            return [Target(entry.name, entry.qualname, entry.module, tuple(self._select_params(own)) if params else ())]
+            return [Target(entry.name, entry.qualname, entry.module, tuple(self._select_params(own)))]
         if entry.tuner is None:
             return []
         roles = ADAPTER_ROLES[adapters]
