@@ -17,6 +17,7 @@ from hookpolicy.plan.matcher import (
     Matcher,
     ModuleEntry,
     iter_modules,
+    model_class,
     type_matches,
 )
 from hookpolicy.policy.model import Match
@@ -631,3 +632,39 @@ def test_real_distributed_data_parallel(model: TinyGPT, tmp_path: Any) -> None:
             ]
     finally:
         dist.destroy_process_group()
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+
+
+def test_model_class_reads_the_innermost_wrapped_module_as_the_whole_walk_does() -> None:
+    """model_class follows the wrapper segments down (DataParallel's `module`, torch.compile's `_orig_mod`)."""
+
+    class DistributedDataParallel(nn.Module):
+        """Named as torch's wrapper, with a child beside `module`: not a wrapper's shape."""
+
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+            self.extra = nn.Linear(1, 1)
+
+    net = _Net()
+    compiled = torch.compile(net, backend="eager")
+    cases = {
+        "plain": (net, "_Net"), "compiled": (compiled, "_Net"), "data parallel": (nn.DataParallel(net), "_Net"),
+        "data parallel of compiled": (nn.DataParallel(compiled), "_Net"),
+        "wrapper beside another child": (DistributedDataParallel(net), "_Net"),
+        "a Sequential root": (nn.Sequential(nn.Linear(1, 1)), "Sequential"),
+    }
+    for what, (model, expected) in cases.items():
+        assert model_class(model) == expected, what
+        assert model_class(model) == type(iter_modules(model)[0].module).__name__, what
+    odd = DistributedDataParallel(net)
+    del odd.module
+    odd.module = net  # now after `extra`
+    assert model_class(odd) == type(iter_modules(odd)[0].module).__name__ == "_Net"
+    odd.extra = net  # the wrapped module, reached first under another name: the walk keeps the wrapper
+    assert model_class(odd) == type(iter_modules(odd)[0].module).__name__ == "DistributedDataParallel"

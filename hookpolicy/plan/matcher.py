@@ -153,12 +153,30 @@ def model_class(model: Any) -> str:
     """The class name of the user's model: the innermost of its wrappers (DDP, torch.compile),
     and under FSDP2 the class `fully_shard` replaced (it swaps in a subclass `FSDP<Name>` of
     `FSDPModule` and the original class), so the name does not change with the wrapping."""
-    cls: type = type(iter_modules(model)[0].module)
+    cls: type = type(_root_module(model))
     fsdp = sys.modules.get("torch.distributed.fsdp")
     marker = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
     if marker is not None and issubclass(cls, marker):
         cls = next((c for c in cls.__mro__ if not issubclass(c, marker)), cls)
     return cls.__name__
+
+
+def _root_module(model: Any) -> Any:
+    """`iter_modules(model)[0].module` without walking the whole tree: down the wrapper segments.
+
+    Only the root's own children can take its place, and only through a wrapper segment; a
+    wrapper (DDP, torch.compile's module, FSDP1) holds that one child. Anything else (a
+    wrapper segment beside other children) is left to `iter_modules`.
+    """
+    module, seen = model, {id(model)}
+    while True:
+        children = [(segment, child) for segment, child in module.named_children() if child is not None]
+        if not any(_is_wrapper_segment(segment, module) for segment, _ in children):
+            return module
+        if len(children) != 1 or id(children[0][1]) in seen:
+            return iter_modules(model)[0].module
+        module = children[0][1]
+        seen.add(id(module))
 
 
 def type_matches(cls: type, spec: str) -> bool:
