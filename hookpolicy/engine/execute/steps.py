@@ -177,7 +177,7 @@ class StepTracker:
         """The root's forward begins: decide the phase; True when it is a training forward (not nested, not recomputed)."""
         phase = self.phase
         phase.depth += 1
-        if phase.depth > 1 or torch._C._current_graph_task_id() != -1:  # nested, or `recomputing()`
+        if phase.depth > 1 or recomputing():
             return False
         phase.train = module.training and torch.is_grad_enabled()
         return phase.train
@@ -186,7 +186,7 @@ class StepTracker:
         """The root's forward ended: False for an evaluation forward, True for a training one under grad, else None."""
         phase = self.phase
         phase.depth = max(0, phase.depth - 1)
-        if phase.depth or torch._C._current_graph_task_id() != -1:  # nested, or `recomputing()`
+        if phase.depth or recomputing():
             return None
         if not phase.train:
             return False
@@ -203,9 +203,7 @@ class StepTracker:
     # -- backward passes ---------------------------------------------------------------
     def backward_starts(self) -> bool:
         """A gradient reached a root output: True for the first of a backward pass."""
-        # a backward call reached the model (`loss`), also where no parameter hook fires; the writes not taken in
-        # yet would set it too, so it needs no `_flush`
-        self._scopes._touched = True
+        self._scopes.reached()  # a backward call reached the model (`loss`), also where no parameter hook fires
         if self._in_backward:
             return False
         self._in_backward = True
@@ -432,6 +430,11 @@ class Scopes:
     def touched(self, value: bool) -> None:
         self._flush()  # the writes so far come before the clearing
         self._touched = value
+
+    def reached(self) -> None:
+        """A backward pass reached the model: `touched`, with or without a parameter written (no `_flush`
+        needed: the writes not taken in yet would set it too)."""
+        self._touched = True
 
     def _flush(self) -> None:
         """Take in the writes the hooks noted since the last call: the ids popped from `_fresh`."""
