@@ -15,9 +15,9 @@ from typing import Iterator, Optional, Union
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
 
-from .metrics import FAMILIES, STAT_LABELS, Family, Labels, split_family
+from .exposition import StatFamily
+from .metrics import FAMILIES, Family, split_family
 from .store import MetricsStore
 
 __all__ = ["StoreCollector", "store_for"]
@@ -47,35 +47,7 @@ class StoreCollector(Collector):
             yield family
         for name, series in sorted(stats.items()):
             target, stat = split_family(name)
-            family = GaugeMetricFamily(
-                name, f"{stat} of the {target} tensors a rule selected, read once per step.",
-                labels=[*STAT_LABELS, "rank"],
-            )
-            family.samples = _stat_samples(name, series, rank)
-            yield family
-
-
-_POLICY, _RULE, _MODULE, _TENSOR, _MODEL = STAT_LABELS
-_sample = Sample._make
-
-
-def _stat_samples(name: str, series: dict[Labels, float], rank: str) -> list[Sample]:
-    """The samples `add_metric` would make, in one comprehension: a scrape of 10,000 series makes 10,000.
-
-    The same samples (name, labels, value, no timestamp/exemplar/histogram), hence the
-    same exposition; a label dict written out instead of zipped, no call per sample but
-    `_make`: 12 -> 5 ms a scrape of 10,000 series.
-    """
-    try:
-        return [
-            _sample((name, {_POLICY: policy, _RULE: rule, _MODULE: module, _TENSOR: tensor, _MODEL: model,
-                            "rank": rank}, value, None, None, None))
-            for (policy, rule, module, tensor, model), value in series.items()
-        ]
-    except ValueError:  # a series of other labels (a store written directly): zipped as add_metric does
-        names = (*STAT_LABELS, "rank")
-        return [_sample((name, dict(zip(names, (*labels, rank))), value, None, None, None))
-                for labels, value in series.items()]
+            yield StatFamily(name, f"{stat} of the {target} tensors a rule selected, read once per step.", series, rank)
 
 
 def _metric_family(family: Family) -> Union[CounterMetricFamily, GaugeMetricFamily]:

@@ -36,10 +36,11 @@ import weakref
 from typing import Any, Callable, Iterable, Optional
 from urllib.parse import unquote
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
 
 from ..process import Once, start_thread
 from ..say import say
+from .exposition import metrics_app
 from .webconfig import LiveWebConfig, WebConfig
 
 __all__ = [
@@ -298,7 +299,7 @@ def serve(
         say(f"rank {rank}: cannot serve metrics on {addr}:{port}: {reason}; training continues without metrics",
             logging.WARNING)
         return None
-    exporter = Exporter(RenderCache(make_wsgi_app(registry), render_interval), sock, web=web)
+    exporter = Exporter(RenderCache(metrics_app(registry), render_interval), sock, web=web)
     exporter.start()
     return exporter
 
