@@ -312,10 +312,13 @@ def markdown(info: dict[str, str], command: str, results: list[WorkloadResult], 
             _scale_row(f"build the plan ({scale.bindings:,} bindings)", scale.plan),
             _scale_row(f"**attach** (plan, compile, install {scale.hooks:,} hooks)", scale.attach, bold=True),
             _scale_row("remove", scale.remove),
-            _scale_row(f"**`generate_latest(registry)` with {scale.series:,} statistic series**"
-                       f" ({scale.scrape_bytes / 1e6:.1f} MB), wall, each after a step (it finishes the values the step handed over)",
-                       scale.scrape, 1, bold=True),
+            _scale_row(f"**the exporter's /metrics answer with {scale.series:,} statistic series**"
+                       f" ({scale.scrape_bytes / 1e6:.1f} MB, text format), wall, each after a step (it finishes the values"
+                       " the step handed over)", scale.scrape, 1, bold=True),
             _scale_row("the same scrape, CPU time of the scraping thread", scale.scrape_cpu, 1),
+            _scale_row("the same in OpenMetrics (Prometheus's Accept header), CPU time", scale.scrape_openmetrics_cpu, 1),
+            _scale_row("prometheus_client's `generate_latest(registry)` after a step (the same bytes), CPU time",
+                       scale.library_cpu, 1),
             _scale_row("the optimizer step that reads back and publishes them (`scrape.yaml`)", scale.readback_step),
             _scale_row("its read-back (fetch, hand over, publish), CPU time", scale.publish_cpu, 1),
             _scale_row("the same SGD step without a policy", scale.plain_step),

@@ -1,4 +1,10 @@
-"""Variant 6: compiling and attaching on a 10,001-module model, copying and saving it, and a 10,000-series scrape."""
+"""Variant 6: compiling and attaching on a 10,001-module model, copying and saving it, and a 10,000-series scrape.
+
+The scrape is the exporter's answer to a GET of /metrics (`hookpolicy.export.exposition.metrics_app`,
+what `hookpolicy apply --metrics-port` serves): in the text format a request without an Accept
+header gets, and in OpenMetrics, which Prometheus asks for. Both are checked to be the bytes
+of prometheus_client's own encoders, and `generate_latest(registry)` is timed beside them.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,14 @@ import copy
 import io
 import time
 from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
 
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 import hookpolicy
+from hookpolicy.export.exposition import metrics_app
 
 from models import wide_model
 from timing import Summary, readback_cpu, summarize
@@ -35,8 +44,10 @@ class ScaleResult:
     plain_step: Summary
     #: CPU time of the step's read-back (fetch, finish or hand over, publish): what publishing costs the step
     publish_cpu: Summary
-    scrape: Summary  # each after a step: it finishes the values the step handed over
+    scrape: Summary  # the exporter's text answer, each after a step: it finishes the values the step handed over
     scrape_cpu: Summary  # CPU time of the scraping thread: what the scrape costs without other tenants
+    scrape_openmetrics_cpu: Summary  # the same in OpenMetrics (Prometheus's Accept header), CPU time
+    library_cpu: Summary  # prometheus_client's generate_latest(registry) after a step, CPU time
     #: "deepcopy"/"torch.save" -> "plain"/"governed" (monitor.yaml attached) -> seconds
     copies: dict[str, dict[str, Summary]]
 
@@ -101,21 +112,45 @@ def measure_scale(repeats: int, scrapes: int, device: torch.device) -> ScaleResu
         text = generate_latest(registry)
         series = sum(1 for line in text.decode().splitlines()
                      if line.startswith(("hookpolicy_grad_l2_norm{", "hookpolicy_grad_nonfinite{")))
-        times, cpu = [], []
+        app = metrics_app(registry)
+        if _answer(app, None) != text or _answer(app, PROMETHEUS_ACCEPT) != openmetrics_latest(registry):
+            raise AssertionError("the exporter's answer is not prometheus_client's text")
+        times, cpu, openmetrics_cpu, library_cpu = [], [], [], []
         for _ in range(scrapes):  # each after a step: the scrape finishes what the step handed over
             step()
             start, cpu_start = time.perf_counter(), time.thread_time()
-            generate_latest(registry)
+            _answer(app, None)
             times.append(time.perf_counter() - start)
             cpu.append(time.thread_time() - cpu_start)
+            step()
+            cpu_start = time.thread_time()
+            _answer(app, PROMETHEUS_ACCEPT)
+            openmetrics_cpu.append(time.thread_time() - cpu_start)
+            step()
+            cpu_start = time.thread_time()
+            generate_latest(registry)
+            library_cpu.append(time.thread_time() - cpu_start)
     finally:
         attached.remove()
         timer.__exit__(None, None, None)
     return ScaleResult(
         modules, linears, bindings, hooks, summarize(loads), summarize(plans), summarize(attaches),
         summarize(removes), series, len(text), summarize(readback), summarize(plain), summarize(publish),
-        summarize(times), summarize(cpu), copies,
+        summarize(times), summarize(cpu), summarize(openmetrics_cpu), summarize(library_cpu), copies,
     )
+
+
+#: Prometheus 2's Accept header: OpenMetrics first
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+def _answer(app: Callable[..., Iterable[bytes]], accept: Optional[str]) -> bytes:
+    """The body of the exporter's answer to a GET of /metrics."""
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", "QUERY_STRING": ""}
+    if accept is not None:
+        environ["HTTP_ACCEPT"] = accept
+    return b"".join(app(environ, lambda status, headers, exc_info=None: None))
 
 
 def _copies(model: torch.nn.Module, policy: hookpolicy.PolicySet, repeats: int) -> dict[str, dict[str, Summary]]:
