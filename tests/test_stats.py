@@ -167,18 +167,17 @@ def same_bits(a: list[list[float]], b: list[list[float]]) -> bool:
         for x, y in zip(a, b))
 
 
-@pytest.fixture(params=[False, True], ids=["count_nonzero", "division"])
-def division(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both ways a CPU hook counts the nonzero elements of a tensor proved finite: `count_nonzero`, or from
-    `_DIV_MIN` elements on (here: any) the NaN-skipping sum of `x / x`."""
-    if request.param:
-        monkeypatch.setattr(stats, "_DIV_MIN", 0)
+@pytest.fixture(params=[False, True], ids=["count_nonzero", "compared"])
+def compared(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both ways a CPU hook counts the nonzero elements of its one tensor: `count_nonzero`, or from
+    `_COMPARE_MIN` elements on (here: any, NaN and Inf included) the sum of `x != 0` as 1.0 and 0.0."""
+    monkeypatch.setattr(stats, "_COMPARE_MIN", dict.fromkeys(stats._DOT_DTYPES, 0 if request.param else 1 << 62))
     return bool(request.param)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_hook_s_rows_read_on_cpu_are_the_device_path_s_bits(
-    case: str, chunked: bool, division: bool, monkeypatch: pytest.MonkeyPatch,
+    case: str, chunked: bool, compared: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What a CPU hook reads at once (`host_partials`: per-thread row buffer, host-side squares, the count
     proved) is, bit for bit, what the device path's matrix holds (`_partials`: the stacked float64 matrix
@@ -206,7 +205,7 @@ SEED_SIX = ("l2_norm", "mean", "std", "max", "min", "zero_fraction")
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_hook_s_one_row_is_the_device_path_s_bits_and_its_statistics_torch_s(
-    case: str, chunked: bool, division: bool, monkeypatch: pytest.MonkeyPatch,
+    case: str, chunked: bool, compared: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`host_row` (a hook's one tensor, its plan found once) gives, bit for bit, the device path's row
     (`_partials`) for every set of statistics, and the statistics finished from it are torch's float64
@@ -235,13 +234,13 @@ def test_a_hook_s_one_row_is_the_device_path_s_bits_and_its_statistics_torch_s(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("flush_denormal", [False, True], ids=["denormals", "flushed"])
-def test_zeros_counted_by_division_are_count_nonzero_s(
+def test_zeros_counted_by_comparison_are_count_nonzero_s(
     dtype: torch.dtype, flush_denormal: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The count of nonzero elements by `x / x` (a large tensor proved finite) is torch's `count_nonzero`,
-    with -0.0, subnormals, the largest and smallest normals among the values, and with denormals flushed
-    (`torch.set_flush_denormal`, where the CPU has it); a tensor with a NaN or Inf is counted as before."""
-    monkeypatch.setattr(stats, "_DIV_MIN", 0)
+    """The count of nonzero elements as the sum of `x != 0` (a hook's one tensor from `_COMPARE_MIN` elements
+    on) is torch's `count_nonzero`, with -0.0, subnormals, the largest and smallest normals among the values,
+    NaN and +-Inf, at the sizes the threshold and the scratch bound meet, and with denormals flushed
+    (`torch.set_flush_denormal`, where the CPU has it)."""
     info = torch.finfo(dtype)
     g = torch.Generator().manual_seed(7)
     t = torch.randn(5000, generator=g, dtype=dtype)
@@ -250,17 +249,26 @@ def test_zeros_counted_by_division_are_count_nonzero_s(
     t[5::13] = info.smallest_normal / 4  # subnormal
     t[6::17] = -info.tiny / 1024
     t[1], t[2], t[4] = info.max, -info.max, info.smallest_normal
+    bad = t.clone()
+    bad[9], bad[10], bad[12] = float("nan"), float("inf"), -float("inf")
+    big = torch.randn(stats._SCRATCH_ELEMENTS + 1, generator=g, dtype=dtype)
+    big[::3] = 0.0
+    sizes = [stats._COMPARE_MIN[dtype] - 1, stats._COMPARE_MIN[dtype], stats._SCRATCH_ELEMENTS]
     flushing = flush_denormal and torch.set_flush_denormal(True)
     try:
-        for wanted in [("zero_fraction", "min", "max"), ("l2_norm", "mean", "std", "max", "min", "zero_fraction"),
-                       ("zero_fraction", "mean")]:
-            kinds = partials_for(wanted)
-            got = stats.host_partials([t], kinds)[0][kinds.index("nonzero")]
-            assert got == float(torch.count_nonzero(t)), (wanted, got)
-        bad = t.clone()
-        bad[9] = float("nan")
-        kinds = partials_for(("zero_fraction", "min", "max"))
-        assert stats.host_partials([bad], kinds)[0][kinds.index("nonzero")] == float(torch.count_nonzero(bad))
+        for least in (0, stats._COMPARE_MIN[dtype]):
+            monkeypatch.setattr(stats, "_COMPARE_MIN", {**stats._COMPARE_MIN, dtype: least})
+            for wanted in [("zero_fraction", "min", "max"), SEED_SIX, SEED_SIX + ("nonfinite",),
+                           ("zero_fraction", "mean"), ("zero_fraction",)]:
+                kinds = partials_for(wanted)
+                plan = stats.row_plan(kinds)
+                assert plan is not None
+                for x in [t, bad, *(big[:n] for n in sizes), big]:
+                    want = float(torch.count_nonzero(x))
+                    got = stats.host_partials([x], kinds)[0][kinds.index("nonzero")]
+                    assert got == want, (wanted, x.numel(), got, want)
+                    row = stats.host_row(x, plan)
+                    assert row is None or row[kinds.index("nonzero")] == want, (wanted, x.numel(), row)
     finally:
         if flushing:
             torch.set_flush_denormal(False)

@@ -21,10 +21,10 @@ The passes, chosen by measurement (`bench/run.py`; numbers in docs/benchmarks.md
   dot product with itself (two passes, vectorized: `var_mean` is a scalar loop there,
   about 30x slower); on CUDA one `var_mean`. With `m2` at hand, l2_norm and rms need no
   pass of their own: `sumsq = m2 + sum**2 / n`.
-- zero_fraction: `count_nonzero(x)`, one pass (`x == 0` and a count would be two); on CPU,
-  from `_DIV_MIN` elements of a tensor proved finite (below), the NaN-skipping sum of `x / x`
-  (1 where x is not zero, NaN at 0 / 0): two vectorized passes, faster than `count_nonzero`'s
-  scalar loop, and the same exact count.
+- zero_fraction: `count_nonzero(x)`, one pass; on CPU, for a hook's one tensor from
+  `_COMPARE_MIN` elements on, `x != 0` written as 1.0 and 0.0 into the scratch buffer and its
+  `sum` into the row buffer: two vectorized passes, faster than `count_nonzero`'s scalar loop,
+  and the same exact count (NaN and Inf are nonzero in both; a sum of ones is an exact integer).
 - update_ratio (`target: update` only): the update's sum of squares (`sumsq`) and its
   parameter's before the update (`ref_sumsq`), which the caller measured before the
   update and hands over (`references`): `sqrt(sumsq / ref_sumsq)`, so `per: module`
@@ -226,7 +226,7 @@ def _host_matrix(
 
 
 #: The partials `_buffered_row` computes, and their places in its row buffer (the count of nonzero
-#: elements, an integer, is read apart and put in its place on the host).
+#: elements, an integer, is summed there or, by `count_nonzero`, read apart and put in its place on the host).
 _BUFFERED = {"sumsq": 0, "sum": 1, "m2": 2, "min": 3, "max": 4, "nonzero": 5}
 
 
@@ -238,8 +238,6 @@ class RowPlan(NamedTuple):
     m2: bool
     nonzero: bool
     at: tuple[int, ...]
-    #: the places of the partials whose finite values prove every element finite (`_PROOFS`), if any
-    proof: tuple[int, ...]
     #: the place of `finite` in the row (-1: not asked for), and the places in the row of the
     #: partials that prove it (`_host_plan`'s)
     finite: int = -1
@@ -256,8 +254,7 @@ def _row_plan(kinds: tuple[str, ...]) -> Optional[RowPlan]:
         return None
     minmax, sumsq, m2 = "min" in kinds or "max" in kinds, "sumsq" in kinds, "m2" in kinds
     total = m2 or "sum" in kinds
-    proof = (3, 4) if minmax else (0,) if sumsq else (2,) if m2 else (1,) if total else ()
-    return RowPlan(minmax, sumsq, total, m2, "nonzero" in kinds, tuple(_BUFFERED[k] for k in kinds), proof)
+    return RowPlan(minmax, sumsq, total, m2, "nonzero" in kinds, tuple(_BUFFERED[k] for k in kinds))
 
 
 def row_plan(kinds: Sequence[str]) -> Optional[RowPlan]:
@@ -280,7 +277,7 @@ def _buffered_row(t: torch.Tensor, kinds: Sequence[str]) -> Optional[list[float]
     the reduction of a small tensor. The same kernels on the same data as `_columns` (`sum`,
     `x - mean` into the scratch buffer and its `dot`, `aminmax`, `dot`), so the same bits;
     the count of nonzero elements is an integer, exact either way (`count_nonzero`, or for
-    a large tensor proved finite the division below).
+    a large tensor the sum of `x != 0` in `host_row`).
     """
     plan = _row_plan(tuple(kinds))
     return None if plan is None else host_row(t, plan)
@@ -310,18 +307,17 @@ def host_row(t: torch.Tensor, plan: RowPlan) -> Optional[list[float]]:
             n = flat.numel()
             dev = torch.sub(flat, cells[1], alpha=1.0 / n, out=_scratch(n, t.dtype))
             torch.dot(dev, dev, out=cells[2])
-    values = row.tolist()
-    if plan.nonzero:
+    compared = plan.nonzero and _COMPARE_MIN[t.dtype] <= flat.numel() <= min(_SCRATCH_ELEMENTS, _EXACT_FLOAT32)
+    if compared:
+        # `x != 0` as 1.0 and 0.0 into the scratch (after the deviations' dot, which is done with it), and its
+        # sum into the count's cell: the nonzero elements, NaN and +-Inf among them as `count_nonzero` counts
+        # them; every partial sum is an integer below 2**24, exact in float32. Two vectorized passes, read
+        # with the row: faster than `count_nonzero`'s scalar loop and its own read from `_COMPARE_MIN` on
         n = flat.numel()
-        if (plan.proof and _DIV_MIN <= n <= min(_SCRATCH_ELEMENTS, _EXACT_FLOAT32)
-                and all(math.isfinite(values[i]) for i in plan.proof)):
-            # every element is finite (the proof, as in `_host_rows`): x / x is exactly 1 where x is not zero
-            # and NaN (0 / 0) where it is, so the NaN-skipping sum of ones counts the nonzero elements,
-            # exactly (integers below 2**24 in float32); two vectorized passes, faster than `count_nonzero`'s
-            # scalar loop from `_DIV_MIN` elements on (1M float32 elements: 305 us against 485)
-            values[5] = float(torch.nansum(torch.div(flat, flat, out=_scratch(n, t.dtype))))
-        else:
-            values[5] = float(torch.count_nonzero(flat))  # NaN counts as nonzero, as in `_columns`
+        torch.sum(torch.ne(flat, _ZEROS[t.dtype], out=_scratch(n, t.dtype)), dim=None, out=cells[5])
+    values = row.tolist()
+    if plan.nonzero and not compared:
+        values[5] = float(torch.count_nonzero(flat))  # NaN counts as nonzero, as in `_columns`
     values = [values[i] for i in plan.at]
     if plan.finite < 0:
         return values
@@ -333,12 +329,17 @@ def host_row(t: torch.Tensor, plan: RowPlan) -> Optional[list[float]]:
     return values
 
 
-#: From this many elements on, a tensor proved finite counts its nonzero elements by division (`_buffered_row`).
-_DIV_MIN = 1 << 16
+#: From this many elements on, `host_row` counts the nonzero elements by comparison into the scratch and a sum
+#: (below, `count_nonzero` and its read cost less: warm, 1 and 2 threads, bench/zeros.py).
+_COMPARE_MIN: Mapping[torch.dtype, int] = {torch.float32: 1 << 12, torch.float64: 1 << 13}
+#: The zero `host_row` compares with, a 0-d tensor of the tensor's dtype: a Python 0 is wrapped and cast to a
+#: tensor on every call (four more operators).
+_ZEROS: Mapping[torch.dtype, torch.Tensor] = {dtype: torch.zeros((), dtype=dtype) for dtype in _DOT_DTYPES}
 
 
 def _row_buffer(dtype: torch.dtype) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """This thread's row buffer for `dtype` and its cells (the last one unused: the count's place)."""
+    """This thread's row buffer for `dtype` and its cells (the last one the count of nonzero elements, where
+    `host_row` sums it there)."""
     buffers: Optional[dict[torch.dtype, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]] = getattr(_local, "rows", None)
     if buffers is None:
         buffers = _local.rows = {}
