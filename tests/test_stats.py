@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -386,3 +386,67 @@ def test_a_first_call_under_inference_mode_leaves_the_thread_s_buffers_usable_ou
     assert len(got) == 2 and not isinstance(got[1], Exception), got
     for t, rows in zip(data, got):
         assert rows == tensor_partials([t], kinds).tolist()
+
+
+def _bits(value: float) -> bytes:
+    return b"nan" if math.isnan(value) else struct.pack("<d", value)
+
+
+def _finished_or_error(make: Callable[[], list[dict[str, float]]]) -> object:
+    try:
+        return [{stat: _bits(value) for stat, value in group.items()} for group in make()]
+    except (ValueError, OverflowError) as exc:  # math.fsum's: +inf and -inf, or an overflow, in one sum
+        return type(exc)
+
+
+def _partial(kind: str, numel: int, rng: torch.Generator, special: list[float]) -> float:
+    """A partial a tensor of `numel` elements could have: counts up to numel, a sum of squares not negative."""
+    if kind in ("nonzero", "finite"):
+        return float(int(torch.randint(0, numel + 1, (1,), generator=rng)))
+    if special and torch.rand(1, generator=rng).item() < 0.3:
+        value = special[int(torch.randint(0, len(special), (1,), generator=rng))]
+    else:  # magnitudes far apart, so that a plain sum rounds where fsum does not
+        value = torch.randn(1, generator=rng).item() * 10.0 ** int(torch.randint(-8, 9, (1,), generator=rng))
+    return abs(value) if kind == "sumsq" else value
+
+
+def test_many_groups_of_sums_merge_as_combine_merges_each_bit_for_bit() -> None:
+    """`combine_sums` (a scrape finishing thousands of groups column by column) against `combine` per group.
+
+    Groups of one row (its values as they are, -0.0 kept) and of several (fsum in row order),
+    rows of NaN, +-Inf, -0.0, subnormals and large values, every statistic a sum serves; the same
+    statistics bit for bit, and where `combine` raises (fsum of +inf and -inf, an overflow) so does it.
+    """
+    from operator import itemgetter
+
+    rng = torch.Generator().manual_seed(5)
+    special = [math.nan, math.inf, -math.inf, -0.0, 0.0, 5e-324, 1e308, -1e308, 1.0, 3.0]
+    sum_stats = [s for s in ALL if stats.summed(partials_for((s,))) and s != "numel"]
+    assert set(sum_stats) == {"l2_norm", "mean", "rms", "zero_fraction", "nonfinite"}
+    compared = raised = 0
+    for case in range(400):
+        wanted = tuple(s for s in sum_stats if torch.rand(1, generator=rng).item() < 0.5) or ("l2_norm",)
+        kinds = partials_for(wanted)
+        assert stats.summed(kinds)
+        n_rows = int(torch.randint(1, 12, (1,), generator=rng))
+        rare = case % 4 == 0  # a quarter of the cases with special values
+        numels = [int(torch.randint(0, 50, (1,), generator=rng)) for _ in range(n_rows)]
+        rows = [[_partial(kind, numel, rng, special if rare else []) for kind in kinds] for numel in numels]
+        order = torch.randperm(n_rows, generator=rng).tolist()
+        groups, start = [], 0
+        while start < n_rows:  # groups of 1-4 rows, not contiguous
+            size = int(torch.randint(1, 5, (1,), generator=rng))
+            groups.append(order[start:start + size])
+            start += size
+        expected = _finished_or_error(lambda: [
+            finish(combine([rows[i] for i in at], [numels[i] for i in at], kinds), sum(numels[i] for i in at), wanted)
+            for at in groups])
+        picks = [(itemgetter(*at), len(at) == 1) for at in groups]
+        got = _finished_or_error(lambda: [
+            finish(dict(zip(kinds, merged)), sum(numels[i] for i in at), wanted)
+            for at, merged in zip(groups, stats.combine_sums(rows, picks))])
+        assert got == expected, (case, rows, groups)
+        compared += 1
+        raised += not isinstance(expected, list)
+    assert compared == 400 and raised > 0
+    assert not stats.summed(()) and not stats.summed(partials_for(("std",))) and not stats.summed(("min", "sumsq"))

@@ -15,7 +15,8 @@ the values are the same.
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Sequence
+from operator import itemgetter
+from typing import Any, Callable, Optional, Sequence
 
 from ...export.metrics import Labels, stat_family
 from ...policy.model import OPTIMIZER_STATE, Capture
@@ -24,7 +25,7 @@ from ..execute.updates import state_group_key
 from ..measure.actions import StatsOp
 from ..measure.history import group_key
 from ..measure.rulestate import RuleState
-from ..measure.stats import combine, finish
+from ..measure.stats import combine, combine_sums, finish, summed
 
 __all__ = ["Finished", "Layout"]
 
@@ -58,6 +59,10 @@ class Layout:
         self.groups: dict[str, list[Group]] = {
             per: [(k, at, numels, sum(numels)) for k, (at, numels) in groups.items()] for per, groups in buckets.items()
         }
+        #: per `per`, each group's rows as `stats.combine_sums` picks them, where every partial merges by a sum
+        self.picks: dict[str, list[tuple[Callable[[Sequence[float]], Any], bool]]] = {
+            per: [(itemgetter(*at), len(at) == 1) for _, at, _, _ in groups] for per, groups in self.groups.items()
+        } if summed(self.op.kinds) else {}
         captures = [a for _, a in self.op.actions if isinstance(a, Capture)]
         #: every capture writes no log, no TensorBoard and keeps no ring: its values are only exported, so they may
         #: be handed over unfinished (the pass's alerts, if any, are still judged at the step)
@@ -121,10 +126,15 @@ class Finished:
         (a capture and an alert of one pass, grouped alike, read the same values; no reader changes them)."""
         finished = self._statistics.get(per)
         if finished is None:
-            rows, kinds, stats = self.rows, self.layout.op.kinds, self.layout.op.stats
-            finished = self._statistics[per] = [
-                (key, finish(combine([rows[i] for i in at], numels, kinds), total, stats))
-                for key, at, numels, total in self.layout.groups[per]]
+            rows, kinds, stats, groups = self.rows, self.layout.op.kinds, self.layout.op.stats, self.layout.groups[per]
+            picks = self.layout.picks.get(per)
+            if picks is not None:  # every partial a sum: merged as `combine` merges them, column by column
+                finished = [(key, finish(dict(zip(kinds, merged)), total, stats))
+                            for (key, _, _, total), merged in zip(groups, combine_sums(rows, picks))]
+            else:
+                finished = [(key, finish(combine([rows[i] for i in at], numels, kinds), total, stats))
+                            for key, at, numels, total in groups]
+            self._statistics[per] = finished
         return finished
 
     def judged(self, per: str, stats: frozenset[str]) -> list[tuple[tuple[str, str], dict[str, float]]]:
@@ -145,8 +155,8 @@ class Finished:
             values = []
             for _, action in self.layout.op.actions:
                 if isinstance(action, Capture):
-                    for _, stats in self.statistics(action.per):
-                        values.extend(stats[stat] for stat in action.stats)
+                    names = action.stats
+                    values += [stats[stat] for _, stats in self.statistics(action.per) for stat in names]
             self._values = values
             self._statistics = {}  # a pass handed over to the store keeps its values only, not a dict per group
         return values
