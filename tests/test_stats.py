@@ -365,7 +365,7 @@ def test_clip_norm_out_of_place_keeps_the_autograd_graph(norm_type: float) -> No
     assert all(t.grad is not None for t in leaves)
 
 
-@pytest.mark.parametrize("kinds", [["sumsq", "min", "max"], ["sum", "m2", "finite"]], ids=["row buffer", "scratch"])
+@pytest.mark.parametrize("kinds", [["sumsq", "min", "max"], ["sum", "m2", "nonzero", "finite"]], ids=["row buffer", "scratch"])
 def test_a_first_call_under_inference_mode_leaves_the_thread_s_buffers_usable_outside_it(kinds: list[str]) -> None:
     """Lightning validates (under `torch.inference_mode`) before it trains: the thread's reused buffers, made
     at that first call, must not be inference tensors, which a later call outside it could not write."""

@@ -296,28 +296,28 @@ def host_row(t: torch.Tensor, plan: RowPlan) -> Optional[list[float]]:
         return None
     rows: Optional[dict[torch.dtype, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]] = getattr(_local, "rows", None)
     row, cells = (rows and rows.get(t.dtype)) or _row_buffer(t.dtype)
-    flat = t.view(-1) if t.dim() != 1 else t
+    n = t.numel()
     if plan.minmax:
-        torch.aminmax(flat, out=(cells[3], cells[4]))
+        torch.aminmax(t, out=(cells[3], cells[4]))
     if plan.sumsq:
+        flat = t.view(-1) if t.dim() != 1 else t
         torch.dot(flat, flat, out=cells[0])
-    if plan.sum:
-        torch.sum(flat, dim=None, out=cells[1])
+    if plan.sum:  # `t` as it is, no `view`: the sum and the comparisons of a contiguous tensor are 1-D loops
+        torch.sum(t, dim=None, out=cells[1])
         if plan.m2:  # as `_moments`: the deviations from the mean into the scratch, and their dot product
-            n = flat.numel()
-            dev = torch.sub(flat, cells[1], alpha=1.0 / n, out=_scratch(n, t.dtype))
+            torch.sub(t, cells[1], alpha=1.0 / n, out=_scratch_as(t))
+            dev = _scratch(n, t.dtype)
             torch.dot(dev, dev, out=cells[2])
-    compared = plan.nonzero and _COMPARE_MIN[t.dtype] <= flat.numel() <= min(_SCRATCH_ELEMENTS, _EXACT_FLOAT32)
+    compared = plan.nonzero and _COMPARE_MIN[t.dtype] <= n <= min(_SCRATCH_ELEMENTS, _EXACT_FLOAT32)
     if compared:
         # `x != 0` as 1.0 and 0.0 into the scratch (after the deviations' dot, which is done with it), and its
         # sum into the count's cell: the nonzero elements, NaN and +-Inf among them as `count_nonzero` counts
         # them; every partial sum is an integer below 2**24, exact in float32. Two vectorized passes, read
         # with the row: faster than `count_nonzero`'s scalar loop and its own read from `_COMPARE_MIN` on
-        n = flat.numel()
-        torch.sum(torch.ne(flat, _ZEROS[t.dtype], out=_scratch(n, t.dtype)), dim=None, out=cells[5])
+        torch.sum(torch.ne(t, _ZEROS[t.dtype], out=_scratch_as(t)), dim=None, out=cells[5])
     values = row.tolist()
     if plan.nonzero and not compared:
-        values[5] = float(torch.count_nonzero(flat))  # NaN counts as nonzero, as in `_columns`
+        values[5] = float(torch.count_nonzero(t))  # NaN counts as nonzero, as in `_columns`
     values = [values[i] for i in plan.at]
     if plan.finite < 0:
         return values
@@ -613,9 +613,10 @@ def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A CPU buffer of `numel` elements, owned by this thread and reused by the next call.
 
     The view of each size is kept too (a slice is one more operator per call, 10-20 us in a
-    training step), at most `_VIEWS` sizes, dropped with the buffer when it grows.
+    training step), and of each shape `_scratch_as` asked for, at most `_VIEWS` in all, dropped
+    with the buffer when it grows.
     """
-    views: Optional[dict[tuple[torch.dtype, int], torch.Tensor]] = getattr(_local, "views", None)
+    views: Optional[dict[tuple[torch.dtype, Union[int, torch.Size]], torch.Tensor]] = getattr(_local, "views", None)
     if views is None:
         views = _local.views = {}
     view = views.get((dtype, numel))
@@ -633,6 +634,21 @@ def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
         if len(views) >= _VIEWS:
             views.clear()
         view = views[(dtype, numel)] = buf[:numel]
+    return view
+
+
+def _scratch_as(t: torch.Tensor) -> torch.Tensor:
+    """`_scratch(t.numel(), t.dtype)` in `t`'s shape, kept per shape beside the sizes' views (an `out=` of
+    another shape would be resized, and a `view` per call is one more operator)."""
+    views: Optional[dict[tuple[torch.dtype, Union[int, torch.Size]], torch.Tensor]] = getattr(_local, "views", None)
+    view = views.get((t.dtype, t.shape)) if views is not None else None
+    if view is None:
+        flat = _scratch(t.numel(), t.dtype)
+        views = _local.views
+        if len(views) >= _VIEWS:
+            views.clear()
+        with torch.inference_mode(False):  # made outside inference_mode, as `_scratch`'s views are
+            view = views[(t.dtype, t.shape)] = flat.view(t.shape)
     return view
 
 
