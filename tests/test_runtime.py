@@ -297,6 +297,57 @@ def test_audit_mode_changes_nothing(tmp_path: Path) -> None:
     assert got == ref
 
 
+def test_a_forward_alert_skips_a_step_on_which_no_step_rule_is_active(tmp_path: Path) -> None:
+    """A step rule every 3 steps and a forward alert every step: on the steps between (no step rule, no loss: the
+    cycle's quiet path) the forward alert still skips its step (a NaN input at step 4), and nothing else is
+    skipped; the parameters bit for bit against the same loop leaving step 4 out by hand, the step rule's norm
+    against vector_norm of the gradients at its steps, hookpolicy_steps_total against the optimizer's own
+    step post-hook count, and hookpolicy_last_step_timestamp_seconds within the step's own clock readings."""
+    import time
+
+    pol = load_policy(tmp_path, """
+        - name: grads
+          match: {modules: ["**"]}
+          trigger: {at: step, every: 3}
+          actions: [{capture: {stats: [l2_norm], per: rule}}]
+        - name: guard
+          match: {modules: ["inp"]}
+          trigger: {at: forward}
+          target: output
+          actions: [{alert: {if: "nonfinite > 0", then: skip_step}}]
+    """)
+    model, opt = fresh()
+    ref_model, ref_opt = fresh()
+    stepped = [0]
+    opt.register_step_post_hook(lambda o, a, k: stepped.__setitem__(0, stepped[0] + 1))
+    reg = CollectorRegistry()
+    poisoned = 4
+    with pol.attach(model, registry=reg) as attached:
+        for i, (x, y) in enumerate(batches(8)):
+            if i == poisoned:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            nn.functional.mse_loss(model(x), y).backward()
+            norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()]).double())
+            before = time.time()
+            opt.step()
+            after = time.time()
+            opt.zero_grad()
+            if i != poisoned:
+                nn.functional.mse_loss(ref_model(x), y).backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+            if i % 3 == 0:
+                assert last_values(attached)[("grads", "l2_norm")] == pytest.approx(norm.item(), rel=1e-6), i
+            labels = {"rank": "0", "model": attached.store.model}
+            assert metric(reg, "hookpolicy_steps_total", labels) == stepped[0] == i + 1
+            stamp = metric(reg, "hookpolicy_last_step_timestamp_seconds", labels)
+            assert stamp is not None and before <= stamp <= after
+            assert sample(reg, "hookpolicy_skipped_steps_total", rule="guard") == (1 if i >= poisoned else 0), i
+    for (name, p), ref in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, ref), name
+
+
 def test_audit_flag_overrides_enforce(tmp_path: Path) -> None:
     pol = load_policy(tmp_path, """
         - name: freeze

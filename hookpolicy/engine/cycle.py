@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ..errors import Halt
-from ..export.metrics import ACTIONS, AGREEMENT_WAIT, HOOK_SECONDS, LAST_STEP_TIMESTAMP, SKIPPED_STEPS, STEPS
+from ..export.metrics import ACTIONS, AGREEMENT_WAIT, HOOK_SECONDS, SKIPPED_STEPS
 from ..export.store import ModelMetrics
 from ..export.sinks import output_root
 from ..plan.planner import Plan
@@ -117,6 +117,8 @@ class StepCycle:
         self._ran_counts: list[tuple[tuple[str, ...], int]] = []
         self._removed = False
         self._handles: list[Any] = []
+        #: no `step` rule active on this step and no loss tapped (`_activate`): an update evaluates nothing
+        self._quiet = False
 
     def start(self) -> None:
         """Subscribe to optimizer steps, hook the root, watch the tree; activate the first step's rules."""
@@ -163,12 +165,16 @@ class StepCycle:
         if not self._steps.owns(optimizer):
             return
         left_out = self._steps.update_starts(optimizer)  # scope: None when this update continues the step
+        # `_quiet`: no step rule and no loss this step; with the tree as planned, `_evaluate` has nothing to re-plan
+        # and returns at once unless the ledger holds entries or the ranks agree (asked here without its calls)
+        quiet = self._quiet and not self._rebinding.stale
         if left_out is not None:
-            self._steps.skipping = self._evaluate(left_out)
+            self._steps.skipping = (not quiet or not self.ledger.empty() or self.agreement.active()) and self._evaluate(
+                left_out)
         if self._steps.skipping:
             self._hidden.hide(optimizer)
         else:
-            self.updates.before(optimizer, self.installer.step_rules())
+            self.updates.before(optimizer, () if quiet else self.installer.step_rules())
         self.healing.before(optimizer, self.step)
 
     def _evaluate(self, left_out: frozenset[int]) -> bool:
@@ -377,10 +383,10 @@ class StepCycle:
 
     def _end_step(self) -> None:
         self.step += 1
-        self.store.raise_to(STEPS, (), self.step)
-        self.store.set(LAST_STEP_TIMESTAMP, (), time.time())
+        self.store.step_ended(self.step, time.time())  # STEPS raised to it, LAST_STEP_TIMESTAMP now: one lock
         self._forwarded = False
-        self._replan_if_changed()
+        if self._rebinding.stale:  # else `_replan_if_changed` has nothing to do
+            self._replan_if_changed()
         self._activate()
 
     @property
@@ -397,6 +403,7 @@ class StepCycle:
         self.installer.activate(self.step)
         if self._loss is not None:
             self._loss.set_active(any(rs.rule.target == LOSS for rs in self.installer.step_rules()))
+        self._quiet = self._loss is None and not self.installer.has_step_rules
 
     def _heal_fault(self, key: tuple[str, str], exc: Exception) -> bool:
         """A snapshot that could not be taken or put back: a fault of rule `key`; whether the rule is still in force."""

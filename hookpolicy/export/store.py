@@ -23,7 +23,10 @@ from typing import Callable, Collection, Hashable, Iterable, Mapping, Optional, 
 from ..environment import run_id
 from ..policy.model import Policy
 from ..process import Once
-from .metrics import MODEL_FAMILIES, RELOAD_SUCCESSFUL, RUN_INFO, SERIES_DROPPED, STAT_FAMILIES, Family, Labels, checked_name
+from .metrics import (
+    LAST_STEP_TIMESTAMP, MODEL_FAMILIES, RELOAD_SUCCESSFUL, RUN_INFO, SERIES_DROPPED, STAT_FAMILIES, STEPS, Family, Labels,
+    checked_name,
+)
 
 __all__ = ["Deferred", "MetricsStore", "ModelMetrics"]
 
@@ -33,6 +36,8 @@ Key = tuple[str, Labels]
 
 #: the families whose series carry the `model` label, by name (a name is found without hashing a `Family`)
 _MODEL_NAMES = frozenset(family.name for family in MODEL_FAMILIES)
+#: the two families a step's end writes (`step_ended`), each labelled by the model alone
+_STEPS, _STAMP = STEPS.name, LAST_STEP_TIMESTAMP.name
 
 
 class Deferred(Protocol):
@@ -99,6 +104,14 @@ class MetricsStore:
         name = checked_name(family, labels)
         with self._lock:
             self._engine[name][labels] = value
+
+    def step_ended(self, labels: Labels, step: int, at: float) -> None:
+        """A model's step counted: `STEPS` raised to `step` (as `raise_to`) and `LAST_STEP_TIMESTAMP` set to `at`,
+        under one lock (every step's end writes these two)."""
+        with self._lock:
+            steps, stamps = self._engine[_STEPS], self._engine[_STAMP]
+            steps[labels] = max(steps.get(labels, 0.0), step)
+            stamps[labels] = at
 
     def config_loaded(self, ok: Optional[bool] = None) -> None:
         """Write RELOAD_SUCCESSFUL, and nothing else does: `ok` is a (re)load's outcome.
@@ -380,6 +393,7 @@ class ModelMetrics:
         self.store = store
         self.model = model
         self.rank = store.rank
+        self._model_labels = (model,)  # the labels of `STEPS` and `LAST_STEP_TIMESTAMP`
 
     def _labels(self, family: Family, labels: Labels) -> Labels:
         return (*labels, self.model) if family.name in _MODEL_NAMES else labels
@@ -399,6 +413,10 @@ class ModelMetrics:
 
     def set(self, family: Family, labels: Labels, value: float) -> None:
         self.store.set(family, self._labels(family, labels), value)
+
+    def step_ended(self, step: int, at: float) -> None:
+        """`MetricsStore.step_ended` for this model: its step counter and the timestamp of its last step."""
+        self.store.step_ended(self._model_labels, step, at)
 
     def config_loaded(self, ok: Optional[bool] = None) -> None:
         self.store.config_loaded(ok)

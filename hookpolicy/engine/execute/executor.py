@@ -371,7 +371,8 @@ class HookInstaller:
         """Install hooks for the rules active at `step`; nothing changes if the set is the same."""
         active = frozenset(
             key for key, rs in self._rules.items()
-            if not rs.off and rs.rule.trigger.active_at(step) and self._awake(key, rs, step)
+            if not rs.off and rs.rule.trigger.active_at(step) and (rs.rule.trigger.after is None
+                                                                   or self._awake(key, rs, step))
         )
         if active == self._active:
             return
@@ -399,6 +400,11 @@ class HookInstaller:
     def step_rules(self) -> list[RuleState]:
         """The `step` rules active now and not switched off, in plan order (found when the active set changed)."""
         return [rs for rs in self._step if not rs.off]
+
+    @property
+    def has_step_rules(self) -> bool:
+        """Whether a `step` rule is active now, switched off or not (False: `step_rules()` is empty, whatever turns off)."""
+        return bool(self._step)
 
     @property
     def handles(self) -> list[module_hooks.OwnHandle]:
