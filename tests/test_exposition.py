@@ -62,6 +62,22 @@ def _stats(labels: list[str], values: list[float], module: str = "m") -> dict[tu
     return stats
 
 
+def _grads_policy(name: str, stats: str) -> str:
+    """A policy `name` capturing `stats` of every Linear's gradients per module at the step (more rules may follow)."""
+    return f"""\
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {{name: {name}}}
+spec:
+  rules:
+    - name: grads
+      match: {{types: [Linear]}}
+      trigger: {{at: step}}
+      target: grad
+      actions: [{{capture: {{stats: [{stats}], per: module}}}}]
+"""
+
+
 def _ask(app: Any, method: str = "GET", path: str = "/metrics", query: str = "", accept: Any = None,
          encoding: Any = None) -> tuple[str, list[tuple[str, str]], bytes]:
     environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": query}
@@ -147,17 +163,7 @@ def test_a_statistic_family_reads_as_add_metric_made_it() -> None:
 
 def test_a_trained_model_s_scrapes_are_the_library_s(tmp_path: Any) -> None:
     """A real attachment: values handed over by the step and finished at the scrape, three scrapes apart."""
-    (tmp_path / "p.yaml").write_text("""\
-apiVersion: hookpolicy/v1
-kind: HookPolicy
-metadata: {name: scrape}
-spec:
-  rules:
-    - name: grads
-      match: {types: [Linear]}
-      trigger: {at: step}
-      target: grad
-      actions: [{capture: {stats: [l2_norm, nonfinite, mean], per: module}}]
+    (tmp_path / "p.yaml").write_text(_grads_policy("scrape", "l2_norm, nonfinite, mean") + """\
     - name: outputs
       match: {types: [Linear, LayerNorm]}
       trigger: {at: forward}
@@ -187,3 +193,30 @@ def test_a_registry_without_statistics_is_the_library_s(encoder: Any) -> None:
     Gauge("alone", "Nothing of hookpolicy's.", registry=registry).set(1)
     assert Exposition(registry).render(encoder) == encoder(registry)
     assert Exposition(CollectorRegistry()).render(encoder) == encoder(CollectorRegistry())
+
+
+def test_a_step_whose_sums_are_plus_and_minus_inf_is_scraped_with_torch_s_values(tmp_path: Any) -> None:
+    """A module's gradient summing to +inf in its weight and -inf in its bias: the scrape answers (it raised in
+    math.fsum), with the mean and l2_norm torch gives the module's gradients together."""
+    (tmp_path / "p.yaml").write_text(_grads_policy("infs", "mean, l2_norm"))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 1))
+    registry = CollectorRegistry()
+    ours = metrics_app(registry)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    labels = {"policy": "infs", "rule": "grads", "module": "0", "tensor": "", "model": "Sequential", "rank": "0"}
+    with hookpolicy.load(str(tmp_path / "p.yaml")).attach(model, registry=registry, rank=0):
+        for infinite in (False, True, False):
+            model(torch.ones(1, 2)).sum().backward()
+            model[0].weight.grad.fill_(math.inf if infinite else 1.5)
+            model[0].bias.grad.fill_(-math.inf if infinite else -0.5)
+            grads = torch.cat([model[0].weight.grad.flatten(), model[0].bias.grad]).double()
+            opt.step()
+            status, _, body = _ask(ours)
+            assert status == "200 OK" and body == generate_latest(registry)
+            mean = registry.get_sample_value("hookpolicy_grad_mean", labels)
+            norm = registry.get_sample_value("hookpolicy_grad_l2_norm", labels)
+            assert mean is not None and norm is not None
+            want_mean, want_norm = grads.mean().item(), torch.linalg.vector_norm(grads).item()
+            assert (math.isnan(mean) and math.isnan(want_mean)) or mean == pytest.approx(want_mean, rel=1e-6)
+            assert norm == pytest.approx(want_norm, rel=1e-6)  # a step rule's norms accumulate in float32
+            opt.zero_grad()

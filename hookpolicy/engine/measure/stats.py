@@ -62,7 +62,7 @@ import torch
 
 __all__ = [
     "PARTIALS", "RowPlan", "partials_for", "tensor_partials", "host_partials", "host_row", "row_plan",
-    "reads_at_once", "sums_of_squares", "resolve_counts", "combine", "combine_sums", "finish", "summed",
+    "reads_at_once", "sums_of_squares", "resolve_counts", "combine", "combine_sums", "exact_sum", "finish", "summed",
 ]
 
 #: The partials a hook computes, in column order.
@@ -676,11 +676,38 @@ def combine(
         elif kind == "max":
             merged[kind] = _nan_aware(max, values)
         else:
-            merged[kind] = math.fsum(values)
+            try:
+                merged[kind] = math.fsum(values)
+            except (ValueError, OverflowError):
+                merged[kind] = exact_sum(values)
     return merged
 
 
-#: the partials that merge by an exact sum (`math.fsum`, as `combine` merges them): all but m2, min and max
+def exact_sum(values: Sequence[float]) -> float:
+    """`math.fsum`, and what IEEE addition gives where fsum raises instead of answering.
+
+    +inf and -inf together: NaN (fsum raises ValueError), as torch's float64 sum of the
+    elements gives. An intermediate overflow of finite values (fsum raises OverflowError):
+    the exact sum of the values scaled by 2**-64, scaled back, which is +-inf only where
+    the exact sum overflows (and exact unless a term is subnormal once scaled). Before, a
+    mean of a module whose weight's gradient summed to +inf and its bias's to -inf raised
+    out of the step's read-back and out of every scrape until the next step.
+    """
+    try:
+        return math.fsum(values)
+    except ValueError:
+        return math.nan
+    except OverflowError:
+        try:
+            return math.fsum([v * _DOWN for v in values]) * _UP
+        except ValueError:  # an overflow, then +inf and -inf
+            return math.nan
+
+
+_DOWN, _UP = 2.0 ** -64, 2.0 ** 64
+
+
+#: the partials that merge by an exact sum (`exact_sum`, as `combine` merges them): all but m2, min and max
 _SUMMED = frozenset(PARTIALS) - {"m2", "min", "max"}
 
 
@@ -696,13 +723,17 @@ def combine_sums(
 
     `picks` gives each group's rows: `operator.itemgetter` of their indices, and whether
     there is one. Each group's merged row (in `kinds`' order) is what `combine` gives
-    it: a lone row's values as they are, several rows' `math.fsum` in row order; only
+    it: a lone row's values as they are, several rows' `exact_sum` in row order; only
     the per-group frames and dicts of `combine` are gone (a scrape finishing 5,000
     groups).
     """
     columns = list(zip(*rows))
     fsum = math.fsum
-    return list(zip(*[[pick(column) if one else fsum(pick(column)) for pick, one in picks] for column in columns]))
+    try:
+        merged = [[pick(column) if one else fsum(pick(column)) for pick, one in picks] for column in columns]
+    except (ValueError, OverflowError):  # a sum fsum cannot take (+inf and -inf, an overflow): as combine takes it
+        merged = [[pick(column) if one else exact_sum(pick(column)) for pick, one in picks] for column in columns]
+    return list(zip(*merged))
 
 
 def _merge_m2(m2s: Sequence[float], sums: Sequence[float], numels: Sequence[int]) -> float:
