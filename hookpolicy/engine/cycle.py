@@ -49,7 +49,7 @@ from ..export.store import ModelMetrics
 from ..export.sinks import output_root
 from ..plan.planner import Plan
 from ..policy.model import AFTER_UPDATE, LOSS, AlertKey, Policy, rule_name
-from .hooks import module_hooks, optimizer_hooks
+from .hooks import module_hooks, optimizer_hooks, tensor_hooks
 from .decide.agreement import Agreed, Agreement, job_loss_rule, reduced
 from .hooks.wrappers import data_parallel
 from .decide.alerts import StepReport
@@ -495,11 +495,11 @@ class StepCycle:
         elif training:
             if isinstance(output, torch.Tensor):  # the usual root output: no walk
                 if output.requires_grad and output.is_floating_point() and output.numel() > 0:
-                    output.register_hook(self._grad_hook)  # type: ignore[no-untyped-call]
+                    tensor_hooks.add(output, self._grad_hook)
                 return
             for _, t in named_tensors(output, _ALL):
                 if t.requires_grad:
-                    t.register_hook(self._grad_hook)  # type: ignore[no-untyped-call]
+                    tensor_hooks.add(t, self._grad_hook)
 
 
 

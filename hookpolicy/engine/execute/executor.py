@@ -59,7 +59,7 @@ from ...export.store import ModelMetrics
 from ...plan.planner import Binding, Plan, build_plan
 from ...process import Once
 from ...policy.model import Alert, AlertKey, Policy, RuleKey
-from ..hooks import module_hooks
+from ..hooks import module_hooks, tensor_hooks
 from .programs import Faults, Programs, measure_plans, measures_only, ran_labels
 from ..measure.rulestate import RuleState, rebind
 from .steps import Phase, recomputing
@@ -139,11 +139,11 @@ class Executor:
             if target == "grad_output":
                 if bare:
                     if output.requires_grad and output.is_floating_point() and output.numel() > 0:
-                        output.register_hook(c.on_grad)
+                        tensor_hooks.add(output, c.on_grad)
                     continue
                 for name, t in named_tensors(output, c.keep):
                     if t.requires_grad:
-                        t.register_hook(grad_hook_of(self._grad_hook, c, name))  # type: ignore[no-untyped-call]
+                        tensor_hooks.add(t, grad_hook_of(self._grad_hook, c, name))
             elif target == "grad_input":
                 self._check_grad_input(c, (args, kwargs))
             elif not inside_recompute:
@@ -176,7 +176,7 @@ class Executor:
         for name, t in _input_tensors(inputs, c.keep):
             if t.requires_grad:
                 view = t.view_as(t)
-                view.register_hook(grad_hook_of(self._grad_hook, c, name))  # type: ignore[no-untyped-call]
+                tensor_hooks.add(view, grad_hook_of(self._grad_hook, c, name))
                 views[name] = view
         if not views:
             if self._said_inplace(b.key + (b.module,)):
