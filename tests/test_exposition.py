@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest, make_wsgi_app
+from prometheus_client import exposition as text_format
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 import hookpolicy
@@ -127,7 +128,8 @@ def test_the_heads_are_made_once_and_follow_the_series_the_store_holds() -> None
     exposition = Exposition(registry)
     assert exposition.render(generate_latest) == generate_latest(registry)
     held = sum(len(series) for series in store.snapshot()[1].values())
-    assert sum(len(heads) for heads in exposition._heads.values()) == held == 2 * len(ODD) * len(VALUES)
+    assert sum(len(heads) for heads in exposition._heads[(generate_latest,)].values()) == held
+    assert held == 2 * len(ODD) * len(VALUES)
     # the second scrape formats no label: the library's sample formatting is not called for the statistics
     store.set_stats(_stats(ODD, [v * 3 for v in VALUES]), {})
     assert exposition.render(generate_latest) == generate_latest(registry)
@@ -138,11 +140,27 @@ def test_the_heads_are_made_once_and_follow_the_series_the_store_holds() -> None
         assert exposition.render(generate_latest) == generate_latest(registry), render
         assert exposition.render(openmetrics_latest) == openmetrics_latest(registry), render
     held = {labels for series in store.snapshot()[1].values() for labels in series}
-    text_heads = [heads for (key, *_), heads in exposition._heads.items() if key[0] is generate_latest]
-    assert {labels for heads in text_heads for labels in heads} == held
+    assert {labels for heads in exposition._heads[(generate_latest,)].values() for labels in heads} == held
     store.forget_policy("pol")
     store.forget_policy("say \"hi\"")
     assert exposition.render(generate_latest) == generate_latest(registry)
+    held = {labels for series in store.snapshot()[1].values() for labels in series}
+    assert {labels for heads in exposition._heads[(generate_latest,)].values() for labels in heads} == held
+
+
+def test_clients_asking_for_many_formats_cannot_grow_the_heads_without_bound() -> None:
+    """A client chooses the Accept header (any OpenMetrics version >= 1.0.0): the heads of a few encoders are kept."""
+    registry, _ = _registry()
+    ours, library = metrics_app(registry), make_wsgi_app(registry)
+    exposition = Exposition(registry)
+    for minor in range(12):
+        accept = f"application/openmetrics-text;version=1.{minor}.0"
+        assert _ask(ours, accept=accept) == _ask(library, accept=accept)
+        encoder, _ = text_format.choose_encoder(accept)
+        assert exposition.render(encoder) == encoder(registry)
+        assert len(exposition._heads) <= Exposition.MAX_ENCODERS
+    assert exposition.render(generate_latest) == generate_latest(registry)
+    assert (generate_latest,) in exposition._heads and len(exposition._heads) == Exposition.MAX_ENCODERS
 
 
 def test_a_statistic_family_reads_as_add_metric_made_it() -> None:

@@ -119,16 +119,18 @@ def _encoder_key(encoder: Encoder) -> Optional[tuple[Any, ...]]:
 class Exposition:
     """Encodes `registry` as a library encoder would, statistic series' heads formatted once (module docstring).
 
-    The heads are kept per encoder (format, escaping, version) and family for the series
-    of the last scrape only: a series forgotten by the store is forgotten here at the next
-    scrape. One render at a time (a lock).
+    The heads are kept per encoder (format, escaping, version: `MAX_ENCODERS` at most, as
+    clients choose them) and family, for the series of the last scrape only: a series
+    forgotten by the store is forgotten here at the next scrape. One render at a time (a lock).
     """
+
+    MAX_ENCODERS = 4
 
     def __init__(self, registry: Any) -> None:
         self.registry = registry
         self._lock = threading.Lock()
-        #: (encoder key, family, rank) -> labels -> the series' line up to its value
-        self._heads: dict[tuple[Any, ...], dict[Labels, str]] = {}
+        #: encoder key -> (family, rank) -> labels -> the series' line up to its value
+        self._heads: dict[tuple[Any, ...], dict[tuple[str, str], dict[Labels, str]]] = {}
 
     def render(self, encoder: Encoder) -> bytes:
         """`encoder(registry)`'s bytes."""
@@ -136,27 +138,33 @@ class Exposition:
         if key is None:
             return encoder(self.registry)
         with self._lock:
+            held = self._heads.pop(key, None)
+            if held is None:
+                held = {}
+                while len(self._heads) >= self.MAX_ENCODERS:  # the encoder asked for least recently goes
+                    del self._heads[next(iter(self._heads))]
+            heads: dict[tuple[str, str], dict[Labels, str]] = {}
+            self._heads[key] = heads  # the most recent last; only the families of this scrape stay
             tail = encoder(_Families())
             parts: list[bytes] = []
-            seen: set[tuple[Any, ...]] = set()
             for family in self.registry.collect():
-                text = self._family(encoder, key, tail, family, seen) if isinstance(family, StatFamily) else None
+                text = None
+                if isinstance(family, StatFamily):
+                    where = (family.name, family.rank)
+                    heads[where] = held.get(where, {})
+                    text = self._family(encoder, tail, family, heads, where)
                 if text is None:
                     text = _without(encoder(_Families(family)), tail)
                 parts.append(text)
-            for gone in [k for k in self._heads if k[0] == key and k not in seen]:
-                del self._heads[gone]
             parts.append(tail)
             return b"".join(parts)
 
-    def _family(self, encoder: Encoder, key: tuple[Any, ...], tail: bytes, family: StatFamily,
-                seen: set[tuple[Any, ...]]) -> Optional[bytes]:
+    @staticmethod
+    def _family(encoder: Encoder, tail: bytes, family: StatFamily, held: dict[tuple[str, str], dict[Labels, str]],
+                where: tuple[str, str]) -> Optional[bytes]:
         """The family's text from its series, or None where the library's text has another shape."""
         header = _without(encoder(_Families(GaugeMetricFamily(family.name, family.documentation))), tail)
-        where = (key, family.name, family.rank)
-        seen.add(where)
-        heads = self._heads.setdefault(where, {})
-        series = family.series
+        heads, series = held[where], family.series
         new = [labels for labels in series if labels not in heads]
         if new:
             probe = GaugeMetricFamily(family.name, family.documentation)
@@ -168,8 +176,8 @@ class Exposition:
             if len(lines) != len(new) + 1 or lines[-1] or not all(line.endswith(" 0.0") for line in lines[:-1]):
                 return None
             heads.update(zip(new, (line[:-4] for line in lines)))
-            if len(heads) != len(series):  # series forgotten since: keep only the current ones
-                heads = self._heads[where] = {labels: heads[labels] for labels in series}
+        if len(heads) != len(series):  # series forgotten since: keep only the current ones
+            heads = held[where] = {labels: heads[labels] for labels in series}
         body = "".join([f"{heads[labels]} {_value_text(value)}\n" for labels, value in series.items()])
         return header + body.encode("utf-8")
 
