@@ -170,8 +170,8 @@ def same_bits(a: list[list[float]], b: list[list[float]]) -> bool:
 @pytest.fixture(params=[False, True], ids=["count_nonzero", "compared"])
 def compared(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Both ways a CPU hook counts the nonzero elements of its one tensor: `count_nonzero`, or from
-    `_COMPARE_MIN` elements on (here: any, NaN and Inf included) the sum of `x != 0` as 1.0 and 0.0."""
-    monkeypatch.setattr(stats, "_COMPARE_MIN", dict.fromkeys(stats._DOT_DTYPES, 0 if request.param else 1 << 62))
+    `_COMPARE_MIN` elements on (any: NaN and Inf included) the sum of `x != 0` as 1.0 and 0.0."""
+    monkeypatch.setattr(stats, "_COMPARE_MIN", 1 if request.param else 1 << 62)
     return bool(request.param)
 
 
@@ -237,9 +237,9 @@ def test_a_hook_s_one_row_is_the_device_path_s_bits_and_its_statistics_torch_s(
 def test_zeros_counted_by_comparison_are_count_nonzero_s(
     dtype: torch.dtype, flush_denormal: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The count of nonzero elements as the sum of `x != 0` (a hook's one tensor from `_COMPARE_MIN` elements
-    on) is torch's `count_nonzero`, with -0.0, subnormals, the largest and smallest normals among the values,
-    NaN and +-Inf, at the sizes the threshold and the scratch bound meet, and with denormals flushed
+    """The count of nonzero elements as the sum of `x != 0` (a hook's one tensor within the scratch buffer's
+    size) is torch's `count_nonzero`, with -0.0, subnormals, the largest and smallest normals among the values,
+    NaN and +-Inf, at sizes from 1 to the scratch bound and beyond it, and with denormals flushed
     (`torch.set_flush_denormal`, where the CPU has it)."""
     info = torch.finfo(dtype)
     g = torch.Generator().manual_seed(7)
@@ -253,11 +253,11 @@ def test_zeros_counted_by_comparison_are_count_nonzero_s(
     bad[9], bad[10], bad[12] = float("nan"), float("inf"), -float("inf")
     big = torch.randn(stats._SCRATCH_ELEMENTS + 1, generator=g, dtype=dtype)
     big[::3] = 0.0
-    sizes = [stats._COMPARE_MIN[dtype] - 1, stats._COMPARE_MIN[dtype], stats._SCRATCH_ELEMENTS]
+    sizes = [1, 640, 4095, 4096, stats._SCRATCH_ELEMENTS]
     flushing = flush_denormal and torch.set_flush_denormal(True)
     try:
-        for least in (0, stats._COMPARE_MIN[dtype]):
-            monkeypatch.setattr(stats, "_COMPARE_MIN", {**stats._COMPARE_MIN, dtype: least})
+        for least in (1, 1 << 62):  # compared, and `count_nonzero`
+            monkeypatch.setattr(stats, "_COMPARE_MIN", least)
             for wanted in [("zero_fraction", "min", "max"), SEED_SIX, SEED_SIX + ("nonfinite",),
                            ("zero_fraction", "mean"), ("zero_fraction",)]:
                 kinds = partials_for(wanted)

@@ -21,8 +21,8 @@ The passes, chosen by measurement (`bench/run.py`; numbers in docs/benchmarks.md
   dot product with itself (two passes, vectorized: `var_mean` is a scalar loop there,
   about 30x slower); on CUDA one `var_mean`. With `m2` at hand, l2_norm and rms need no
   pass of their own: `sumsq = m2 + sum**2 / n`.
-- zero_fraction: `count_nonzero(x)`, one pass; on CPU, for a hook's one tensor from
-  `_COMPARE_MIN` elements on, `x != 0` written as 1.0 and 0.0 into the scratch buffer and its
+- zero_fraction: `count_nonzero(x)`, one pass; on CPU, for a hook's one tensor within the
+  scratch buffer's size, `x != 0` written as 1.0 and 0.0 into the scratch buffer and its
   `sum` into the row buffer: two vectorized passes, faster than `count_nonzero`'s scalar loop,
   and the same exact count (NaN and Inf are nonzero in both; a sum of ones is an exact integer).
 - update_ratio (`target: update` only): the update's sum of squares (`sumsq`) and its
@@ -308,12 +308,12 @@ def host_row(t: torch.Tensor, plan: RowPlan) -> Optional[list[float]]:
             torch.sub(t, cells[1], alpha=1.0 / n, out=_scratch_as(t))
             dev = _scratch(n, t.dtype)
             torch.dot(dev, dev, out=cells[2])
-    compared = plan.nonzero and _COMPARE_MIN[t.dtype] <= n <= min(_SCRATCH_ELEMENTS, _EXACT_FLOAT32)
+    compared = plan.nonzero and _COMPARE_MIN <= n <= min(_SCRATCH_ELEMENTS, _EXACT_FLOAT32)
     if compared:
         # `x != 0` as 1.0 and 0.0 into the scratch (after the deviations' dot, which is done with it), and its
         # sum into the count's cell: the nonzero elements, NaN and +-Inf among them as `count_nonzero` counts
         # them; every partial sum is an integer below 2**24, exact in float32. Two vectorized passes, read
-        # with the row: faster than `count_nonzero`'s scalar loop and its own read from `_COMPARE_MIN` on
+        # with the row: faster than `count_nonzero`'s scalar loop and its own read (`_COMPARE_MIN`)
         torch.sum(torch.ne(t, _ZEROS[t.dtype], out=_scratch_as(t)), dim=None, out=cells[5])
     values = row.tolist()
     if plan.nonzero and not compared:
@@ -329,9 +329,11 @@ def host_row(t: torch.Tensor, plan: RowPlan) -> Optional[list[float]]:
     return values
 
 
-#: From this many elements on, `host_row` counts the nonzero elements by comparison into the scratch and a sum
-#: (below, `count_nonzero` and its read cost less: warm, 1 and 2 threads, bench/zeros.py).
-_COMPARE_MIN: Mapping[torch.dtype, int] = {torch.float32: 1 << 12, torch.float64: 1 << 13}
+#: From this many elements on, `host_row` counts the nonzero elements by comparison into the scratch and a sum:
+#: every size. In a warm loop `count_nonzero` and its read cost about 1 us less below 4,096 float32 / 8,192
+#: float64 elements (bench/zeros.py), but in a training step's cold caches the comparison wins there too (the
+#: CNN's 640-element tensors, where-the-time-goes.md); the tests raise it to check the other way.
+_COMPARE_MIN = 1
 #: The zero `host_row` compares with, a 0-d tensor of the tensor's dtype: a Python 0 is wrapped and cast to a
 #: tensor on every call (four more operators).
 _ZEROS: Mapping[torch.dtype, torch.Tensor] = {dtype: torch.zeros((), dtype=dtype) for dtype in _DOT_DTYPES}
