@@ -83,3 +83,66 @@ def test_a_torch_function_mode_sees_the_registration() -> None:
     assert torch.Tensor.register_hook in mode.funcs
     t.sum().backward()
     assert len(calls) == 1 and torch.equal(calls[0], torch.ones(4))
+
+
+GRAD_OUTPUT = """
+apiVersion: hookpolicy/v1
+kind: HookPolicy
+metadata: {name: compiled}
+spec:
+  rules:
+    - name: grads
+      match: {types: [Linear]}
+      trigger: {at: backward}
+      target: grad_output
+      actions:
+        - capture: {stats: [l2_norm, abs_max]}
+"""
+
+
+@pytest.mark.slow
+def test_a_compiled_model_s_grad_output_is_register_hook_s_without_a_graph_break_of_its_own(tmp_path: Any) -> None:
+    """Under `torch.compile` Dynamo traces the forward hook; `add` then goes through `register_hook`, which
+    Dynamo knows (writing `_backward_hooks` would break the graph). Each step's grad_output norm and abs max
+    are those of the gradients a `register_hook` on an uncompiled twin saw."""
+    import hookpolicy
+    from prometheus_client import CollectorRegistry
+    from torch._dynamo.utils import counters
+
+    def build() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    model, twin = build(), build()
+    path = tmp_path / "policy.yaml"
+    path.write_text(GRAD_OUTPUT)
+    registry = CollectorRegistry()
+    attached = hookpolicy.load(path).attach(model, registry=registry)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    try:
+        for _ in range(3):
+            compiled(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            seen: dict[str, torch.Tensor] = {}
+            first = twin[0](x)
+            first.register_hook(lambda g: seen.__setitem__("0", g.clone()))  # type: ignore[func-returns-value]
+            last = twin[2](twin[1](first))
+            last.register_hook(lambda g: seen.__setitem__("2", g.clone()))  # type: ignore[func-returns-value]
+            last.square().sum().backward()
+            twin_opt.step()
+            twin_opt.zero_grad()
+            for module, grad in seen.items():
+                labels = {"model": "Sequential", "policy": "compiled", "rule": "grads", "module": module, "tensor": "",
+                          "rank": "0"}
+                norm = registry.get_sample_value("hookpolicy_grad_output_l2_norm", labels)
+                top = registry.get_sample_value("hookpolicy_grad_output_abs_max", labels)
+                assert norm == pytest.approx(float(torch.linalg.vector_norm(grad.double())), rel=1e-6)
+                assert top == float(grad.abs().max())
+    finally:
+        attached.remove()
+    assert not [reason for reason in counters["graph_break"] if "_backward_hooks" in reason]

@@ -13,7 +13,9 @@ The key is a new `object()`: never equal to a `RemovableHandle` id (an int), so 
 own hooks on the same tensor, registered before or after, keep theirs and can remove
 them; two of ours on one tensor are two entries, run in the order they were added, as
 two `register_hook` calls would be. A tensor that `__torch_function__` applies to (a
-subclass, an active mode) goes through `register_hook` itself, so the override sees it.
+subclass, an active mode) goes through `register_hook` itself, so the override sees it,
+and so does a hook that Dynamo traces (`torch.compile`): it knows `register_hook`, while
+writing `_backward_hooks` would break its graph there.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ import torch
 __all__ = ["add"]
 
 _overridden = torch._C._has_torch_function_unary
+_compiling = torch.compiler.is_compiling
 
 
 def add(t: torch.Tensor, hook: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> None:
     """`t.register_hook(hook)` for a tensor that requires grad, the handle left out (see the module docstring)."""
-    if _overridden(t):
+    if _overridden(t) or _compiling():
         t.register_hook(hook)  # type: ignore[no-untyped-call]
         return
     hooks: Any = t._backward_hooks  # typed as keyed by int: a handle's id
