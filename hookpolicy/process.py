@@ -36,6 +36,7 @@ hookpolicy, and each is the one home of what it holds):
 | `_DTENSOR`                    | `engine/measure/distributed.py`     | the DTensor class, once torch.distributed.tensor is in    |
 | `_AROUND`                     | `engine/hooks/wrappers.py`  | per module, the DDP/FSDP wrappers found around it (weakly) |
 | `_local`                      | `engine/measure/stats.py`           | per-thread scratch buffers                                |
+| `_PARTS`                      | `engine/hooks/contain.py`           | every process-wide `Part` alive (weakly), for `switched_off()` |
 | `_CHECKED_CLASSES`            | `engine/execute/executor.py`        | the `Once` of classes checked for their own reducer       |
 | `_STORES`                     | `export/collector.py`       | per `CollectorRegistry` (weakly), its one `MetricsStore`   |
 | `_LISTENING`                  | `export/exporter.py`        | the exporters whose socket may be open (weakly)           |

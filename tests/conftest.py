@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Optional
 import pytest
 import torch
 
+from hookpolicy.engine.hooks import contain
 from helpers import REPO
 from helpers.hooks import process_wide_state
 from helpers.processes import Proc, Run, child_env
@@ -66,10 +67,13 @@ def _process_left_as_found() -> Iterator[None]:
     A test that detaches everything it attached passes this; one that leaves a hook, a
     subscriber or a thread behind fails here, not in whichever test happens to run next.
     """
-    before = process_wide_state()
+    before, off = process_wide_state(), contain.switched_off()
     yield
     after = process_wide_state()
     assert after == before, f"process-wide state left behind: {before} -> {after}"
+    # a process-wide part switched off by its faults stays off for the process, by design (`hooks.contain`):
+    # a test that forces them gives the count back, or every later test would see the patch call through
+    assert contain.switched_off() == off, f"process-wide parts left switched off: {off} -> {contain.switched_off()}"
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 import hookpolicy
 from hookpolicy.engine import cycle
 from hookpolicy.engine.execute import executor, steps
-from hookpolicy.engine.hooks import loss, module_hooks, optimizer_hooks, schedulers
+from hookpolicy.engine.hooks import contain, loss, module_hooks, optimizer_hooks, schedulers
 from helpers.models import tiny
 from helpers.outputs import metric
 from helpers.policies import load_policy
@@ -114,6 +114,16 @@ FORCED: list[tuple[str, Callable[[], tuple[Any, str]], dict[str, Any]]] = [
     ("the tree watch (registration hooks)", lambda: (executor.Rebinding, "tree_changed"), {"grow": True}),
     ("LRScheduler.__init__", lambda: (schedulers._Made, "note"), {"schedule": True}),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _parts_given_back() -> Iterator[None]:
+    """A process-wide part these tests switch off stays off for the process (`hooks.contain`): each test gives the
+    counts back, so a later test's copies, saves and closures run hookpolicy's part again."""
+    faults = {part: part.faults for part in list(contain._PARTS)}
+    yield
+    for part, count in faults.items():
+        part.faults = count
 
 
 #: the parts no attachment owns: said once as the process's (`hooks.contain.Part`), not counted per rule

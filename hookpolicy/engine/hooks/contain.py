@@ -22,9 +22,10 @@ from __future__ import annotations
 import logging
 import threading
 import traceback
+import weakref
 from typing import Optional, Protocol
 
-__all__ = ["MAX_FAULTS", "Owner", "Part", "fault_of"]
+__all__ = ["MAX_FAULTS", "Owner", "Part", "fault_of", "switched_off"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -46,6 +47,7 @@ class Part:
         self.name = name
         self.faults = 0
         self._lock = threading.Lock()
+        _PARTS.add(self)
 
     @property
     def off(self) -> bool:
@@ -62,6 +64,15 @@ class Part:
         if faults == MAX_FAULTS:
             log.error("hookpolicy: %s switched off after %d faults: the patched call only calls through now",
                       self.name, MAX_FAULTS)
+
+
+#: every `Part` alive (a subscriber's goes with its subscription)
+_PARTS: "weakref.WeakSet[Part]" = weakref.WeakSet()
+
+
+def switched_off() -> list[str]:
+    """The names of the parts alive that are switched off: for the rest of the process, each patch calls through."""
+    return sorted(part.name for part in list(_PARTS) if part.off)
 
 
 def fault_of(owner: object, where: str, exc: Exception, part: Optional[Part] = None) -> None:
