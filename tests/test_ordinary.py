@@ -21,6 +21,9 @@ import torch.nn as nn
 from prometheus_client import CollectorRegistry, generate_latest
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+from hookpolicy.engine.hooks import module_hooks
+from hookpolicy.engine.hooks.contain import MAX_FAULTS
+
 from helpers.outputs import metric
 from helpers.policies import load_policy
 
@@ -158,6 +161,21 @@ def test_torch_save_is_byte_identical_to_the_twin_and_loads_without_hooks(govern
     assert hooks(loaded) == 0
     same_outputs(loaded, governed.model)
     use_copy(loaded, governed)
+    assert_still_governed(governed)
+
+
+def test_with_the_copy_filter_switched_off_a_save_and_a_copy_are_still_the_twins(
+    governed: Governed, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After 3 faults the filter of `__reduce_ex__` tells hookpolicy's hooks by their code, not their ids: the
+    flags torch keeps under a hook's key (`_forward_hooks_with_kwargs`, `_forward_hooks_always_called`) go too."""
+    monkeypatch.setattr(module_hooks._REDUCE_PART, "faults", MAX_FAULTS)  # given back at the test's end
+    assert any(getattr(m, name) for m in governed.model.modules()
+               for name in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"))  # what is at stake
+    assert saved(governed.model) == saved(governed.twin)
+    copied = copy.deepcopy(governed.model)
+    assert hooks(copied) == 0
+    same_outputs(copied, governed.model)
     assert_still_governed(governed)
 
 

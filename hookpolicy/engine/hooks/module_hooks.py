@@ -261,7 +261,7 @@ def _reduce_ex(self: torch.nn.Module, protocol: Any) -> Any:
         except Exception as exc:  # noqa: BLE001 - hookpolicy's part: contained
             _REDUCE_PART.failed(exc)
     # the ids failed us: hookpolicy's hooks told by where their code lives, so a copy still carries none of them
-    return _filtered(reduced, lambda key, hook: _defined_here(hook))
+    return _filtered(reduced, _keys_defined_here(reduced))
 
 
 _REDUCE_PART = Part("the filter of nn.Module.__reduce_ex__ (copies and saves of a governed model)")
@@ -271,6 +271,18 @@ def _defined_here(hook: Any) -> bool:
     """Whether `hook` is a function or bound method of hookpolicy's own code."""
     function = getattr(hook, "__func__", hook)
     return str(getattr(function, "__module__", "") or "").startswith("hookpolicy.")
+
+
+def _keys_defined_here(reduced: Any) -> Callable[[Any, Any], bool]:
+    """Whether an entry's key is that of a hook `_defined_here`, in any of the hook dicts.
+
+    By key, not by value: `_forward_hooks_with_kwargs` and `_forward_hooks_always_called`
+    hold a flag (True) under the key of a hook in `_forward_hooks`, and go with it.
+    """
+    state = reduced[2] if isinstance(reduced, tuple) and len(reduced) > 2 and isinstance(reduced[2], dict) else {}
+    keys = {key for name in _HOOK_DICTS for key, hook in (state.get(name) or {}).items()
+            if callable(hook) and _defined_here(hook)}
+    return lambda key, hook: key in keys
 
 
 def _filtered(reduced: Any, ours: Callable[[Any, Any], bool]) -> Any:
