@@ -165,16 +165,12 @@ class StepCycle:
         if not self._steps.owns(optimizer):
             return
         left_out = self._steps.update_starts(optimizer)  # scope: None when this update continues the step
-        # `_quiet`: no step rule and no loss this step; with the tree as planned, `_evaluate` has nothing to re-plan
-        # and returns at once unless the ledger holds entries or the ranks agree (asked here without its calls)
-        quiet = self._quiet and not self._rebinding.stale
         if left_out is not None:
-            self._steps.skipping = (not quiet or not self.ledger.empty() or self.agreement.active()) and self._evaluate(
-                left_out)
+            self._steps.skipping = self._evaluate(left_out)
         if self._steps.skipping:
             self._hidden.hide(optimizer)
         else:
-            self.updates.before(optimizer, () if quiet else self.installer.step_rules())
+            self.updates.before(optimizer, self.installer.step_rules())
         self.healing.before(optimizer, self.step)
 
     def _evaluate(self, left_out: frozenset[int]) -> bool:
@@ -183,11 +179,12 @@ class StepCycle:
         In a process group the loss rules that see the job's loss (`ranks: job`) wait for the
         agreement, whose collective carries every rank's loss; they run after it.
         """
-        self._replan_if_changed()
-        rules = self.installer.step_rules()
+        if self._rebinding.stale:  # the tree changed: bound anew first (which sets `_quiet` again)
+            self._replan_if_changed()
         agreeing = self.agreement.active()  # a process group cannot come up during the step's evaluation
-        if not rules and self._loss is None and not agreeing and self.ledger.empty():
-            return False  # an inactive step: what `_decide` below would find, without the calls on the way
+        if self._quiet and not agreeing and self.ledger.empty():
+            return False  # no step rule, no loss, nothing measured: what `_decide` below would find, without its calls
+        rules = self.installer.step_rules()
         job = [rs for rs in rules if job_loss_rule(rs)] if agreeing else []
         loss = self._take_loss([rs for rs in rules if rs.rule.target == LOSS and rs not in job])
         if job:

@@ -355,9 +355,8 @@ class HookInstaller:
                 continue
             self.awake[key] = woken(self.awake.get(key, (0, 0)), step, after.steps)
 
-    def _awake(self, key: RuleKey, rs: RuleState, step: int) -> bool:
-        if rs.rule.trigger.after is None:
-            return True
+    def _awake(self, key: RuleKey, step: int) -> bool:
+        """Whether a rule with `trigger.after` is within a window its alert woke (`activate` asks only for those)."""
         first, end = self.awake.get(key, (0, 0))
         return first <= step < end
 
@@ -371,8 +370,8 @@ class HookInstaller:
         """Install hooks for the rules active at `step`; nothing changes if the set is the same."""
         active = frozenset(
             key for key, rs in self._rules.items()
-            if not rs.off and rs.rule.trigger.active_at(step) and (rs.rule.trigger.after is None
-                                                                   or self._awake(key, rs, step))
+            if not rs.off and rs.rule.trigger.active_at(step)
+            and (rs.rule.trigger.after is None or self._awake(key, step))
         )
         if active == self._active:
             return
