@@ -238,3 +238,19 @@ def test_a_step_whose_sums_are_plus_and_minus_inf_is_scraped_with_torch_s_values
             assert (math.isnan(mean) and math.isnan(want_mean)) or mean == pytest.approx(want_mean, rel=1e-6)
             assert norm == pytest.approx(want_norm, rel=1e-6)  # a step rule's norms accumulate in float32
             opt.zero_grad()
+
+
+def test_a_library_that_writes_lines_of_another_shape_gets_its_families_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A future library writing a value otherwise (here 0.0 as `0`): the heads cannot be cut, so the family is the
+    library's own text, not heads glued to values written the old way; an encoder it does not know is the library's."""
+    registry, _ = _registry()
+    monkeypatch.setattr(text_format, "floatToGoString", lambda value: "0" if value == 0 else repr(float(value)))
+    exposition = Exposition(registry)
+    assert exposition.render(generate_latest) == generate_latest(registry)
+    assert not any(exposition._heads.get((generate_latest,), {}).values())  # no head was kept
+    assert b" 0\n" in generate_latest(registry)  # the changed writing is what was served
+
+    def custom(reg: Any) -> bytes:
+        return b"# a format of the user's\n" + generate_latest(reg)
+
+    assert exposition.render(custom) == custom(registry)
