@@ -53,19 +53,12 @@ class Attached:
     `agreement`): ranks agree on skips and halts only between rules of the same one.
     """
 
+    @collector_paused()  # the plan and thousands of hooks on a large model: no garbage among them
     def __init__(
         self, policies: Sequence[Policy], model: torch.nn.Module, *,
         registry: Optional[CollectorRegistry] = None, rank: Optional[int] = None, audit: bool = False,
         start_step: int = 0, on_halt: Optional[Callable[[Halt], object]] = None, strict: bool = False,
         generation: int = 0,
-    ) -> None:
-        with collector_paused():  # the plan and thousands of hooks on a large model: no garbage among them
-            self._attach(policies, model, registry, rank, audit, start_step, on_halt, strict, generation)
-
-    def _attach(
-        self, policies: Sequence[Policy], model: torch.nn.Module, registry: Optional[CollectorRegistry],
-        rank: Optional[int], audit: bool, start_step: int, on_halt: Optional[Callable[[Halt], object]],
-        strict: bool, generation: int,
     ) -> None:
         self.model = model
         self._on_halt = on_halt
