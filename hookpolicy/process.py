@@ -27,7 +27,7 @@ hookpolicy, and each is the one home of what it holds):
 |-------------------------------|-----------------------------|-----------------------------------------------------------|
 | `_OWNER`                      | `engine/hooks/optimizer_hooks.py` | the optimizer step subscribers, in order                  |
 | `_CALLS`, `_WATCH`            | `engine/hooks/module_hooks.py`    | module call subscribers; the modules watched for changes  |
-| `_ours`, `_saved`             | `engine/hooks/module_hooks.py`    | ids of hookpolicy's module hooks; the previous reducer     |
+| `_ours`, `_saved`, `_reducer` | `engine/hooks/module_hooks.py`    | ids of hookpolicy's module hooks; the previous reducer (as found; as called) |
 | `_ROOTS`                      | `engine/hooks/loss.py`            | the loss taps joined, the scale of each GradScaler output |
 | `_MADE`                       | `engine/hooks/schedulers.py`      | the LR schedulers and GradScalers made while watched (weakly) |
 | `_ATTACHED`                   | `engine/runtime.py`         | the policies attached to each model (weak keys)           |

@@ -240,10 +240,14 @@ def test_a_copy_of_a_governed_model_is_made_when_the_filter_fails(
         def __contains__(self, other: Any) -> bool:
             raise RuntimeError("forced fault in hookpolicy's part")
 
+        def intersection(self, *others: Any) -> set[Any]:
+            raise RuntimeError("forced fault in hookpolicy's part")
+
     with pol.attach(model, registry=CollectorRegistry()):
         monkeypatch.setattr(module_hooks, "_ours", Failing(module_hooks._ours))
         copied = copy.deepcopy(model)
         monkeypatch.undo()
+        assert module_hooks._REDUCE_PART.off  # the forced faults reached the filter, which is off now
     assert_same(copied, model)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in copied.modules())  # none of ours
 

@@ -237,6 +237,7 @@ def _own(handle: RemovableHandle) -> OwnHandle:
 
 def _patch() -> None:
     _saved.append(torch.nn.Module.__dict__.get("__reduce_ex__"))
+    _reducer[:] = [_saved[0] if _saved[0] is not None else object.__reduce_ex__]
     torch.nn.Module.__reduce_ex__ = _reduce_ex  # type: ignore[method-assign,assignment]
 
 
@@ -249,19 +250,53 @@ def _restore() -> None:
 
 
 _REDUCE_EX = process.Shared("nn.Module.__reduce_ex__", _patch, _restore)
+#: the reduction ours calls first: what `nn.Module.__reduce_ex__` was before (`object.__reduce_ex__` if not defined)
+_reducer: list[Callable[[Any, Any], Any]] = [object.__reduce_ex__]
 
 
 def _reduce_ex(self: torch.nn.Module, protocol: Any) -> Any:
-    """`object.__reduce_ex__` (or what was there before), minus hookpolicy's hooks in the state."""
-    previous = _saved[0] if _saved and _saved[0] is not None else object.__reduce_ex__
-    reduced = previous(self, protocol)
+    """`object.__reduce_ex__` (or what was there before), minus hookpolicy's hooks in the state.
+
+    Runs for every module of every copy, pickle and save while hookpolicy holds a hook
+    anywhere: a module whose hook dicts hold none of hookpolicy's keys (most of a large
+    model) gets the original reduction itself, after one look at each of its five dicts.
+    """
+    reduced = _reducer[0](self, protocol)
     if not _REDUCE_PART.off:
         try:
-            return _filtered(reduced, lambda key, hook: key in _ours)
+            return _without_ours(reduced)
         except Exception as exc:  # noqa: BLE001 - hookpolicy's part: contained
             _REDUCE_PART.failed(exc)
     # the ids failed us: hookpolicy's hooks told by where their code lives, so a copy still carries none of them
     return _filtered(reduced, _keys_defined_here(reduced))
+
+
+def _without_ours(reduced: Any) -> Any:
+    """`reduced` with the keys in `_ours` left out of the module's hook dicts; `reduced` itself if none is there.
+
+    By key in every hook dict, as `_filtered` does: the flags torch keeps under a hook's key
+    (`_forward_hooks_with_kwargs`, `_forward_hooks_always_called`) go with the hook, and a
+    dict a shallow copy shares with the original is filtered in either. A kept dict is a
+    copy of the module's own (its type and order) less our keys, exactly what torch leaves
+    once `RemovableHandle.remove()` deleted them.
+    """
+    if not (isinstance(reduced, tuple) and len(reduced) > 2 and isinstance(reduced[2], dict)):
+        return reduced
+    state = reduced[2]
+    copied: Optional[dict[str, Any]] = None
+    for name in _HOOK_DICTS:
+        hooks = state.get(name)
+        if not hooks:
+            continue
+        keys = _ours.intersection(hooks)
+        if not keys:
+            continue
+        if copied is None:
+            copied = dict(state)  # a __getstate__ may hand out the live __dict__: never edit it
+        kept = copied[name] = hooks.copy()
+        for key in keys:
+            del kept[key]
+    return reduced if copied is None else (*reduced[:2], copied, *reduced[3:])
 
 
 _REDUCE_PART = Part("the filter of nn.Module.__reduce_ex__ (copies and saves of a governed model)")
