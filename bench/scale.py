@@ -9,6 +9,7 @@ of prometheus_client's own encoders, and `generate_latest(registry)` is timed be
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 import hookpolicy
 from hookpolicy.export.exposition import metrics_app
 
+from collector import Collector
 from models import wide_model
 from timing import Summary, readback_cpu, summarize
 from variants import POLICIES
@@ -154,17 +156,29 @@ def _answer(app: Callable[..., Iterable[bytes]], accept: Optional[str]) -> bytes
 
 
 def _copies(model: torch.nn.Module, policy: hookpolicy.PolicySet, repeats: int) -> dict[str, dict[str, Summary]]:
-    """`copy.deepcopy` and `torch.save` of the model, alternately without and with the policy attached."""
+    """`copy.deepcopy` and `torch.save` of the model, alternately without and with the policy attached.
+
+    CPU time of this thread outside the garbage collector, after a collection (`bench/save.py`'s
+    way): the first full collection after an attach walks every object the attach made, and a
+    full collection comes once in one or two saves of this model, each walking the whole heap
+    (the runtime of an attached policy too). `bench/save.py` gives the collector's share apart.
+    """
     times: dict[str, dict[str, list[float]]] = {op: {"plain": [], "governed": []} for op in ("deepcopy", "torch.save")}
-    for _ in range(repeats):
-        for label in ("plain", "governed"):
-            attached = policy.attach(model, registry=CollectorRegistry()) if label == "governed" else None
-            start = time.perf_counter()
-            copy.deepcopy(model)
-            times["deepcopy"][label].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            torch.save(model, io.BytesIO())
-            times["torch.save"][label].append(time.perf_counter() - start)
-            if attached is not None:
-                attached.remove()
+    collector = Collector()
+    try:
+        for _ in range(repeats):
+            for label in ("plain", "governed"):
+                attached = policy.attach(model, registry=CollectorRegistry()) if label == "governed" else None
+                gc.collect()
+                for op in ("deepcopy", "torch.save"):
+                    start, in_gc = time.thread_time(), collector.spent
+                    if op == "deepcopy":
+                        copy.deepcopy(model)
+                    else:
+                        torch.save(model, io.BytesIO())
+                    times[op][label].append(time.thread_time() - start - (collector.spent - in_gc))
+                if attached is not None:
+                    attached.remove()
+    finally:
+        collector.close()
     return {op: {label: summarize(t) for label, t in by.items()} for op, by in times.items()}
