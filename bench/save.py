@@ -19,9 +19,11 @@ the whole heap (the model, and the runtime of an attached policy) and comes at m
 few saves of a large model, so a median with it would be a coin toss. Printed per operation:
 the median CPU time outside the collector, the collector's CPU time per operation averaged
 over all turns, the full collections counted, and the governed ratio of the medians.
-Then a checkpoint loop (`--in-a-row N`): N saves of the wide model in a row per variant, one
-collection before the first only, and the collector's CPU time per save over all of them: the
-share of the full collections a loop of saves pays, whatever the turn they fell in.
+Then a checkpoint loop (`--in-a-row N`): N saves of the wide model in a row, one collection
+before the first only, and the collector's CPU time per save over all of them (the share of
+the full collections a loop of saves pays, whatever the save they fell in), each variant in a
+fresh process of its own (`--processes` of them, in turns): the collector walks the whole
+heap, so what an earlier variant left in a shared process would count against the next.
 
 Checked on every turn: the governed `torch.save` writes the bytes of the same model's save
 without a policy; a deep copy carries no hook more than the copy without a policy
@@ -35,10 +37,12 @@ import copy
 import gc
 import importlib
 import io
+import json
 import logging
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -160,25 +164,46 @@ def measure(name: str, rounds: int, policy: str, packages: dict[str, Optional[ty
                   f"{int(full):17d}")
 
 
-def in_a_row(name: str, saves: int, policy: str, packages: dict[str, Optional[types.ModuleType]]) -> None:
-    """A checkpoint loop: `saves` saves in a row after one collection; the collector's share, amortized."""
-    model, train = _model(name)
-    print(f"\n{name}: {saves} saves in a row (a checkpoint loop), CPU time of this thread per save")
+def in_a_row(saves: int, processes: int, policy: str, against: Optional[str]) -> None:
+    """A checkpoint loop: `saves` saves of the wide model in a row, each variant in a process of its own.
+
+    The collector's share depends on the whole heap of the process (and on what earlier
+    variants left in it), so each run is a fresh process, the variants in turns (A B C, B C A, ...).
+    """
+    labels = ["no policy", *([against] if against is not None else []), "this tree"]
+    runs: dict[str, list[tuple[float, float, int]]] = {label: [] for label in labels}
+    for turn in range(processes):
+        for label in labels[turn % len(labels):] + labels[:turn % len(labels)]:
+            command = [sys.executable, __file__, "--loop", label, "--in-a-row", str(saves), "--policy", policy]
+            if label == against:
+                command += ["--against", against]
+            out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            outside, spent, full = json.loads(out.strip().splitlines()[-1])
+            runs[label].append((outside, spent, full))
+    print(f"\nwide: {saves} saves in a row (a checkpoint loop) in a fresh process, {processes} processes a variant; "
+          "CPU time of the main thread per save, the mean over the processes")
     print(f"  {'':22s} {'outside ms':>10s} {'collector ms':>13s} {'total ms':>9s} {'full collections':>17s}")
-    for label, package in packages.items():
-        attached = _governed(model, train, package, policy)
-        collector = Collector()
-        try:
-            start = time.thread_time()
-            for _ in range(saves):
-                _saved(model)
-            took = (time.thread_time() - start) / saves
-        finally:
-            collector.close()
-            if attached is not None:
-                attached.remove()
-        spent = collector.spent / saves
-        print(f"  {label:22s} {(took - spent) * 1e3:10.1f} {spent * 1e3:13.1f} {took * 1e3:9.1f} {collector.full:17d}")
+    for label, got in runs.items():
+        outside, spent = statistics.mean(r[0] for r in got), statistics.mean(r[1] for r in got)
+        fulls = "/".join(str(r[2]) for r in got)
+        print(f"  {label:22s} {outside * 1e3:10.1f} {spent * 1e3:13.1f} {(outside + spent) * 1e3:9.1f} {fulls:>17s}")
+
+
+def _loop(label: str, saves: int, policy: str, package: Optional[types.ModuleType]) -> None:
+    """One variant of `in_a_row`, in this process: prints [CPU s outside the collector, the collector's, full ones]."""
+    model, train = _model("wide")
+    attached = _governed(model, train, package if label != "no policy" else None, policy)
+    collector = Collector()
+    try:
+        start = time.thread_time()
+        for _ in range(saves):
+            _saved(model)
+        took = (time.thread_time() - start) / saves
+    finally:
+        collector.close()
+        if attached is not None:
+            attached.remove()
+    print(json.dumps([took - collector.spent / saves, collector.spent / saves, collector.full]))
 
 
 def _check(op: str, result: object, reference: bytes, hooks: int, state: dict[str, torch.Tensor], label: str) -> None:
@@ -195,15 +220,20 @@ def _check(op: str, result: object, reference: bytes, hooks: int, state: dict[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["wide", "nanogpt", "gpt"], choices=["wide", *sorted(WORKLOADS)])
+    parser.add_argument("--models", nargs="*", default=["wide", "nanogpt", "gpt"], choices=["wide", *sorted(WORKLOADS)])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--policy", default="monitor.yaml", help="a file of bench/policies/")
     parser.add_argument("--in-a-row", type=int, default=8, metavar="N",
                         help="then N saves of the wide model in a row per variant (0: none)")
+    parser.add_argument("--processes", type=int, default=2, help="with --in-a-row: fresh processes per variant")
+    parser.add_argument("--loop", metavar="LABEL", help=argparse.SUPPRESS)  # one process of --in-a-row
     parser.add_argument("--against", metavar="DIR", help="also the hookpolicy of the tree DIR, in the same turns")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("hookpolicy").setLevel(logging.ERROR)  # the wide model meets monitor.yaml's maxSeries
+    if args.loop is not None:
+        _loop(args.loop, args.in_a_row, args.policy, _other(args.against) if args.against else hookpolicy)
+        return
     before = os.getloadavg()
     packages: dict[str, Optional[types.ModuleType]] = {"no policy": None}
     if args.against is not None:
@@ -212,7 +242,7 @@ def main() -> None:
     for name in args.models:
         measure(name, args.rounds, args.policy, packages)
     if args.in_a_row:
-        in_a_row("wide", args.in_a_row, args.policy, packages)
+        in_a_row(args.in_a_row, args.processes, args.policy, args.against)
     print(f"\nload average before {before[0]:.2f}, after {os.getloadavg()[0]:.2f}")
 
 
