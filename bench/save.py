@@ -8,7 +8,8 @@ with `--against DIR` attached by the hookpolicy of the tree DIR (loaded beside t
 another name, as `inactive.py --against` does; only one policy is attached at a time, so only
 one tree's `nn.Module.__reduce_ex__` filter is in). `wide` is `bench/models.py:wide_model`
 (10,001 modules, 5,000 Linear layers: the filter runs once per module), the others are
-`bench/models.py`'s workloads.
+`bench/models.py`'s workloads. `checkpoint` is `torch.save({"model": model.state_dict()})`, the
+file nanoGPT, Lightning and HF write: no module is in it, so no module's `__reduce_ex__` runs.
 
 Each turn attaches (not timed), runs one forward and backward so that the hooks are as in
 training, then `gc.collect()` before the timed operations: the first full collection after an
@@ -25,8 +26,8 @@ the full collections a loop of saves pays, whatever the save they fell in), each
 fresh process of its own (`--processes` of them, in turns): the collector walks the whole
 heap, so what an earlier variant left in a shared process would count against the next.
 
-Checked on every turn: the governed `torch.save` writes the bytes of the same model's save
-without a policy; a deep copy carries no hook more than the copy without a policy
+Checked on every turn: the governed `torch.save` and checkpoint write the bytes of the same
+model's without a policy; a deep copy carries no hook more than the copy without a policy
 (hookpolicy's are left out); `state_dict()` has the same keys and tensors.
 """
 
@@ -60,7 +61,8 @@ from models import WORKLOADS, wide_model  # noqa: E402
 from collector import Collector  # noqa: E402
 from variants import POLICIES  # noqa: E402
 
-OPERATIONS = ("torch.save", "deepcopy", "state_dict")
+#: "checkpoint": `torch.save({"model": model.state_dict()})`, the file nanoGPT, Lightning and HF write (no module in it)
+OPERATIONS = ("torch.save", "deepcopy", "state_dict", "checkpoint")
 #: a timed sample runs an operation this long at least (a small model's save is repeated, and averaged)
 SAMPLE_S = 0.05
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
@@ -96,9 +98,9 @@ def _hooks(model: torch.nn.Module) -> int:
     return sum(len(getattr(m, name) or ()) for m in model.modules() for name in HOOK_DICTS)
 
 
-def _saved(model: torch.nn.Module) -> bytes:
+def _saved(obj: object) -> bytes:
     out = io.BytesIO()
-    torch.save(model, out)
+    torch.save(obj, out)
     return out.getvalue()
 
 
@@ -116,10 +118,12 @@ def measure(name: str, rounds: int, policy: str, packages: dict[str, Optional[ty
     train(model)
     model.zero_grad(set_to_none=True)
     reference = _saved(model)
+    reference_checkpoint = _saved({"model": model.state_dict()})
     reference_hooks = _hooks(copy.deepcopy(model))
     reference_state = model.state_dict()
     operations: dict[str, Callable[[], object]] = {
         "torch.save": lambda: _saved(model), "deepcopy": lambda: copy.deepcopy(model), "state_dict": model.state_dict,
+        "checkpoint": lambda: _saved({"model": model.state_dict()}),
     }
     outside: dict[str, dict[str, list[float]]] = {label: {op: [] for op in OPERATIONS} for label in packages}
     #: label -> operation -> [the collector's CPU time, full collections], summed over the counted rounds
@@ -145,7 +149,8 @@ def measure(name: str, rounds: int, policy: str, packages: dict[str, Optional[ty
                             collected[label][op][1] += collector.full - full
                         else:  # the warm-up round sets how often an operation runs in a timed sample
                             repeats[op] = max(repeats[op], min(100, int(SAMPLE_S / max(took, 1e-6))))
-                        _check(op, result, reference, reference_hooks, reference_state, label)
+                        _check(op, result, reference if op == "torch.save" else reference_checkpoint, reference_hooks,
+                               reference_state, label)
                         del result
                 finally:
                     if attached is not None:
@@ -208,8 +213,8 @@ def _loop(label: str, saves: int, policy: str, package: Optional[types.ModuleTyp
 
 def _check(op: str, result: object, reference: bytes, hooks: int, state: dict[str, torch.Tensor], label: str) -> None:
     """What a governed model's save, copy and state dict must be: those of the same model without a policy."""
-    if op == "torch.save" and result != reference:
-        raise AssertionError(f"{label}: torch.save wrote other bytes than without a policy")
+    if op in ("torch.save", "checkpoint") and result != reference:
+        raise AssertionError(f"{label}: {op} wrote other bytes than without a policy")
     if op == "deepcopy" and isinstance(result, torch.nn.Module) and _hooks(result) != hooks:
         raise AssertionError(f"{label}: the deep copy carries {_hooks(result)} hooks, not {hooks}")
     if op == "state_dict":
