@@ -1,4 +1,5 @@
-"""A script of nanoGPT's `train.py`'s shape and defaults under each shipped loss policy (`hookpolicy apply`), on the CPU.
+"""A script of nanoGPT's `train.py`'s shape and defaults under each shipped loss policy (`hookpolicy apply`), on the CPU
+and, where torch sees a GPU, on CUDA with the defaults a GPU reaches (`CUDA_CONFIGS`, and `compile=True`).
 
 `tests/stacks/nanogpt_pattern.py` is written here (nothing of another repository is committed to
 this one), keeping what of nanoGPT's script matters to hookpolicy as it is there; nanoGPT's own
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from helpers import REPO
 
@@ -47,7 +49,14 @@ CONFIGS = [
     ("bf16", ["--max_iters=55", "--dtype=bfloat16", "--gradient_accumulation_steps=3"]),
     ("fp32-no-clip", ["--max_iters=55", "--dtype=float32", "--gradient_accumulation_steps=1", "--grad_clip=0.0"]),
 ]
+#: what the defaults reach on a GPU (bfloat16 where supported, float16 with an enabled GradScaler where not;
+#: skipped without CUDA: run where a GPU is lent, as tests/test_cuda.py)
+CUDA_CONFIGS = [
+    ("cuda-defaults", ["--device=cuda", "--max_iters=55", "--gradient_accumulation_steps=2"]),
+    ("cuda-fp16", ["--device=cuda", "--max_iters=55", "--dtype=float16", "--gradient_accumulation_steps=2"]),
+]
 POLICIES = ["loss-spike-guard", "recover", "observe"]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 def folder(tmp_path: Path) -> Path:
@@ -77,7 +86,8 @@ def losses(stdout: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("name,overrides", CONFIGS, ids=[c[0] for c in CONFIGS])
+@pytest.mark.parametrize("name,overrides", [*CONFIGS, *(pytest.param(*c, marks=needs_cuda) for c in CUDA_CONFIGS)],
+                         ids=[c[0] for c in CONFIGS + CUDA_CONFIGS])
 def test_nanogpt_runs_unmodified_under_each_loss_policy(
     tmp_path: Path, policy: str, name: str, overrides: list[str],
 ) -> None:
@@ -115,3 +125,17 @@ def test_nanogpt_resumes_into_the_same_folder_under_a_policy(tmp_path: Path, pol
     assert second.returncode == 0, second.stderr[-3000:]
     assert "Traceback" not in second.stderr
     assert losses(second.stdout)[-1][0] == "60"
+
+
+@pytest.mark.slow
+@needs_cuda
+def test_nanogpt_compiled_on_cuda_runs_under_the_loss_spike_guard(tmp_path: Path) -> None:
+    """nanoGPT's own defaults on a GPU: `compile=True`, bfloat16 (float16 and a GradScaler where not supported)."""
+    cwd = folder(tmp_path)
+    overrides = ["--device=cuda", "--compile=True", "--max_iters=55", "--gradient_accumulation_steps=2"]
+    plain = run(cwd, [*overrides, "--out_dir=plain"])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    governed = run(cwd, [*overrides, "--out_dir=governed"], "loss-spike-guard")
+    assert governed.returncode == 0, governed.stderr[-3000:]
+    assert "Traceback" not in governed.stderr and "raised" not in governed.stderr
+    assert losses(governed.stdout) == losses(plain.stdout) and len(losses(plain.stdout)) == 56

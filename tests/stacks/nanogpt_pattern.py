@@ -11,7 +11,7 @@ float32); gradient accumulation (`loss / gradient_accumulation_steps`,
 `scaler.step`, `scaler.update`, `zero_grad(set_to_none=True)`; a warm-up and cosine lr set
 on the groups each iteration; an evaluation under `torch.no_grad()` with `model.eval()` every
 `eval_interval` (iteration 0 first), a checkpoint after it, and `--init_from=resume`, which
-loads the model's and the optimizer's state. It prints `iter N: loss L, ...` as nanoGPT does.
+loads the model's and the optimizer's state; `--compile=True` compiles the model as nanoGPT does by default. It prints `iter N: loss L, ...` as nanoGPT does.
 """
 
 import math
@@ -97,7 +97,7 @@ model = TinyGPT(64)
 checkpoint = None
 if init_from == "resume":
     checkpoint = torch.load(os.path.join(out_dir, "ckpt.pt"), map_location=device)
-    model.load_state_dict(checkpoint["model"])
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()})
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
 model.to(device)
 scaler = torch.cuda.amp.GradScaler(enabled=(dtype == "float16"))
@@ -108,6 +108,8 @@ optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "
 if checkpoint is not None:
     optimizer.load_state_dict(checkpoint["optimizer"])
 checkpoint = None
+if compile:
+    model = torch.compile(model)  # nanoGPT's default (True there); its checkpoints then carry `_orig_mod.`
 
 
 @torch.no_grad()
