@@ -233,7 +233,8 @@ def terminal(info: dict[str, str], results: list[WorkloadResult], scale: Optiona
 
 def markdown(info: dict[str, str], command: str, results: list[WorkloadResult], scale: Optional[ScaleResult],
              ops: Optional[tuple[list[OpRow], float, float]], frames: Optional[tuple[dict[str, float], int]],
-             load: tuple[str, str], elapsed: float, recorder: Optional[RecorderResult] = None) -> str:
+             load: tuple[str, str], elapsed: float, recorder: Optional[RecorderResult] = None,
+             notes: bool = True) -> str:
     cuda = torch.cuda.is_available()
     out = [
         "# Benchmarks", "",
@@ -354,9 +355,9 @@ def markdown(info: dict[str, str], command: str, results: list[WorkloadResult], 
         for name, share in sorted(shares.items(), key=lambda kv: -kv[1])[:16]:
             out.append(f"| `{name}` | {share * 100:.1f}% |")
         out.append("")
-    notes = Path(__file__).with_name("where-the-time-goes.md")
-    if notes.exists():
-        out.append(notes.read_text().strip())
+    written = Path(__file__).with_name("where-the-time-goes.md")
+    if notes and written.exists():
+        out.append(written.read_text().strip())
     return "\n".join(out) + "\n"
 
 
@@ -377,6 +378,8 @@ def main() -> None:
     parser.add_argument("--no-scale", action="store_true", help="skip variant 6 (10k modules, 10k series)")
     parser.add_argument("--no-profile", action="store_true", help="skip the torch.profiler and py-spy profiles")
     parser.add_argument("--no-recorder", action="store_true", help="skip the flight recorder's ring on 96 layers")
+    parser.add_argument("--no-notes", action="store_true",
+                        help="leave bench/where-the-time-goes.md out of the report (a second report, e.g. a GPU's)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads or _cores())
@@ -416,7 +419,7 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(markdown(info, command, results, scale, ops, frames, (load_before, load_after), elapsed,
-                                           recorder))
+                                           recorder, notes=not args.no_notes))
         print(f"wrote {args.out}")
 
 

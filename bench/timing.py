@@ -182,29 +182,29 @@ def resampled_amortized(s: Samples, every: int = 10) -> Callable[[random.Random]
 
 
 def count_syncs(v: Variant, steps: int = 3) -> tuple[float, float]:
-    """CUDA only: host-device syncs per step, total and inside hookpolicy's once-a-step readback.
+    """CUDA only: host-device syncs per step, total and inside hookpolicy's once-a-step read-back.
 
     Uses `torch.cuda.set_sync_debug_mode("warn")`, which warns at every synchronizing
-    call; the readback's share is counted by wrapping the attached policy's step cycle's
-    `_read_back` on that instance for the duration of the count.
+    call; the read-back's share is the warnings raised inside the attached policy's
+    `Readback.read` (the step's one device-to-host transfer), wrapped on that instance for
+    the duration of the count.
     """
-    in_readback = 0
-    original = None
-    if v.attached is not None:
-        cycle = v.attached._cycle
-        original = cycle._read_back
+    in_readback = [0]
+    readback = v.attached._cycle.readback if v.attached is not None else None
+    if readback is not None:
+        original = readback.read
 
-        def counted(final: bool = False, decide: bool = False) -> bool:
-            nonlocal in_readback
-            with warnings.catch_warnings(record=True) as inner:
-                warnings.simplefilter("always")
-                result = original(final, decide)
-            in_readback += sum("synchroniz" in str(w.message) for w in inner)
-            for w in inner:  # hand them on to the outer recorder
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            return result
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            try:
+                with warnings.catch_warnings(record=True) as inner:
+                    warnings.simplefilter("always")
+                    return original(*args, **kwargs)
+            finally:  # outside the inner recorder: a warning handed on there would be recorded again, forever
+                in_readback[0] += sum("synchroniz" in str(w.message) for w in inner)
+                for w in inner:  # hand them on to the outer recorder
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
-        cycle._read_back = counted  # type: ignore[method-assign]
+        readback.read = counted  # type: ignore[method-assign]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -215,9 +215,9 @@ def count_syncs(v: Variant, steps: int = 3) -> tuple[float, float]:
         total = sum("synchroniz" in str(w.message) for w in caught)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        if original is not None and v.attached is not None:
-            del v.attached._cycle._read_back  # back to the class's method
-    return total / steps, in_readback / steps
+        if readback is not None:
+            del readback.read  # back to the class's method
+    return total / steps, in_readback[0] / steps
 
 
 @contextlib.contextmanager
