@@ -323,7 +323,8 @@ def markdown(info: dict[str, str], command: str, results: list[WorkloadResult], 
             _scale_row("the optimizer step that reads back and publishes them (`scrape.yaml`)", scale.readback_step),
             _scale_row("its read-back (fetch, hand over, publish), CPU time", scale.publish_cpu, 1),
             _scale_row("the same SGD step without a policy", scale.plain_step),
-            *(_scale_row(f"`{op}` of the model, {'with `monitor.yaml` attached' if label == 'governed' else 'no policy'}",
+            *(_scale_row(f"`{op}` of the model, {'with `monitor.yaml` attached' if label == 'governed' else 'no policy'}"
+                         " (CPU time outside the garbage collector; its share: `bench/save.py`)",
                          s) for op, by in scale.copies.items() for label, s in by.items()), "",
         ]
     if recorder is not None:
