@@ -262,33 +262,43 @@ def _reduce_ex(self: torch.nn.Module, protocol: Any) -> Any:
     model) gets the original reduction itself, after one look at each of its five dicts.
     """
     reduced = _reducer[0](self, protocol)
+    state = _state_of(reduced)
+    if not state:
+        return reduced
     if not _REDUCE_PART.off:
         try:
-            return _without_ours(reduced)
+            return _without(reduced, state, _ours.intersection)
         except Exception as exc:  # noqa: BLE001 - hookpolicy's part: contained
             _REDUCE_PART.failed(exc)
     # the ids failed us: hookpolicy's hooks told by where their code lives, so a copy still carries none of them
-    return _filtered(reduced, _keys_defined_here(reduced))
+    return _without(reduced, state, _keys_defined_here(state).intersection)
 
 
-def _without_ours(reduced: Any) -> Any:
-    """`reduced` with the keys in `_ours` left out of the module's hook dicts; `reduced` itself if none is there.
+_REDUCE_PART = Part("the filter of nn.Module.__reduce_ex__ (copies and saves of a governed model)")
 
-    By key in every hook dict, as `_filtered` does: the flags torch keeps under a hook's key
+
+def _state_of(reduced: Any) -> Optional[dict[str, Any]]:
+    """The state of a module's reduction, where its hook dicts are (None for a reduction of another shape)."""
+    if isinstance(reduced, tuple) and len(reduced) > 2 and isinstance(reduced[2], dict):
+        return reduced[2]
+    return None
+
+
+def _without(reduced: Any, state: dict[str, Any], ours: Callable[[Any], set[Any]]) -> Any:
+    """`reduced` with the keys `ours(hook_dict)` names left out of its hook dicts; `reduced` itself if none is there.
+
+    By key in every hook dict: the flags torch keeps under a hook's key
     (`_forward_hooks_with_kwargs`, `_forward_hooks_always_called`) go with the hook, and a
     dict a shallow copy shares with the original is filtered in either. A kept dict is a
     copy of the module's own (its type and order) less our keys, exactly what torch leaves
     once `RemovableHandle.remove()` deleted them.
     """
-    if not (isinstance(reduced, tuple) and len(reduced) > 2 and isinstance(reduced[2], dict)):
-        return reduced
-    state = reduced[2]
     copied: Optional[dict[str, Any]] = None
     for name in _HOOK_DICTS:
         hooks = state.get(name)
         if not hooks:
             continue
-        keys = _ours.intersection(hooks)
+        keys = ours(hooks)
         if not keys:
             continue
         if copied is None:
@@ -299,39 +309,16 @@ def _without_ours(reduced: Any) -> Any:
     return reduced if copied is None else (*reduced[:2], copied, *reduced[3:])
 
 
-_REDUCE_PART = Part("the filter of nn.Module.__reduce_ex__ (copies and saves of a governed model)")
-
-
 def _defined_here(hook: Any) -> bool:
     """Whether `hook` is a function or bound method of hookpolicy's own code."""
     function = getattr(hook, "__func__", hook)
     return str(getattr(function, "__module__", "") or "").startswith("hookpolicy.")
 
 
-def _keys_defined_here(reduced: Any) -> Callable[[Any, Any], bool]:
-    """Whether an entry's key is that of a hook `_defined_here`, in any of the hook dicts.
-
-    By key, not by value: `_forward_hooks_with_kwargs` and `_forward_hooks_always_called`
-    hold a flag (True) under the key of a hook in `_forward_hooks`, and go with it.
-    """
-    state = reduced[2] if isinstance(reduced, tuple) and len(reduced) > 2 and isinstance(reduced[2], dict) else {}
-    keys = {key for name in _HOOK_DICTS for key, hook in (state.get(name) or {}).items()
+def _keys_defined_here(state: dict[str, Any]) -> set[Any]:
+    """The keys of the hooks `_defined_here` in a reduction's hook dicts (the flags under them go with them)."""
+    return {key for name in _HOOK_DICTS for key, hook in (state.get(name) or {}).items()
             if callable(hook) and _defined_here(hook)}
-    return lambda key, hook: key in keys
-
-
-def _filtered(reduced: Any, ours: Callable[[Any, Any], bool]) -> Any:
-    """`reduced` with the entries `ours(key, hook)` left out of the module's hook dicts."""
-    if not (isinstance(reduced, tuple) and len(reduced) > 2 and isinstance(reduced[2], dict)):
-        return reduced
-    state = reduced[2]
-    dirty = [name for name in _HOOK_DICTS if state.get(name) and any(ours(k, v) for k, v in state[name].items())]
-    if not dirty:
-        return reduced
-    state = dict(state)  # a __getstate__ may hand out the live __dict__: never edit it
-    for name in dirty:
-        state[name] = OrderedDict((k, v) for k, v in state[name].items() if not ours(k, v))
-    return (*reduced[:2], state, *reduced[3:])
 
 
 # -- tree changes ----------------------------------------------------------------------
