@@ -30,13 +30,10 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import importlib
 import os
 import pstats
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -47,6 +44,7 @@ from prometheus_client import CollectorRegistry
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models import WORKLOADS  # noqa: E402
+from timing import other_tree  # noqa: E402
 from variants import POLICIES, Variant, build_variants  # noqa: E402
 
 
@@ -100,10 +98,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"floor": [], "floor, again": [], "inactive": [], "active": []}
     other = None
     if args.against is not None:
-        copied = Path(tempfile.mkdtemp(prefix="inactive_"))
-        shutil.copytree(Path(args.against) / "hookpolicy", copied / "hookpolicy_against")
-        sys.path.insert(0, str(copied))
-        other = against(importlib.import_module("hookpolicy_against"), floor, args.workload)
+        other = against(other_tree(args.against), floor, args.workload)
         order.append(other)
         times.update({"against inactive": [], "against active": []})
     for _ in range(5):

@@ -34,9 +34,7 @@ import argparse
 import collections
 import copy
 import importlib
-import shutil
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -50,7 +48,7 @@ import hookpolicy  # noqa: E402
 from hookpolicy.engine.decide import readback  # noqa: E402
 from hookpolicy.engine.execute import programs  # noqa: E402
 from models import WORKLOADS, wide_model  # noqa: E402
-from timing import readback_cpu  # noqa: E402
+from timing import other_tree, readback_cpu  # noqa: E402
 from variants import POLICIES, build_variants  # noqa: E402
 
 
@@ -192,10 +190,7 @@ def _timed_entries(package: types.ModuleType, spent: dict[str, float]) -> None:
 def entries(names: list[str], rounds: int, against: str | None, policy: str) -> None:
     packages: list[types.ModuleType] = [hookpolicy]
     if against is not None:
-        copied = Path(tempfile.mkdtemp(prefix="inside_cpu_"))
-        shutil.copytree(Path(against) / "hookpolicy", copied / "hookpolicy_against")
-        sys.path.insert(0, str(copied))
-        packages.insert(0, importlib.import_module("hookpolicy_against"))
+        packages.insert(0, other_tree(against))
     spent = [collections.defaultdict(float) for _ in packages]
     for package, into in zip(packages, spent):
         _timed_entries(package, into)

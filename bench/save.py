@@ -36,16 +36,13 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import importlib
 import io
 import json
 import logging
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -59,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hookpolicy  # noqa: E402
 from models import WORKLOADS, wide_model  # noqa: E402
 from collector import Collector  # noqa: E402
+from timing import other_tree  # noqa: E402
 from variants import POLICIES  # noqa: E402
 
 #: "checkpoint": `torch.save({"model": model.state_dict()})`, the file nanoGPT, Lightning and HF write (no module in it)
@@ -102,14 +100,6 @@ def _saved(obj: object) -> bytes:
     out = io.BytesIO()
     torch.save(obj, out)
     return out.getvalue()
-
-
-def _other(tree: str) -> types.ModuleType:
-    """The hookpolicy package of the tree `tree`, imported as `hookpolicy_against`."""
-    copied = Path(tempfile.mkdtemp(prefix="save_"))
-    shutil.copytree(Path(tree) / "hookpolicy", copied / "hookpolicy_against")
-    sys.path.insert(0, str(copied))
-    return importlib.import_module("hookpolicy_against")
 
 
 def measure(name: str, rounds: int, policy: str, packages: dict[str, Optional[types.ModuleType]]) -> None:
@@ -237,12 +227,12 @@ def main() -> None:
     torch.set_num_threads(1)
     logging.getLogger("hookpolicy").setLevel(logging.ERROR)  # the wide model meets monitor.yaml's maxSeries
     if args.loop is not None:
-        _loop(args.loop, args.in_a_row, args.policy, _other(args.against) if args.against else hookpolicy)
+        _loop(args.loop, args.in_a_row, args.policy, other_tree(args.against) if args.against else hookpolicy)
         return
     before = os.getloadavg()
     packages: dict[str, Optional[types.ModuleType]] = {"no policy": None}
     if args.against is not None:
-        packages[args.against] = _other(args.against)
+        packages[args.against] = other_tree(args.against)
     packages["this tree"] = hookpolicy
     for name in args.models:
         measure(name, args.rounds, args.policy, packages)

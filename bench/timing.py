@@ -18,10 +18,16 @@ inactive steps, and its cost per step is the amortized
 from __future__ import annotations
 
 import contextlib
+import importlib
 import random
+import shutil
+import sys
+import tempfile
 import time
+import types
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -29,7 +35,7 @@ import torch
 from variants import Variant
 
 __all__ = [
-    "Samples", "interleave", "quantile", "Summary", "summarize", "amortized", "count_syncs", "step_table",
+    "other_tree", "Samples", "interleave", "quantile", "Summary", "summarize", "amortized", "count_syncs", "step_table",
 ]
 
 
@@ -179,6 +185,15 @@ def resampled_amortized(s: Samples, every: int = 10) -> Callable[[random.Random]
         m_off = quantile([off[rng.randrange(len(off))] for _ in off], 0.5)
         return (m_on + (every - 1) * m_off) / every
     return stat
+
+
+def other_tree(tree: str) -> types.ModuleType:
+    """The hookpolicy package of the tree `tree` (a copy of main, say), imported beside this one as
+    `hookpolicy_against`: an A/B of two trees in one process (`--against DIR`)."""
+    copied = Path(tempfile.mkdtemp(prefix="against_"))
+    shutil.copytree(Path(tree) / "hookpolicy", copied / "hookpolicy_against")
+    sys.path.insert(0, str(copied))
+    return importlib.import_module("hookpolicy_against")
 
 
 def count_syncs(v: Variant, steps: int = 3) -> tuple[float, float]:
