@@ -10,7 +10,7 @@ Each step also records whether other processes used the CPU while it ran (from
 undisturbed steps when there are enough of them (see `run.py`). Each variant's per-step
 times give a median and p10/p90; a ratio is the variant's quantile over the floor's same
 quantile. The 95% interval of the median ratio is a
-bootstrap over the steps. A gated variant (`every: 10`) is split into its active and
+bootstrap over the steps, as is the interval of one variant's overhead as a share of another's. A gated variant (`every: 10`) is split into its active and
 inactive steps, and its cost per step is the amortized
 `(median(active) + 9 * median(inactive)) / 10`.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import random
 import shutil
 import sys
@@ -167,6 +168,24 @@ def bootstrap_ratio(
     rng = random.Random(seed)
     ratios = sorted(num(rng) / den(rng) for _ in range(reps))
     return quantile(ratios, 0.025), quantile(ratios, 0.975)
+
+
+def bootstrap_share(
+    num: Sequence[float], den: Sequence[float], floor: Sequence[float], reps: int = 400, seed: int = 0,
+) -> tuple[float, float]:
+    """A 95% bootstrap interval of one overhead as a share of another: (median(num) - median(floor)) /
+    (median(den) - median(floor)), each median taken over a resample of its own steps; a resample whose `den` is
+    not above the floor's counts as an infinite share (nothing to be a share of). Nearest-rank ends, so an
+    infinite share can be an end."""
+    rng = random.Random(seed)
+    a, b, f = resampled_median(num), resampled_median(den), resampled_median(floor)
+    shares = []
+    for _ in range(reps):
+        base = f(rng)
+        over = b(rng) - base
+        shares.append((a(rng) - base) / over if over > 0 else math.inf)
+    shares.sort()
+    return shares[round(0.025 * (reps - 1))], shares[round(0.975 * (reps - 1))]
 
 
 def resampled_median(xs: Sequence[float]) -> Callable[[random.Random], float]:
