@@ -5,7 +5,10 @@ them tensor hooks on gradients and on identity views of inputs, for `grad_output
 `grad_input`). It picks the tensors a binding targets and hands them to
 `Programs.execute`, which records into the step's ledger and may return replacement
 tensors. A hook body runs under `Faults.guarded`: its exception is a fault of its rule,
-its time goes to the ledger.
+its time goes to the ledger. The work around it for each rule a hook call serves (the phase
+check, picking the tensors, registering a gradient's tensor hook, replacing the output) is
+contained the same way (`Faults.fail`), so no fault of hookpolicy's reaches the script's
+forward or backward pass, and the hook's other rules still run.
 
 **Named tensors** (`named_tensors`, `replace_tensors`, `selector`): floating-point tensors
 inside the tuples, lists and dicts that modules take and return.
@@ -79,6 +82,7 @@ class Executor:
     ) -> None:
         self.rules = rules
         self.guarded = faults.guarded
+        self._fail = faults.fail
         self._programs = programs
         self._phase = phase
         self.rules_changed()
@@ -110,15 +114,18 @@ class Executor:
         changed = False
         for c in calls:
             rs = c.rs
-            if rs.off or (c.train is not None and self._phase.training(module) != c.train):
-                continue
-            if c.target == "grad_input":
-                inputs, hooked = self.guarded(rs, self._hook_grad_input, c, inputs) or (inputs, False)
-                changed |= hooked
-            elif not inside_recompute:
-                new = self.guarded(rs, self._run_named, c, _input_tensors(inputs, c.keep))
-                if new:
-                    inputs, changed = _replace_inputs(inputs, new), True
+            try:  # each call contained as its rule's body is (`Faults.fail`): no fault of ours reaches the forward
+                if rs.off or (c.train is not None and self._phase.training(module) != c.train):
+                    continue
+                if c.target == "grad_input":
+                    inputs, hooked = self.guarded(rs, self._hook_grad_input, c, inputs) or (inputs, False)
+                    changed |= hooked
+                elif not inside_recompute:
+                    new = self.guarded(rs, self._run_named, c, _input_tensors(inputs, c.keep))
+                    if new:
+                        inputs, changed = _replace_inputs(inputs, new), True
+            except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: its rule's, never the script's
+                self._fail(rs, exc)
         return inputs if changed else None
 
     def post_hook(self, calls: Sequence[Call], module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
@@ -133,41 +140,49 @@ class Executor:
         bare = type(output) is torch.Tensor
         for c in calls:
             rs = c.rs
-            if rs.off or (c.train is not None and self._phase.training(module) != c.train):
-                continue
-            target = c.target
-            if target == "grad_output":
-                if bare:
-                    if output.requires_grad and output.is_floating_point() and output.numel() > 0:
-                        tensor_hooks.add(output, c.on_grad)
+            try:  # as in `pre_hook`: a fault of this call is its rule's, and the next call runs
+                if rs.off or (c.train is not None and self._phase.training(module) != c.train):
                     continue
-                for name, t in named_tensors(output, c.keep):
-                    if t.requires_grad:
-                        tensor_hooks.add(t, grad_hook_of(self._grad_hook, c, name))
-            elif target == "grad_input":
-                self._check_grad_input(c, (args, kwargs))
-            elif not inside_recompute:
-                if bare and c.measures and target == "output":
-                    if output.is_floating_point() and output.numel() > 0:
-                        self._programs.measure(rs, target, c.rows, output, c.ran, c.plans)
-                    continue
-                named = named_tensors(output, c.keep) if target == "output" else _input_tensors((args, kwargs), c.keep)
-                new = self.guarded(rs, self._run_named, c, named)
-                if new and target == "output":
-                    output, changed = replace_tensors(output, new), True
+                target = c.target
+                if target == "grad_output":
+                    if bare:
+                        if output.requires_grad and output.is_floating_point() and output.numel() > 0:
+                            tensor_hooks.add(output, c.on_grad)
+                        continue
+                    for name, t in named_tensors(output, c.keep):
+                        if t.requires_grad:
+                            tensor_hooks.add(t, grad_hook_of(self._grad_hook, c, name))
+                elif target == "grad_input":
+                    self._check_grad_input(c, (args, kwargs))
+                elif not inside_recompute:
+                    if bare and c.measures and target == "output":
+                        if output.is_floating_point() and output.numel() > 0:
+                            self._programs.measure(rs, target, c.rows, output, c.ran, c.plans)
+                        continue
+                    named = (named_tensors(output, c.keep) if target == "output"
+                             else _input_tensors((args, kwargs), c.keep))
+                    new = self.guarded(rs, self._run_named, c, named)
+                    if new and target == "output":
+                        output, changed = replace_tensors(output, new), True
+            except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: its rule's, never the script's
+                self._fail(rs, exc)
         return output if changed else None
 
     def _grad_hook(self, c: Call, name: str, grad: torch.Tensor) -> Optional[torch.Tensor]:
         """hook(grad) -> None or a new gradient, for the tensor `name` of `c`'s target."""
         rs = c.rs
-        if rs.off or grad is None or grad.numel() == 0:
+        try:  # as in `pre_hook`: a fault here is its rule's, and the backward pass goes on with `grad`
+            if rs.off or grad is None or grad.numel() == 0:
+                return None
+            if c.measures and type(grad) is torch.Tensor:
+                rows = c.rows if name == "" else [(c.binding.module, name)]
+                self._programs.measure(rs, c.target, rows, grad, c.ran, c.plans)
+                return None
+            new = self.guarded(rs, self._run_named, c, [(name, grad)])
+            return new[name] if new else None
+        except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: its rule's, never the script's
+            self._fail(rs, exc)
             return None
-        if c.measures and type(grad) is torch.Tensor:
-            rows = c.rows if name == "" else [(c.binding.module, name)]
-            self._programs.measure(rs, c.target, rows, grad, c.ran, c.plans)
-            return None
-        new = self.guarded(rs, self._run_named, c, [(name, grad)])
-        return new[name] if new else None
 
     def _hook_grad_input(self, c: Call, inputs: Any) -> tuple[Any, bool]:
         """Route each input through an identity view whose gradient is this module's own."""
