@@ -45,6 +45,7 @@ FAULTS = {
     "the gradient's tensor hook cannot be registered (post_hook)": (
         executor.tensor_hooks, "add", "at: backward\n  target: grad_output"),
     "the inputs cannot be picked (pre_hook)": (executor, "_input_tensors", "at: forward_pre\n  target: input"),
+    "torch's recomputation check is gone (post_hook)": (executor, "recomputing", "at: forward\n  target: output"),
     "the gradient's measurement fails around its program (the gradient's tensor hook)": (
         programs.Programs, "measure", "at: backward\n  target: grad_output"),
 }

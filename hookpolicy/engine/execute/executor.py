@@ -109,7 +109,6 @@ class Executor:
     # -- module hooks ------------------------------------------------------------------
     def pre_hook(self, calls: Sequence[Call], module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         """hook(module, args, kwargs) -> None or (new_args, new_kwargs), for `calls`."""
-        inside_recompute = recomputing()
         inputs: Any = (args, kwargs)
         changed = False
         for c in calls:
@@ -120,7 +119,7 @@ class Executor:
                 if c.target == "grad_input":
                     inputs, hooked = self.guarded(rs, self._hook_grad_input, c, inputs) or (inputs, False)
                     changed |= hooked
-                elif not inside_recompute:
+                elif not recomputing():  # asked inside the containment: torch's private call
                     new = self.guarded(rs, self._run_named, c, _input_tensors(inputs, c.keep))
                     if new:
                         inputs, changed = _replace_inputs(inputs, new), True
@@ -135,7 +134,6 @@ class Executor:
         the short road: its gradient's tensor hook is the call's own (`Call.on_grad`), and a
         program that only measures goes to `Programs.measure`. Anything else walks the output.
         """
-        inside_recompute = recomputing()
         changed = False
         bare = type(output) is torch.Tensor
         for c in calls:
@@ -154,7 +152,7 @@ class Executor:
                             tensor_hooks.add(t, grad_hook_of(self._grad_hook, c, name))
                 elif target == "grad_input":
                     self._check_grad_input(c, (args, kwargs))
-                elif not inside_recompute:
+                elif not recomputing():  # asked inside the containment: torch's private call
                     if bare and c.measures and target == "output":
                         if output.is_floating_point() and output.numel() > 0:
                             self._programs.measure(rs, target, c.rows, output, c.ran, c.plans)
