@@ -12,9 +12,11 @@ hookpolicy: a rule that only measures leaves the parameters bit for bit as they 
 
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -22,8 +24,10 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import hookpolicy
+from hookpolicy import process
 from helpers.policies import write_policy
 from hookpolicy.engine.execute import executor, programs
+from hookpolicy.engine.hooks import contain
 
 
 class Net(nn.Module):
@@ -112,3 +116,194 @@ def test_under_on_error_halt_a_fault_around_a_rule_halts_the_run(
     with hookpolicy.load(_policy(tmp_path, trigger, on_error="halt")).attach(model, registry=CollectorRegistry()):
         with pytest.raises(hookpolicy.Halt, match="hook error: AttributeError"):
             _train(model, 1)
+
+
+#: hookpolicy's entry points: the frames torch calls, each containing what it calls. Made to raise
+#: themselves, their fault is torch's call's (that is what the sweep below leaves them out for).
+ENTRY_POINTS = {
+    "hookpolicy.engine.cycle.StepCycle._pre_hook", "hookpolicy.engine.cycle.StepCycle._post_hook",
+    "hookpolicy.engine.cycle.StepCycle._grad_hook", "hookpolicy.engine.cycle.StepCycle._pass_ended",
+    "hookpolicy.engine.execute.executor.Executor.pre_hook", "hookpolicy.engine.execute.executor.Executor.post_hook",
+    "hookpolicy.engine.execute.executor.Executor._grad_hook",
+    "hookpolicy.engine.hooks.optimizer_hooks._Owner.before_update",
+    "hookpolicy.engine.hooks.optimizer_hooks._Owner._call",
+    "hookpolicy.engine.hooks.loss._Roots._wrapped_backward",  # torch.autograd.backward, patched
+}
+
+#: Rules on every hook point and most targets, mutating and measuring, with a log, a ring and an alert.
+EVERY_POINT = """
+    - name: inputs
+      match: {types: [Linear]}
+      trigger: {at: forward_pre}
+      target: input
+      actions:
+        - capture: {stats: [mean]}
+    - name: outputs
+      match: {modules: ["pair"]}
+      trigger: {at: forward}
+      target: output
+      actions:
+        - capture: {stats: [l2_norm, abs_max, nonfinite], keep: {steps: 5}}
+        - scale: {factor: 1.0}
+    - name: grad-inputs
+      match: {types: [Linear]}
+      trigger: {at: backward}
+      target: grad_input
+      actions:
+        - capture: {stats: [l2_norm]}
+    - name: grad-outputs
+      match: {types: [Linear]}
+      trigger: {at: backward}
+      target: grad_output
+      actions:
+        - capture: {stats: [l2_norm, mean, std, zero_fraction], log: {path: g.jsonl}}
+    - name: grads
+      match: {modules: ["**"]}
+      trigger: {at: step}
+      target: grad
+      actions:
+        - capture: {stats: [l2_norm, nonfinite], per: tensor}
+        - clip: {max_norm: 1.0, per: rule}
+        - alert: {if: "nonfinite > 0", per: rule, severity: critical, then: skip_step, message: "nan at {step}"}
+    - name: state
+      match: {types: [Linear]}
+      trigger: {at: step, every: 2}
+      target: optimizer_state
+      actions:
+        - capture: {stats: [l2_norm]}
+    - name: loss
+      match: {root: true}
+      trigger: {at: step}
+      target: loss
+      actions:
+        - capture: {stats: [mean]}
+        - alert: {if: "mean > 1e9", severity: warning, message: "loss {mean}"}
+"""
+
+
+class Pair(nn.Module):
+    """A module whose output is a tuple: its tensors are named and replaced by path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.linear(x)
+        return h, torch.tanh(h)
+
+
+class Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.pair = Pair()
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, t = self.pair(self.a(x))
+        return self.b(h + t)
+
+
+@pytest.fixture
+def parts_given_back() -> Iterator[None]:
+    """The process-wide parts the sweep switches off stay off for the process (`hooks.contain`): give the counts
+    back, those of parts made during the test too (to 0), so later tests run hookpolicy's parts again."""
+    faults = {part: part.faults for part in list(contain._PARTS)}
+    yield
+    for part in list(contain._PARTS):
+        part.faults = faults.get(part, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("parts_given_back")
+def test_no_function_a_step_calls_raises_into_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every function of hookpolicy that a governed training step calls, made to raise in turn: only torch's
+    entry points into hookpolicy (`ENTRY_POINTS`) may let it out. Found this way: `tensor_hooks.add`,
+    `Phase.training` and `Programs.measure` raised out of a forward or backward pass."""
+    monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path))
+    policy = hookpolicy.load(write_policy(tmp_path, EVERY_POINT, spec="onError: continue\n"))
+
+    def train(model: nn.Module, steps: int) -> None:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for _ in range(steps):
+            model(torch.randn(5, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    called: dict[tuple[str, str], None] = {}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_globals.get("__name__", "").startswith("hookpolicy.engine."):
+            called[(frame.f_globals["__name__"], frame.f_code.co_qualname)] = None
+
+    model = Wide()
+    attached = policy.attach(model, registry=CollectorRegistry(), rank=0)
+    train(model, 2)
+    sys.setprofile(profile)
+    try:
+        train(model, 2)
+    finally:
+        sys.setprofile(None)
+    attached.remove()
+    assert len(called) > 150  # the sweep below reaches the step's machinery, not a corner of it
+
+    class Injected(Exception):
+        pass
+
+    escaped: list[str] = []
+    left: list[str] = []  # faults after which remove() left something of hookpolicy in the process
+    swept = 0
+    for module_name, qualname in called:
+        *path, attr = qualname.split(".")
+        if "<" in qualname:  # a lambda, a comprehension: part of a function swept on its own
+            continue
+        owner: Any = sys.modules[module_name]
+        for part in path:
+            owner = getattr(owner, part)
+        original = inspect.getattr_static(owner, attr)
+        if isinstance(original, property):
+            continue
+
+        def boom(*args: Any, _where: str = f"{module_name}.{qualname}", **kwargs: Any) -> Any:
+            raise Injected(_where)
+
+        before = process.snapshot()
+        model = Wide()
+        attached = policy.attach(model, registry=CollectorRegistry(), rank=0)  # whole: the fault is training's
+        setattr(owner, attr, staticmethod(boom) if isinstance(original, staticmethod) else boom)
+        try:
+            train(model, 3)
+        except Injected as exc:
+            escaped.append(str(exc))
+        finally:
+            setattr(owner, attr, original)
+            attached.remove()
+        if process.snapshot() != before:
+            left.append(f"{module_name}.{qualname}")
+        swept += 1
+    assert (sorted(set(escaped) - ENTRY_POINTS), left) == ([], [])
+
+
+@pytest.mark.parametrize("on_error", ["continue", "halt"])
+def test_a_fault_in_the_last_read_back_is_said_and_remove_does_not_raise(
+    on_error: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`remove()` runs in `finally` blocks and at exit: it promises never to raise. A fault while it reads back
+    what the ledger holds (a forward after the last step) is counted and said, and every hook still comes off."""
+    model = Net()
+    before = {name: dict(m._forward_hooks) for name, m in model.named_modules()}
+    registry = CollectorRegistry()
+    attached = hookpolicy.load(_policy(tmp_path, "at: forward\n  target: output", on_error)).attach(
+        model, registry=registry, rank=0)
+    _train(model, 2)
+    model(torch.randn(5, 4)).sum().backward()  # measured, not yet read back: left to remove()
+    monkeypatch.setattr(type(attached._cycle.ledger), "close", _boom)
+    with caplog.at_level(logging.ERROR, logger="hookpolicy"):
+        attached.remove()  # no exception
+    assert {name: dict(m._forward_hooks) for name, m in model.named_modules()} == before
+    assert registry.get_sample_value("hookpolicy_hook_errors_total",
+                                     {"policy": "p", "rule": "watch", "rank": "0", "model": "Net"}) == 1
+    said = [r.getMessage() for r in caplog.records if "the last read-back at remove()" in r.getMessage()]
+    assert len(said) == 1 and "an attribute this torch no longer has" in said[0]
+    assert ("not halted (onError: halt)" in said[0]) == (on_error == "halt")

@@ -150,6 +150,12 @@ class StepCycle:
             self._last()
         except Halt:
             pass
+        except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: said and counted, never out of remove()
+            try:
+                self.fault("the last read-back at remove()", exc)
+            except Halt as halt:  # onError: halt, with no step left to halt: said instead
+                log.error("hookpolicy: %s/%s: not halted (onError: halt): %s, after the model's last step",
+                          halt.policy, halt.rule, halt.message)
         finally:
             self.readback.close()
 

@@ -229,10 +229,17 @@ def reduces_itself(cls: type) -> bool:
 
 
 def _own(handle: RemovableHandle) -> OwnHandle:
-    _REDUCE_EX.acquire()
+    """`handle`'s hook as hookpolicy's (the copy filter in place while one is on); where that fails, the hook
+    comes off again and nothing is counted: no hook is left that no `OwnHandle` can take off."""
+    try:
+        own = OwnHandle(handle)
+        _REDUCE_EX.acquire()
+    except BaseException:
+        handle.remove()
+        raise
     with _lock:
         _ours.add(handle.id)
-    return OwnHandle(handle)
+    return own
 
 
 def _patch() -> None:
