@@ -220,6 +220,12 @@ def snapshot() -> dict[str, object]:
             cls = getattr(found, kind)
             state[f"{kind}.__init__, __init_subclass__"] = (cls.__dict__.get("__init__"),
                                                             cls.__dict__.get("__init_subclass__"))
+    autograd = sys.modules.get("torch.autograd")
+    if autograd is not None:  # the loss tap's patches
+        state["torch.autograd.backward"] = autograd.backward
+    scaler = sys.modules.get("torch.amp.grad_scaler")
+    if scaler is not None:
+        state["GradScaler.scale"] = scaler.GradScaler.__dict__.get("scale")
     optimizer = sys.modules.get("torch.optim.optimizer")
     if optimizer is not None:
         state["optimizer step hooks"] = (

@@ -307,3 +307,69 @@ def test_a_fault_in_the_last_read_back_is_said_and_remove_does_not_raise(
     said = [r.getMessage() for r in caplog.records if "the last read-back at remove()" in r.getMessage()]
     assert len(said) == 1 and "an attribute this torch no longer has" in said[0]
     assert ("not halted (onError: halt)" in said[0]) == (on_error == "halt")
+
+
+#: Made to raise wholesale, these are the undo itself (giving a shared patch back, taking a hook's ownership):
+#: nothing is left to take out what they were to.
+UNDO_PRIMITIVES = {"hookpolicy.process.Shared.release", "hookpolicy.engine.hooks.module_hooks._own"}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("parts_given_back")
+def test_a_fault_inside_attach_leaves_nothing_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every function of hookpolicy that `attach` calls, made to raise in turn: attach raises it, and the process
+    and the model are as before (no hook, no patch, no subscriber), so the same policy attaches again. Found this
+    way: 30 functions after the first hook went in left a half-installed policy."""
+    monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path))
+    policy = hookpolicy.load(write_policy(tmp_path, EVERY_POINT, spec="onError: continue\n"))
+    called: dict[tuple[str, str], None] = {}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_globals.get("__name__", "").startswith("hookpolicy."):
+            called[(frame.f_globals["__name__"], frame.f_code.co_qualname)] = None
+
+    sys.setprofile(profile)
+    try:
+        attached = policy.attach(Wide(), registry=CollectorRegistry(), rank=0)
+    finally:
+        sys.setprofile(None)
+    attached.remove()
+    assert len(called) > 150
+
+    class Injected(Exception):
+        pass
+
+    def hooks(model: nn.Module) -> int:
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    left, swept = [], 0
+    for module_name, qualname in called:
+        where = f"{module_name}.{qualname}"
+        if "<" in qualname or where in UNDO_PRIMITIVES:
+            continue
+        *path, attr = qualname.split(".")
+        owner: Any = sys.modules[module_name]
+        for part in path:
+            owner = getattr(owner, part)
+        original = inspect.getattr_static(owner, attr)
+        if isinstance(original, property):
+            continue
+
+        def boom(*args: Any, _where: str = where, **kwargs: Any) -> Any:
+            raise Injected(_where)
+
+        before, model = process.snapshot(), Wide()
+        patched = classmethod(boom) if isinstance(original, classmethod) else boom
+        setattr(owner, attr, staticmethod(boom) if isinstance(original, staticmethod) else patched)
+        try:
+            policy.attach(model, registry=CollectorRegistry(), rank=0).remove()
+            continue  # a function attach only calls on some models: it did not run here
+        except Injected:
+            swept += 1
+        finally:
+            setattr(owner, attr, original)
+        if process.snapshot() != before or hooks(model):
+            left.append(where)
+        policy.attach(model, registry=CollectorRegistry(), rank=0).remove()  # the model is not claimed
+    assert swept > 100
+    assert left == []

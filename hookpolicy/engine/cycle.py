@@ -122,11 +122,9 @@ class StepCycle:
 
     def start(self) -> None:
         """Subscribe to optimizer steps, hook the root, watch the tree; activate the first step's rules."""
-        self._handles = [
-            optimizer_hooks.subscribe(_WeakSteps(self), optimizer_hooks.STEP_TRACKING),
-            module_hooks.forward_pre_hook(self.model, self._pre_hook),
-            module_hooks.forward_hook(self.model, self._post_hook, always_call=True),
-        ]
+        self._handles.append(optimizer_hooks.subscribe(_WeakSteps(self), optimizer_hooks.STEP_TRACKING))
+        self._handles.append(module_hooks.forward_pre_hook(self.model, self._pre_hook))  # each kept once made:
+        self._handles.append(module_hooks.forward_hook(self.model, self._post_hook, always_call=True))  # remove()
         self._rebinding.start()
         self.replicas.start(self.rules)
         self._activate()

@@ -74,9 +74,13 @@ class Attached:
         self._dropped: "Optional[weakref.finalize[..., torch.nn.Module]]" = None
         for warning in plan.warnings + tuple(ring_bounds(self.policies, plan.bindings)[1]):
             log.warning("%s", warning)
-        _claim_model(model, self.policies)  # from here on nothing raises before the hooks are in
-        self._publish_initial_series(audit)
-        self._cycle.start()
+        _claim_model(model, self.policies)  # a second attach of a policy is refused here, with nothing installed
+        try:
+            self._publish_initial_series(audit)
+            self._cycle.start()
+        except BaseException:  # hookpolicy's own fault: what went in comes out again, never a half-installed policy
+            self.remove()
+            raise
 
     def _publish_initial_series(self, audit: bool) -> None:
         """Create every counter at 0, so `increase()` sees the first event and dashboards list the run."""

@@ -86,8 +86,8 @@ class LossTap:
             self._taken = False
             self._values.clear()
         if active and not self._joined:
-            self._joined = True
             _ROOTS.join(self)
+            self._joined = True  # once joined: `remove()` leaves only what was joined
         self.active = active
 
     def fault(self, where: str, exc: Exception) -> None:
@@ -172,23 +172,29 @@ class _Roots:
                                       self._install, self._uninstall)
 
     def join(self, tap: LossTap) -> None:
+        self._shared.acquire()  # first: a tap is fed only once the patches are in
         self._taps = (*self._taps, tap)
-        self._shared.acquire()
 
     def leave(self, tap: LossTap) -> None:
         self._taps = tuple(t for t in self._taps if t is not tap)
         self._shared.release()
 
     def _install(self) -> None:
-        self._backward = torch.autograd.backward
-        setattr(torch.autograd, "backward", self._wrapped_backward)
-        classes, found = [GradScaler], [GradScaler]
-        while found:
-            found = [sub for cls in found for sub in cls.__subclasses__()]
-            classes += [cls for cls in found if "scale" in cls.__dict__]
-        for cls in classes:
-            self._scales.append((cls, cls.__dict__["scale"], self._scale_of(cls.__dict__["scale"])))
-            setattr(cls, "scale", self._scales[-1][2])
+        """Both patches, or (where one fails) neither: a wrapper left in would be wrapped again by the next
+        `_install`, and call itself."""
+        try:
+            self._backward = torch.autograd.backward
+            setattr(torch.autograd, "backward", self._wrapped_backward)
+            classes, found = [GradScaler], [GradScaler]
+            while found:
+                found = [sub for cls in found for sub in cls.__subclasses__()]
+                classes += [cls for cls in found if "scale" in cls.__dict__]
+            for cls in classes:
+                self._scales.append((cls, cls.__dict__["scale"], self._scale_of(cls.__dict__["scale"])))
+                setattr(cls, "scale", self._scales[-1][2])
+        except BaseException:
+            self._uninstall()
+            raise
 
     def _uninstall(self) -> None:
         if torch.autograd.backward == self._wrapped_backward:

@@ -134,7 +134,12 @@ class _Owner:
 
     def _register(self) -> None:
         if not self._handles:  # else still in from a remove() inside a step
-            self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+            self._handles.append(register_optimizer_step_pre_hook(self._pre))
+            try:
+                self._handles.append(register_optimizer_step_post_hook(self._post))
+            except BaseException:  # both or neither
+                self._unregister()
+                raise
 
     def _unregister(self) -> None:
         if self._handles and not _inside_optimizer_step():

@@ -107,15 +107,19 @@ class _Made:
 
     def _install(self) -> None:
         with self._lock:
-            self._on = True
-            for root in kinds():
-                self._hook_subclasses(root)
-                tree: list[type] = [root]
-                for cls in tree:  # grows while walked: each class's subclasses after it
-                    tree += cls.__subclasses__()
-                    self._wrap(cls)
-            for made in live_of(*kinds()):  # those made before: the one heap scan, after the wrappers are in
-                self.note(made)
+            try:
+                self._on = True
+                for root in kinds():
+                    self._hook_subclasses(root)
+                    tree: list[type] = [root]
+                    for cls in tree:  # grows while walked: each class's subclasses after it
+                        tree += cls.__subclasses__()
+                        self._wrap(cls)
+                for made in live_of(*kinds()):  # those made before: the one heap scan, after the wrappers are in
+                    self.note(made)
+            except BaseException:  # every wrapper, or none (`_uninstall` takes out those put in)
+                self._uninstall()
+                raise
 
     def _uninstall(self) -> None:
         with self._lock:
