@@ -460,3 +460,197 @@ def test_hookpolicy_explain_prints_the_ring_and_the_dump(tmp_path: Path) -> None
     assert (f"rec/layers: action 0 keeps a ring of 40 steps x {linears} groups (per: module) x 3 stats x 8 bytes + 8 "
             f"bytes per group name = {40 * linears * 24 + linears * 8} bytes of 268435456") in result.output
     assert "dumps 10 steps before and 3 after an alert of rec/guard to dumps/ (at most 10 files" in result.output
+
+
+# -- a hot reload ----------------------------------------------------------------------------------------------------
+
+#: a third rule, unrelated to the ring: its threshold is what a reload edits
+UNRELATED = """\
+    - name: other
+      match: {{types: [Linear]}}
+      trigger: {{at: forward}}
+      target: output
+      actions:
+        - alert: {{if: "abs_max > 1e9"}}
+"""
+
+
+def reload_policy(workdir: Path, name: str = "policy.yaml", edit: Any = lambda text: text, **kw: Any) -> Any:
+    """`policy` with UNRELATED appended (`edit` changes the text before it is loaded)."""
+    base = dict(steps=20, before=10, after=3, dumps=10, dump_bytes=1 << 26, ring_bytes=1 << 28, export="false",
+                log="log: {path: full.jsonl}")
+    base.update(kw)
+    return load_text(workdir, edit((POLICY + UNRELATED).format(**base)), name=name)
+
+
+def reloading_run(model: torch.nn.Module, first: Any, then: Any, at: int, steps: int, spikes: set[int],
+                  grads: dict[int, dict[str, torch.Tensor]] | None = None,
+                  each: Any = None) -> tuple[Any, Any]:
+    """`run` under `first`, reloaded to `then` after `at` steps as `apply --watch` swaps (`Swaps._swap`, between
+    two steps); returns both attachments (the new one removed). `each(step, attachment)` after every step, before
+    the reload."""
+    from hookpolicy.apply.reload import Governed, Swaps
+
+    old = first.attach(model, registry=CollectorRegistry(), rank=0)
+    swaps = Swaps(first, rank=0)
+    governed = Governed(model, old, generation=0)
+
+    def attach(policies: Any, module: torch.nn.Module, step: int, generation: int) -> Any:
+        return policies.attach(module, registry=CollectorRegistry(), rank=0, start_step=step)
+
+    def at_step(step: int) -> None:
+        if each is not None:
+            each(step, governed.attached)
+        if step == at - 1:
+            swaps.request(then)
+            assert swaps.next is not None
+            swaps._swap(governed, [governed], attach, *swaps.next)
+            assert governed.attached.step == at  # the model's step numbers go on
+
+    try:
+        run(model, steps, spikes, grads, each=at_step)
+    finally:
+        governed.attached.remove()
+    return old, governed.attached
+
+
+def dump_lines(file: Path, timeless: bool = False) -> list[dict[str, Any]]:
+    lines = [json.loads(line) for line in file.read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "time"} for r in lines] if timeless else lines
+
+
+def test_a_reload_that_leaves_the_capture_alone_continues_its_ring(workdir: Path) -> None:
+    """keep.steps 20, reloaded after step 11 with the unrelated rule's threshold changed, the alert at 16: the
+    dump holds steps 6..19, half of them kept by the old attachment, and is the dump of the same run without
+    a reload but for its times; each record is the capture log's (both attachments wrote it) bit for bit, time
+    included, and its L2 norms those of the gradients the test read."""
+    with reload_policy(workdir).attach(model := tiny(), registry=CollectorRegistry(), rank=0):
+        run(model, 24, {16})  # the reference: the same loop without a reload
+    (reference,) = dump_files(workdir)
+    reference = reference.rename(workdir / "reference.jsonl")
+    (workdir / "full.jsonl").unlink()
+
+    then = reload_policy(workdir, "edited.yaml", lambda text: text.replace("abs_max > 1e9", "abs_max > 1e8"))
+    grads: dict[int, dict[str, torch.Tensor]] = {}
+    old, new = reloading_run(model := tiny(), reload_policy(workdir), then, 12, 24, {16}, grads)
+    (file,) = dump_files(workdir)
+    assert file.name == "rec-layers.step00000016.rank0.jsonl"
+    lines = dump_lines(file)
+    header, records = lines[0], lines[2:]
+    assert (header["step"], header["first"], header["last"]) == (16, 6, 19)
+    assert sorted({r["step"] for r in records}) == list(range(6, 20))
+    assert dump_lines(file, timeless=True) == dump_lines(reference, timeless=True)
+    log = {(r["step"], r["module"]): r for r in json_lines(workdir / "full.jsonl")}
+    assert {s for s, _ in log} == set(range(24))
+    for record in records:
+        assert record == log[(record["step"], record["module"])]
+        want = torch.linalg.vector_norm(grads[record["step"]][record["module"]].double()).item()
+        assert record["stats"]["l2_norm"] == pytest.approx(want, rel=1e-6)
+    assert new.recorder.rings[(("rec", "layers"), 0)].rule is new._cycle.rules[("rec", "layers")]
+    assert not old.recorder.rings and new.recorder.written == [file]
+
+
+def test_a_reload_that_changes_the_capture_starts_its_ring_anew(workdir: Path) -> None:
+    """The captured rule itself changed (its dump's `before`): its ring starts empty at the reload, and its dump
+    waiting at the reload (alert at 10, after: 5) is written at the old detach with what the old ring held."""
+    seen: dict[int, list[int]] = {}
+    then = reload_policy(workdir, "edited.yaml", lambda text: text.replace("before: 10", "before: 9"), after=5)
+
+    def each(step: int, attached: Any) -> None:
+        ring = attached.recorder.rings.get((("rec", "layers"), 0))
+        seen[step] = [] if ring is None else [s.step for s in ring.steps]
+
+    old, new = reloading_run(tiny(), reload_policy(workdir, after=5), then, 12, 24, {10, 20}, each=each)
+    assert seen[11] == list(range(0, 12))
+    assert seen[12] == [12] and seen[19] == list(range(12, 20))
+    first, second = dump_files(workdir)
+    assert first.name == "rec-layers.step00000010.rank0.jsonl" and old.recorder.written == [first]
+    header = dump_lines(first)[0]
+    assert (header["first"], header["last"]) == (0, 11)  # written at the reload, short of its after steps
+    assert sorted({r["step"] for r in dump_lines(first)[2:]}) == list(range(0, 12))
+    header = dump_lines(second)[0]
+    assert (header["step"], header["first"], header["last"]) == (20, 12, 23)  # only what the new ring holds
+    assert new.recorder.written == [second]
+
+
+def test_a_dump_waiting_at_a_reload_is_written_once_by_the_new_attachment(workdir: Path) -> None:
+    """The alert at 10 waits for its after: 5 steps; the reload after step 11 leaves the capture alone: no
+    file at the reload, one at step 15, written by the new attachment, the same as without a reload but its
+    times, with the alert record of step 10."""
+    first = reload_policy(workdir, after=5)
+    with first.attach(model := tiny(), registry=CollectorRegistry(), rank=0):
+        run(model, 24, {10})
+    (reference,) = dump_files(workdir)
+    reference = reference.rename(workdir / "reference.jsonl")
+
+    then = reload_policy(workdir, "edited.yaml", lambda text: text.replace("abs_max > 1e9", "abs_max > 1e8"), after=5)
+    files_at: dict[int, list[str]] = {}
+
+    def each(step: int, attached: Any) -> None:
+        files_at[step] = [f.name for f in dump_files(workdir)]
+
+    old, new = reloading_run(tiny(), reload_policy(workdir, after=5), then, 12, 24, {10}, each=each)
+    assert files_at[12] == files_at[14] == []  # not at the reload's detach, not before step 15 is kept
+    assert files_at[15] == ["rec-layers.step00000010.rank0.jsonl"]
+    (file,) = dump_files(workdir)
+    assert old.recorder.written == [] and new.recorder.written == [file]
+    header, alert = dump_lines(file)[:2]
+    assert (header["step"], header["first"], header["last"]) == (10, 0, 15)
+    assert alert["event"] == "alert" and alert["step"] == 10 and alert["rule"] == "guard"
+    assert dump_lines(file, timeless=True) == dump_lines(reference, timeless=True)
+
+
+def test_max_dumps_holds_across_a_reload(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """maxDumps: 1, one dump before the reload: the one after it is not written, said once, and the count of
+    those not written is said once, at the end (by the new attachment, not at the reload)."""
+    then = reload_policy(workdir, "edited.yaml", lambda text: text.replace("abs_max > 1e9", "abs_max > 1e8"),
+                         dumps=1, after=0)
+    said_at: dict[int, int] = {}
+
+    def each(step: int, attached: Any) -> None:
+        said_at[step] = len([r for r in caplog.records if "not written" in r.getMessage()])
+
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"):
+        old, new = reloading_run(tiny(), reload_policy(workdir, dumps=1, after=0), then, 12, 24, {5, 16}, each=each)
+    assert [f.name for f in dump_files(workdir)] == ["rec-layers.step00000005.rank0.jsonl"]
+    said = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
+    assert said_at[15] == 0 and said_at[16] == 1 and len(said) == 2, said
+    assert "the dump of step 16" in said[0] and "spec.limits.maxDumps=1 reached" in said[0]
+    assert "1 dump(s) not written on rank 0" in said[1] and "1 written" in said[1]
+
+
+def test_a_carried_ring_is_bounded_by_the_new_share(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """maxRingBytes holds 20 steps of the one ring; the reload adds a second capture with keep, so each ring's
+    share is half: the carried ring keeps its newest steps within the new share (counted), said once."""
+    per_step = 2 * 3 * VALUE_BYTES
+    budget = 20 * per_step + 2 * VALUE_BYTES
+    second = """\
+    - name: second
+      match: {types: [Linear]}
+      trigger: {at: step}
+      target: weight
+      actions:
+        - capture: {stats: [l2_norm], keep: {steps: 20}}
+"""
+    then = reload_policy(workdir, "edited.yaml", lambda text: text + second, ring_bytes=budget, log="")
+    seen: dict[int, tuple[list[int], int]] = {}
+
+    def each(step: int, attached: Any) -> None:
+        ring = attached.recorder.rings[(("rec", "layers"), 0)]
+        seen[step] = ([s.step for s in ring.steps], ring.bytes)
+        counted = sum(VALUE_BYTES * len(s.values) + (0 if s.shared else VALUE_BYTES * len(s.groups))
+                      for s in ring.steps)
+        assert ring.bytes == counted <= ring.budget
+
+    with caplog.at_level(logging.WARNING, logger="hookpolicy"):
+        old, new = reloading_run(tiny(), reload_policy(workdir, ring_bytes=budget, log=""), then, 20, 24, set(),
+                                 each=each)
+    assert seen[19] == (list(range(0, 20)), budget)
+    share = budget // 2
+    fits = (share - 2 * VALUE_BYTES) // per_step
+    assert fits == 9
+    assert seen[20] == (list(range(12, 21)), fits * per_step + 2 * VALUE_BYTES)  # re-bounded at the reload
+    assert seen[23] == (list(range(15, 24)), fits * per_step + 2 * VALUE_BYTES)
+    said = [r.getMessage() for r in caplog.records if "keeps fewer than keep.steps=20" in r.getMessage()
+            and "rec/layers" in r.getMessage()]
+    assert len(said) == 1 and f"may hold {share} bytes" in said[0]

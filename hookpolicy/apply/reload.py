@@ -243,6 +243,7 @@ class Swaps:
         old = governed.attached
         step = old.step
         healing = old.healing_state()  # before remove(), which frees the snapshots
+        old.hold_recorder(policies.policies)  # before remove(), which writes the waiting dumps
         with old.store.swapping():  # a scrape sees the old policies or the new, never neither
             old.remove()
             try:  # generation + 1: for a data-parallel model the same on every rank (agreed swaps only)

@@ -28,7 +28,7 @@ from ..export.summary import summary_lines
 from ..plan.matcher import model_class
 from ..plan.planner import Plan, build_plan
 from ..process import collector_paused
-from ..policy.model import Policy
+from ..policy.model import Policy, Rule, RuleKey
 from .decide.agreement import Vote
 from .cycle import Leftovers, StepCycle
 from .decide.recorder import Recorder, bounds as ring_bounds
@@ -196,6 +196,14 @@ class Attached:
         """What a hot reload carries of the healing (`carry_history`): taken before `remove()`, which frees it."""
         return self._cycle.healing.carried()
 
+    def hold_recorder(self, policies: Sequence[Policy]) -> None:
+        """Before `remove()` at a hot reload to `policies`: the flight recorder's rings and waiting dumps of the
+        rules `policies` hold unchanged, and the dump counts of the policies they keep by name, stay for the next
+        attachment's `carry_history` (`Recorder.hold`), instead of being written (and said) at detach."""
+        names = {p.name for p in policies}
+        self.recorder.hold(_unchanged(_rules(self.policies), _rules(policies)),
+                           [p.name for p in self.policies if p.name in names])
+
     def carry_history(self, previous: "Attached", healing: Optional[Carried] = None) -> None:
         """Take over the history of `previous` (a hot reload) for every rule it ran unchanged, and its `healing`.
 
@@ -203,15 +211,16 @@ class Attached:
         the file; a changed rule starts with an empty history (its windows, warmup and
         emas begin again). `healing` (`previous.healing_state()`, taken before its
         `remove()`): the cool-downs in force and the rewind counts of the unchanged rules, and
-        the snapshots; a changed or removed rule's cool-down ends, said. Called between the
-        two attachments, before this one's first step.
+        the snapshots; a changed or removed rule's cool-down ends, said. The flight recorder's
+        rings and waiting dumps that `previous.hold_recorder` kept go on here for the unchanged
+        rules, and its dump counts. Called between the two attachments, before this one's first step.
         """
         mine, theirs = self._cycle.rules, previous._cycle.rules
-        same = [key for key, rs in mine.items()
-                if key in theirs and replace(theirs[key].rule, index=rs.rule.index) == rs.rule]
+        same = _unchanged({k: rs.rule for k, rs in theirs.items()}, {k: rs.rule for k, rs in mine.items()})
         self.history.adopt(previous.history.carry(same))
         if healing is not None:
             self._cycle.healing.adopt(healing, set(same), self._cycle.step)
+        self.recorder.adopt(previous.recorder.held(), mine, same)
 
     def summary(self) -> list[str]:
         """What the policies did to this model so far, in a few lines (also after `remove()`).
@@ -239,6 +248,16 @@ class Attached:
 
 #: model -> names of the policies attached to it, so a policy is never applied twice to one model.
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, set[str]]" = weakref.WeakKeyDictionary()
+
+
+def _unchanged(old: Mapping[RuleKey, Rule], new: Mapping[RuleKey, Rule]) -> list[RuleKey]:
+    """The rules of `new` that a hot reload leaves alone: equal to their namesake in `old` but for their place in
+    the file (what carries their history, healing and flight recorder over)."""
+    return [key for key, rule in new.items() if key in old and replace(old[key], index=rule.index) == rule]
+
+
+def _rules(policies: Sequence[Policy]) -> dict[RuleKey, Rule]:
+    return {(p.name, r.name): r for p in policies for r in p.rules}
 
 
 def _claim_model(model: torch.nn.Module, policies: Sequence[Policy]) -> None:

@@ -18,6 +18,15 @@ ring, all at the same step: the alerts that fired are the step's agreed ones
 of one rank dumps every rank's ring, and only that rank's file holds its record. The files a policy writes per rank are bounded by `spec.limits.maxDumps` and their
 bytes by `maxDumpBytes`: a dump past either is not written (never a partial file), said
 once, and the count of those not written is said at detach.
+
+A hot reload (`apply/reload.py`) carries the recorder over for what it left alone
+(`Recorder.hold` before the old attachment's detach, `Recorder.held` and `adopt` after): the
+ring of each capture of a rule that is unchanged but for its place in the file goes on in the
+new attachment (same steps, the model's step numbers, re-bounded by the new policy's share of
+`maxRingBytes`), a dump of such a rule still waiting for its `after` steps is completed there
+(not written at detach), and the dumps a policy of the same name wrote count against its limits.
+A changed or removed rule's ring is not carried, and its waiting dump is written at the old
+attachment's detach with what its ring holds.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from ..measure.history import groups_on
 from ..measure.rulestate import RuleState
 from .alerts import json_number
 
-__all__ = ["DUMP_EVENT", "Recorder", "Ring", "VALUE_BYTES", "bounds", "dump_name"]
+__all__ = ["Carried", "DUMP_EVENT", "Recorder", "Ring", "VALUE_BYTES", "bounds", "dump_name"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -129,6 +138,14 @@ class Ring:
             first.shared = False
             self.bytes += first.bytes
 
+    def continues(self, old: "Ring") -> None:
+        """Take over the steps of `old`, the ring of the same capture before a hot reload, and bound them by this
+        ring's budget (said once when the bytes bind, unless `old` said it already within as large a budget)."""
+        self.steps, self.bytes = old.steps, old.bytes
+        if old.budget <= self.budget:
+            self._said = old._said
+        self._bound()
+
     def window(self, first: int, last: int) -> list[_Step]:
         return [s for s in self.steps if first <= s.step <= last]
 
@@ -145,6 +162,8 @@ class _Pending:
     step: int
     fired: tuple[str, ...]
     alerts: list[dict[str, Any]] = field(default_factory=list)
+    #: held at a hot reload, but its rule is not in the new attachment: written at the next flush as it is
+    orphan: bool = False
 
     @property
     def first(self) -> int:
@@ -166,6 +185,15 @@ class _Spent:
     refused: int = 0
 
 
+@dataclass
+class Carried:
+    """What a hot reload takes from one attachment's recorder to the next (`Recorder.held`, `Recorder.adopt`)."""
+
+    rings: dict[RingKey, Ring] = field(default_factory=dict)
+    pending: list[_Pending] = field(default_factory=list)
+    spent: dict[str, _Spent] = field(default_factory=dict)
+
+
 #: a write of a sink of a rule, contained (`Writers.sink`): False when it failed
 Write = Callable[[RuleState, Callable[[], object]], bool]
 
@@ -181,8 +209,12 @@ class Recorder:
         self._shares = {p.name: p.max_ring_bytes // max(1, sum(1 for r in p.rules for a in r.actions
                                                                if isinstance(a, Capture) and a.keep is not None))
                         for p in policies}
+        self._policies = {p.name: p for p in policies}
         self._pending: list[_Pending] = []
         self._spent: dict[str, _Spent] = {}
+        #: what a hot reload carries to the next attachment (`hold`): not written nor said at detach
+        self._held_rules: set[RuleKey] = set()
+        self._held_policies: set[str] = set()
         #: the dump files written, in order (for the run summary and the tests)
         self.written: list[Path] = []
 
@@ -191,8 +223,8 @@ class Recorder:
         """Copy one group's statistics of `step` into the ring of capture `index` of `rs`."""
         key = (rs.key, index)
         ring = self.rings.get(key)
-        if ring is None or ring.rule is not rs:  # a reload's rule of the same name starts a ring of its own
-            ring = self.rings[key] = Ring(rs, index, action, self._shares.get(rs.policy.name, rs.policy.max_ring_bytes))
+        if ring is None or ring.rule is not rs:  # a new rule state of the same name: a ring of its own
+            ring = self.rings[key] = Ring(rs, index, action, self._share(rs))
         ring.add(step, time, (module, tensor), stats)
 
     def alerted(self, step: int, fired: Iterable[str], records: Sequence[dict[str, Any]]) -> None:
@@ -217,7 +249,11 @@ class Recorder:
         waiting: list[_Pending] = []
         for pending in self._pending:
             newest = pending.ring.newest
-            if step is not None and (step < pending.last or newest is None or newest < pending.last):
+            if step is None and pending.ring.rule.key in self._held_rules:
+                waiting.append(pending)  # the next attachment completes it (`held`)
+                continue
+            if step is not None and not pending.orphan and (step < pending.last or newest is None
+                                                            or newest < pending.last):
                 waiting.append(pending)
                 continue
             self._dump(pending, write)
@@ -269,11 +305,58 @@ class Recorder:
         """At detach: write every pending dump with what its ring holds, and say the dumps the limits refused."""
         self.flush(write, None)
         for name, spent in self._spent.items():
-            if spent.refused:
+            if spent.refused and name not in self._held_policies:  # a reload's next attachment says it
                 log.warning("hookpolicy: policy %s: %d dump(s) not written on rank %d (spec.limits.maxDumps=%d, "
                             "maxDumpBytes; %d written, %d bytes)", name, spent.refused, self.rank,
-                            next(r.rule.policy.max_dumps for r in self.rings.values() if r.rule.policy.name == name),
-                            spent.files, spent.bytes)
+                            self._policies[name].max_dumps, spent.files, spent.bytes)
+
+    # -- a hot reload ------------------------------------------------------------------------------------------
+    def hold(self, rules: Iterable[RuleKey], policies: Iterable[str]) -> None:
+        """Before the detach of a hot reload: the rings and waiting dumps of `rules` (unchanged by the reload) and
+        the dump counts of `policies` (names the new set keeps) stay for the next attachment (`held`): the detach
+        neither writes those dumps nor says those counts. Every other waiting dump is written at detach."""
+        self._held_rules, self._held_policies = set(rules), set(policies)
+
+    def held(self) -> Carried:
+        """Take out what `hold` kept (after the detach, whose last read-back may still have fed the rings)."""
+        carried = Carried({k: r for k, r in self.rings.items() if k[0] in self._held_rules},
+                          [p for p in self._pending if p.ring.rule.key in self._held_rules],
+                          {n: s for n, s in self._spent.items() if n in self._held_policies})
+        self.rings = {k: r for k, r in self.rings.items() if k not in carried.rings}
+        taken = {id(p) for p in carried.pending}
+        self._pending = [p for p in self._pending if id(p) not in taken]
+        self._spent = {n: s for n, s in self._spent.items() if n not in carried.spent}
+        self._held_rules, self._held_policies = set(), set()
+        return carried
+
+    def adopt(self, carried: Carried, rules: Mapping[RuleKey, RuleState], same: Iterable[RuleKey]) -> None:
+        """After a hot reload: continue the `carried` rings of the rules in `same` (unchanged) with their new rule
+        states `rules` (each ring re-bounded by the new policy's share), complete their waiting dumps, and count
+        the carried dump counts against the new policies' limits. A carried dump whose rule has no ring here is
+        written at the next step with what its old ring holds."""
+        same = set(same)
+        moved: dict[int, Ring] = {}
+        for (key, index), old in carried.rings.items():
+            rs = rules.get(key)
+            action = rs.rule.actions[index] if rs is not None and index < len(rs.rule.actions) else None
+            if rs is None or key not in same or not isinstance(action, Capture) or action.keep is None:
+                continue
+            ring = self.rings[(key, index)] = Ring(rs, index, action, self._share(rs))
+            ring.continues(old)
+            moved[id(old)] = ring
+        for pending in carried.pending:
+            now = moved.get(id(pending.ring))
+            if now is None:
+                pending.orphan = True
+            else:
+                pending.ring = now
+            self._pending.append(pending)
+        for name, spent in carried.spent.items():
+            if name in self._policies:
+                self._spent[name] = spent
+
+    def _share(self, rs: RuleState) -> int:
+        return self._shares.get(rs.policy.name, rs.policy.max_ring_bytes)
 
 
 def dump_name(key: RuleKey, step: int, rank: int) -> str:
