@@ -10,7 +10,7 @@ the oldest steps go, said once when the bytes are what binds.
 When an alert of a rule that a `keep.dump` names (`alerts: [policy/rule]`) fired at a decided
 step S (`Recorder.alerted`), the steps S - before .. S + after of that ring become one
 JSON-lines file, written once the ring holds step S + after (or at detach, with what it
-holds): a `{"event": "dump"}` header, the alert records of S, then one record per step and
+holds, unless a hot reload carries it over: below): a `{"event": "dump"}` header, the alert records of S, then one record per step and
 group in exactly the capture log's format (`export/sinks.py`, `readback._report_pass`), so
 `hookpolicy report` and `replay` read a dump as they read a log. Each rank dumps its own
 ring, all at the same step: the alerts that fired are the step's agreed ones
@@ -245,7 +245,7 @@ class Recorder:
 
     def flush(self, write: Write, step: Optional[int] = None) -> None:
         """Write the dumps whose last step the rings hold (decided at `step`); with `step` None (detach) every
-        dump, with what its ring holds."""
+        dump, with what its ring holds, but those a hot reload carries over (`hold`)."""
         waiting: list[_Pending] = []
         for pending in self._pending:
             newest = pending.ring.newest
