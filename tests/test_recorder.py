@@ -654,3 +654,80 @@ def test_a_carried_ring_is_bounded_by_the_new_share(workdir: Path, caplog: pytes
     said = [r.getMessage() for r in caplog.records if "keeps fewer than keep.steps=20" in r.getMessage()
             and "rec/layers" in r.getMessage()]
     assert len(said) == 1 and f"may hold {share} bytes" in said[0]
+
+
+def ranks_reload_dump(rank: int, folder: str, first: str, then: str) -> dict[str, Any]:
+    """DDP `tiny` on 2 ranks under `apply`'s reload path (`Discovery`): rank 0 is handed the edited policy
+    before step 8, rank 1 before step 9 (their watchers look on their own clocks); rank 1's loss spikes at 9 and
+    13 (the guard sees the job's loss: it fires on both ranks). Returns the dumps, the revision each step ran,
+    and the L2 norm of each Linear's gradient the rank read itself."""
+    import os
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hookpolicy.apply.discovery import Discovery
+
+    os.environ["HOOKPOLICY_OUTPUT_DIR"] = folder
+    os.environ["HOOKPOLICY_RUN_ID"] = "one-job"
+    paths = [Path(folder) / "first.yaml", Path(folder) / "then.yaml"]
+    if rank == 0:
+        paths[0].write_text(first)
+        paths[1].write_text(then)
+    torch.distributed.barrier()
+    discovery = Discovery(hookpolicy.load(paths[0]), registry=CollectorRegistry(), rank=rank)
+    discovery.install()
+    revisions: list[str] = []
+    norms: dict[str, float] = {}
+    try:
+        model = DistributedDataParallel(tiny())
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(10 + rank)
+        for step in range(20):
+            if step == 8 + rank:
+                discovery.swaps.request(hookpolicy.load(paths[1]))
+            loss = model(torch.randn(6, 4, generator=gen)).pow(2).mean()
+            if rank == 1 and step in (9, 13):
+                loss = loss + 1000.0
+            loss.backward()
+            for name, m in model.module.named_modules():
+                if isinstance(m, torch.nn.Linear):
+                    grad = torch.cat([p.grad.reshape(-1) for p in m.parameters()])  # type: ignore[union-attr]
+                    norms[f"{step} {name}"] = torch.linalg.vector_norm(grad.double()).item()
+            opt.step()
+            opt.zero_grad()
+            (governed,) = discovery.governed
+            revisions.append(governed.attached.policies[0].revision)
+    finally:
+        discovery.remove()
+    files = sorted((Path(folder) / "dumps").glob(f"*.rank{rank}.jsonl"))
+    return {"files": [p.name for p in files], "revisions": revisions, "norms": norms,
+            "lines": [[json.loads(line) for line in p.read_text().splitlines()] for p in files]}
+
+
+def test_two_ranks_reloaded_at_one_step_carry_their_rings_and_dump_at_the_same_step(
+        tmp_path: Path, free_port: int) -> None:
+    """Both ranks swap at the one agreed step (10) though they were handed the edit at 8 and 9; the dump of the
+    alert at 9 (after: 3) waits across the reload and is written once with steps 4..12, the one at 13 holds
+    8..16, half of it kept before the reload, on both ranks; the ranks' rings agree bit for bit (DDP's gradients
+    are one), and every L2 norm is the one each rank read of its gradients."""
+    text = POLICY + UNRELATED
+    kw = dict(steps=20, before=5, after=3, dumps=10, dump_bytes=1 << 26, ring_bytes=1 << 28, export="false", log="")
+    first = text.format(**kw)
+    then = first.replace("abs_max > 1e9", "abs_max > 1e8")
+    zero, one = spawn(ranks_reload_dump, tmp_path, free_port, str(tmp_path), first, then)
+    assert zero["revisions"] == one["revisions"]
+    old, new = zero["revisions"][0], zero["revisions"][-1]
+    assert old != new and zero["revisions"] == [old] * 10 + [new] * 10  # steps 0..9 the old, 10.. the new
+    for ranked, rank in ((zero, 0), (one, 1)):
+        assert ranked["files"] == [f"rec-layers.step{s:08d}.rank{rank}.jsonl" for s in (9, 13)]
+        for lines, (step, window) in zip(ranked["lines"], ((9, range(4, 13)), (13, range(8, 17)))):
+            header, records = lines[0], [r for r in lines[1:] if r.get("event") != "alert"]
+            assert (header["step"], header["first"], header["last"], header["rank"]) == (step, window[0],
+                                                                                       window[-1], rank)
+            assert sorted({r["step"] for r in records}) == list(window) and len(records) == 2 * len(window)
+            for r in records:
+                assert r["stats"]["l2_norm"] == pytest.approx(ranked["norms"][f"{r['step']} {r['module']}"],
+                                                              rel=1e-6)
+    for a, b in zip(zero["lines"], one["lines"]):
+        assert [(r["step"], r["module"], r["stats"]) for r in a[1:] if r.get("event") != "alert"] == \
+            [(r["step"], r["module"], r["stats"]) for r in b[1:] if r.get("event") != "alert"]
