@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from helpers.distributed import spawn
 from helpers.library import load_text
 from helpers.models import tiny
 from helpers.outputs import json_lines
+from helpers.processes import child_env
 
 POLICY = """\
 apiVersion: hookpolicy/v1
@@ -731,3 +735,79 @@ def test_two_ranks_reloaded_at_one_step_carry_their_rings_and_dump_at_the_same_s
     for a, b in zip(zero["lines"], one["lines"]):
         assert [(r["step"], r["module"], r["stats"]) for r in a[1:] if r.get("event") != "alert"] == \
             [(r["step"], r["module"], r["stats"]) for r in b[1:] if r.get("event") != "alert"]
+
+
+#: A training script for `apply`: `tiny`'s shape, SGD, a step every `--sleep` seconds, one line per step; its
+#: loss is 1000 times larger at the first step at which SPIKE exists, and it ends once STOP exists
+SPIKING = """\
+import argparse, os, sys, time
+import torch
+p = argparse.ArgumentParser()
+p.add_argument("--spike-file")
+p.add_argument("--stop-file")
+args = p.parse_args()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+gen = torch.Generator().manual_seed(1)
+spiked = False
+for step in range(100000):
+    spike = not spiked and os.path.exists(args.spike_file)
+    spiked = spiked or spike
+    loss = model(torch.randn(6, 4, generator=gen)).pow(2).mean() * (1000.0 if spike else 1.0) + (100.0 if spike else 1.0)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    print(f"step {step} spike {int(spike)}", flush=True)
+    if os.path.exists(args.stop_file):
+        break
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+def test_apply_watch_carries_the_ring_across_an_edit_of_another_rule(apply: Any, tmp_path: Path) -> None:
+    """As a user runs it: `hookpolicy apply --watch` on a script; the unrelated rule's threshold is edited in
+    the file while it trains; once the reload went in (its line on stderr, at step R), the loss spikes at a step
+    S: the dump of S holds its 30 steps before, across R, and each record is the capture log's (which the old
+    and the new attachment both wrote), field for field."""
+    out, script = tmp_path / "out", tmp_path / "spiking.py"
+    out.mkdir()
+    script.write_text(SPIKING)
+    spike, stop = tmp_path / "spike", tmp_path / "stop"
+    text = (POLICY + UNRELATED).format(steps=40, before=30, after=3, dumps=10, dump_bytes=1 << 26,
+                                       ring_bytes=1 << 28, export="false", log="log: {path: full.jsonl}")
+    policy_file = tmp_path / "guard.yaml"
+    policy_file.write_text(text)
+    run = apply(str(policy_file), "--watch", "--", sys.executable, str(script), "--spike-file", str(spike),
+                "--stop-file", str(stop), env=child_env(HOOKPOLICY_WATCH_INTERVAL="0.2", HOOKPOLICY_OUTPUT_DIR=str(out)))
+
+    def wait(pattern: str, stream: str) -> re.Match[str]:
+        deadline = time.monotonic() + 120
+        while True:
+            found = re.search(pattern, run.stdout if stream == "out" else run.stderr, re.M)
+            if found is not None:
+                return found
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr
+            time.sleep(0.05)
+
+    wait(r"^step 5 ", "out")
+    policy_file.write_text(text.replace("abs_max > 1e9", "abs_max > 1e8"))
+    reloaded = int(wait(r"reloaded policies at step (\d+) ", "err")[1])
+    spike.touch()
+    spiked = int(wait(r"^step (\d+) spike 1$", "out")[1])
+    wait(rf"^step {spiked + 5} ", "out")
+    stop.touch()
+    assert run.wait() == 0, run.stderr
+    assert 5 < reloaded < spiked
+    (file,) = sorted((out / "dumps").glob("*.jsonl"))
+    assert file.name == f"rec-layers.step{spiked:08d}.rank0.jsonl"
+    lines = dump_lines(file)
+    first = max(0, spiked - 30)
+    assert first < reloaded  # the window crosses the reload
+    assert (lines[0]["step"], lines[0]["first"], lines[0]["last"]) == (spiked, first, spiked + 3)
+    records = [r for r in lines[1:] if r.get("event") != "alert"]
+    log = {(r["step"], r["module"]): r for r in json_lines(out / "full.jsonl")}
+    assert sorted({r["step"] for r in records}) == list(range(first, spiked + 4))
+    assert records == [log[(r["step"], r["module"])] for r in records]
+    assert run.stderr.count("reloaded policies") == 1
