@@ -665,30 +665,20 @@ def ranks_reload_dump(rank: int, folder: str, first: str, then: str) -> dict[str
     before step 8, rank 1 before step 9 (their watchers look on their own clocks); rank 1's loss spikes at 9 and
     13 (the guard sees the job's loss: it fires on both ranks). Returns the dumps, the revision each step ran,
     and the L2 norm of each Linear's gradient the rank read itself."""
-    import os
-
-    from torch.nn.parallel import DistributedDataParallel
-
     from hookpolicy.apply.discovery import Discovery
 
-    os.environ["HOOKPOLICY_OUTPUT_DIR"] = folder
-    os.environ["HOOKPOLICY_RUN_ID"] = "one-job"
-    paths = [Path(folder) / "first.yaml", Path(folder) / "then.yaml"]
+    edited = Path(folder) / "then.yaml"
     if rank == 0:
-        paths[0].write_text(first)
-        paths[1].write_text(then)
-    torch.distributed.barrier()
-    discovery = Discovery(hookpolicy.load(paths[0]), registry=CollectorRegistry(), rank=rank)
+        edited.write_text(then)  # before `ddp_rank`'s barrier
+    policies, model, opt, gen = ddp_rank(rank, folder, first, 1e-3)
+    discovery = Discovery(policies, registry=CollectorRegistry(), rank=rank)
     discovery.install()
     revisions: list[str] = []
     norms: dict[str, float] = {}
     try:
-        model = DistributedDataParallel(tiny())
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(10 + rank)
         for step in range(20):
             if step == 8 + rank:
-                discovery.swaps.request(hookpolicy.load(paths[1]))
+                discovery.swaps.request(hookpolicy.load(edited))
             loss = model(torch.randn(6, 4, generator=gen)).pow(2).mean()
             if rank == 1 and step in (9, 13):
                 loss = loss + 1000.0
