@@ -604,6 +604,46 @@ def test_a_dump_waiting_at_a_reload_is_written_once_by_the_new_attachment(workdi
     assert dump_lines(file, timeless=True) == dump_lines(reference, timeless=True)
 
 
+class _Scaled(torch.nn.Module):
+    """No Linear: the capture rule binds nothing here (its rule has no rule state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def test_a_held_dump_whose_rule_binds_nothing_after_the_reload_is_written_at_its_next_step(workdir: Path) -> None:
+    """`carry_history` driven by hand: the dump of the alert at 10 (after: 5) is held at the reload after step
+    11, but the new attachment (on a model without Linear layers) has no rule state for the capture: the dump is
+    not lost, it is written once, at the new attachment's first step, with the steps the old ring held."""
+    policies = reload_policy(workdir, after=5)
+    old = policies.attach(model := tiny(), registry=CollectorRegistry(), rank=0)
+    try:
+        run(model, 12, {10})
+    finally:
+        old.hold_recorder(policies.policies)
+        old.remove()
+    assert dump_files(workdir) == []  # held: not written at the detach
+    other = _Scaled()
+    new = policies.attach(other, registry=CollectorRegistry(), rank=0, start_step=12)
+    try:
+        new.carry_history(old)
+        assert ("rec", "layers") not in new._cycle.rules
+        run(other, 1, set())
+        (file,) = dump_files(workdir)
+        assert new.recorder.written == [file]
+        run(other, 3, set())
+    finally:
+        new.remove()
+    assert dump_files(workdir) == [file]  # once
+    header = dump_lines(file)[0]
+    assert (header["step"], header["first"], header["last"]) == (10, 0, 11)
+    assert sorted({r["step"] for r in dump_lines(file)[2:]}) == list(range(0, 12))
+
+
 def test_max_dumps_holds_across_a_reload(workdir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """maxDumps: 1, one dump before the reload: the one after it is not written, said once, and the count of
     those not written is said once, at the end (by the new attachment, not at the reload)."""
