@@ -17,7 +17,7 @@ import logging
 import sys
 from pathlib import Path
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -238,10 +238,20 @@ def called_while(run: Callable[[], object], package: str) -> list[str]:
     return list(called)
 
 
+def _callers() -> set[str]:
+    """`module.qualname` of every frame calling this one's caller."""
+    frame, names = sys._getframe(2), set()
+    while frame is not None:
+        names.add(f"{frame.f_globals.get('__name__')}.{frame.f_code.co_qualname}")
+        frame = frame.f_back
+    return names
+
+
 @contextmanager
-def raising(where: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
+def raising(where: str, monkeypatch: pytest.MonkeyPatch, callers: Optional[set[str]] = None) -> Iterator[bool]:
     """Inside, the function `where` (`module.qualname`) raises `Injected(where)` (a method as a method, a static or
-    class method as one); yields False, with nothing patched, for a property."""
+    class method as one), and adds the functions that called it to `callers`; yields False, with nothing patched,
+    for a property."""
     module = next(m for m in sorted(sys.modules, key=len, reverse=True) if where.startswith(m + "."))
     *path, attr = where[len(module) + 1:].split(".")
     owner: Any = sys.modules[module]
@@ -253,6 +263,8 @@ def raising(where: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
         return
 
     def boom(*args: Any, **kwargs: Any) -> Any:
+        if callers is not None:
+            callers.update(_callers())
         raise Injected(where)
 
     with monkeypatch.context() as patch:
@@ -347,3 +359,43 @@ def test_a_fault_inside_attach_leaves_nothing_installed(tmp_path: Path, monkeypa
         policy.attach(model, registry=CollectorRegistry(), rank=0).remove()  # the model is not claimed
     assert swept > 100
     assert left == []
+
+
+#: Parts of `remove()` after which other parts still have something to take out (`module.qualname`).
+REMOVE_PARTS = [
+    "hookpolicy.engine.runtime._release_model",  # first: everything else is still in
+    "hookpolicy.engine.execute.executor.Rebinding.remove",  # the tree watch, before the model's hooks
+    "hookpolicy.engine.execute.steps.StepTracker.remove",  # before the rules' module hooks and the loss tap
+    "hookpolicy.engine.decide.readback.Readback.close",  # the sinks, after the read-back
+    "hookpolicy.export.store.MetricsStore.forget_policy",  # the series, last
+]
+
+
+@pytest.mark.parametrize("part", REMOVE_PARTS)
+def test_a_fault_inside_remove_is_said_and_the_rest_is_taken_off(
+    part: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`remove()` runs in `finally` blocks and at exit and promises never to raise. A fault in one of its parts
+    (hookpolicy's own) is said with its traceback, and every other part still takes its share out: no hook on
+    the model, nothing of hookpolicy's left in the process. Before, the first fault ended the detach and raised."""
+    monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path))
+    policy = hookpolicy.load(write_policy(tmp_path, EVERY_POINT, spec="onError: continue\n"))
+    before, model = process.snapshot(), Wide()
+    attached = policy.attach(model, registry=CollectorRegistry(), rank=0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(5, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with caplog.at_level(logging.ERROR, logger="hookpolicy"), raising(part, monkeypatch, set()) as patched:
+        assert patched
+        attached.remove()  # no exception
+    said = [r.getMessage() for r in caplog.records if "raised while detaching" in r.getMessage()]
+    assert len(said) == 1 and f"Injected: {part}" in said[0]
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+    leaks = {key for key, value in process.snapshot().items() if before.get(key) != value}
+    if part == "hookpolicy.engine.execute.executor.Rebinding.remove":  # its own share, the tree watch, stays
+        assert leaks == {"module hooks"}
+        attached._cycle._rebinding.remove()  # the test's own cleanup, with the part whole again
+    else:
+        assert leaks == set()

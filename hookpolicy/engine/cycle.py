@@ -50,6 +50,7 @@ from ..export.sinks import output_root
 from ..plan.planner import Plan
 from ..policy.model import AFTER_UPDATE, LOSS, AlertKey, Policy, rule_name
 from .hooks import module_hooks, optimizer_hooks, tensor_hooks
+from .hooks.contain import each_contained
 from .decide.agreement import Agreed, Agreement, job_loss_rule, reduced
 from .hooks.wrappers import data_parallel
 from .decide.alerts import StepReport
@@ -132,18 +133,24 @@ class StepCycle:
     def remove(self) -> None:
         """Every hook off, then the last read-back (no decision), then the sinks closed; never raises."""
         self._removed = True
-        self._rebinding.remove()
-        for handle in self._handles + self.replicas.handles + self.healing.handles:
-            handle.remove()
+        handles = self._handles + self.replicas.handles + self.healing.handles
         self._handles.clear()
         self.replicas.handles.clear()
         self.healing.handles.clear()
-        if self.healing.snapshots is not None:  # a handle kept after remove() holds no copy of the model
-            self.healing.snapshots.release()
-        self._steps.remove()
-        self.installer.remove()
-        if self._loss is not None:
-            self._loss.remove()
+        snapshots = self.healing.snapshots  # a handle kept after remove() holds no copy of the model
+        each_contained([
+            ("the tree watch", self._rebinding.remove),
+            *((f"a hook of the model ({type(h).__name__})", h.remove) for h in handles),
+            *([("the snapshots", snapshots.release)] if snapshots is not None else []),
+            ("the step tracking", self._steps.remove),
+            ("the rules' module hooks", self.installer.remove),
+            *([("the loss tap", self._loss.remove)] if self._loss is not None else []),
+            ("the last read-back", self._last_contained),
+            ("the sinks", self.readback.close),
+        ])
+
+    def _last_contained(self) -> None:
+        """`_last`, its fault the model's rules' (counted, said; under `onError: halt` said: no step is left)."""
         try:
             self._last()
         except Halt:
@@ -154,8 +161,6 @@ class StepCycle:
             except Halt as halt:  # onError: halt, with no step left to halt: said instead
                 log.error("hookpolicy: %s/%s: not halted (onError: halt): %s, after the model's last step",
                           halt.policy, halt.rule, halt.message)
-        finally:
-            self.readback.close()
 
     def leftovers(self) -> "Leftovers":
         """What `remove()` takes out of the process once the model is gone; none of it refers to the model."""
@@ -542,16 +547,16 @@ class Leftovers:
         self._handles, self._watching, self._loss, self._readback = handles, watching, loss, readback
 
     def remove(self) -> None:
-        """Never raises (`Readback.close` does not)."""
-        for handles in self._handles:  # the cycle's and the installer's lists, as they are now
-            for handle in handles:
-                handle.remove()
-            handles.clear()
-        if self._watching is not None:
-            self._watching.remove()
-        if self._loss is not None:
-            self._loss.remove()
-        self._readback.close()
+        """Never raises: each part contained (`each_contained`)."""
+        handles = [h for hs in self._handles for h in hs]  # the cycle's and the installer's lists, as they are now
+        for hs in self._handles:
+            hs.clear()
+        each_contained([
+            *((f"a hook of a dropped model ({type(h).__name__})", h.remove) for h in handles),
+            *([("the tree watch", self._watching.remove)] if self._watching is not None else []),
+            *([("the loss tap", self._loss.remove)] if self._loss is not None else []),
+            ("the sinks", self._readback.close),
+        ])
 
 
 class _WeakSteps:

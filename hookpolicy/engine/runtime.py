@@ -28,6 +28,7 @@ from ..export.summary import summary_lines
 from ..plan.matcher import model_class
 from ..plan.planner import Plan, build_plan
 from ..process import collector_paused
+from .hooks.contain import each_contained
 from ..policy.model import Policy, Rule, RuleKey
 from .decide.agreement import Vote
 from .cycle import Leftovers, StepCycle
@@ -109,16 +110,19 @@ class Attached:
         if self._removed:
             return
         self._removed = True
-        if self._dropped is not None:
-            self._dropped.detach()
-        _release_model(self.model, self.policies)
-        try:
-            self._cycle.remove()
-        finally:
-            for policy in self.policies:
-                self.store.forget_policy(policy.name)
-                for family in (POLICY_INFO, ALERT_FIRING):
-                    self.store.drop(family, _not_of(policy.name))
+        dropped = self._dropped
+        each_contained([
+            *([("the watch on the model's end", dropped.detach)] if dropped is not None else []),
+            ("the model's claim", lambda: _release_model(self.model, self.policies)),
+            ("the step cycle", self._cycle.remove),
+            *((f"policy {policy.name}'s series", lambda policy=policy: self._forget(policy.name))
+              for policy in self.policies),
+        ])
+
+    def _forget(self, policy: str) -> None:
+        self.store.forget_policy(policy)
+        for family in (POLICY_INFO, ALERT_FIRING):
+            self.store.drop(family, _not_of(policy))
 
     def when_dropped(self, report: Callable[[Callable[[], None]], object]) -> None:
         """Once the model is garbage, hand `report` the call that removes this attachment's remains.
@@ -286,13 +290,16 @@ class _Remains:
         if self._removed:
             return
         self._removed = True
-        try:
-            self._leftovers.remove()
-        finally:  # every series labelled with the model leaves; the process-wide ones (policy info) stay
-            for policy in self._policies:
-                self._store.forget_policy(policy.name)
-            for family in MODEL_FAMILIES:
-                self._store.drop(family, _none)
+        each_contained([  # every series labelled with the model leaves; the process-wide ones (policy info) stay
+            ("the dropped model's parts", self._leftovers.remove),
+            *((f"policy {policy.name}'s series", lambda name=policy.name: self._store.forget_policy(name))
+              for policy in self._policies),
+            ("the dropped model's series", self._drop_series),
+        ])
+
+    def _drop_series(self) -> None:
+        for family in MODEL_FAMILIES:
+            self._store.drop(family, _none)
 
 
 def _none(labels: tuple[str, ...]) -> bool:

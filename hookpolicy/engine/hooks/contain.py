@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable, Iterable
 import traceback
 import weakref
 from typing import Optional, Protocol
 
-__all__ = ["MAX_FAULTS", "Owner", "Part", "fault_of", "switched_off"]
+__all__ = ["MAX_FAULTS", "Owner", "Part", "each_contained", "fault_of", "switched_off"]
 
 log = logging.getLogger("hookpolicy")
 
@@ -82,3 +83,15 @@ def fault_of(owner: object, where: str, exc: Exception, part: Optional[Part] = N
         fault(where, exc)
     elif part is not None:
         part.failed(exc)
+
+
+def each_contained(steps: Iterable[tuple[str, Callable[[], object]]]) -> None:
+    """Run every `(what, step)` of a detach, each contained: a fault of one (hookpolicy's own) is said with its
+    traceback, and the steps after it still run, so a detach takes out all it can and never raises. A `Halt` of a
+    step that reads back is the caller's to turn into a line before it gets here."""
+    for what, step in steps:
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - hookpolicy's own fault: never out of a detach
+            log.error("hookpolicy: %s raised while detaching (hookpolicy's own fault; the rest was taken off):\n%s",
+                      what, "".join(traceback.format_exception(exc)).rstrip())
