@@ -28,10 +28,10 @@ from ..export.summary import summary_lines
 from ..plan.matcher import model_class
 from ..plan.planner import Plan, build_plan
 from ..process import collector_paused
-from .hooks.contain import each_contained
 from ..policy.model import Policy, Rule, RuleKey
 from .decide.agreement import Vote
 from .cycle import Leftovers, StepCycle
+from .hooks.contain import each_contained
 from .decide.recorder import Recorder, bounds as ring_bounds
 from .heal.healing import Carried
 from .measure.history import History

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Iterable
 import traceback
 import weakref
-from typing import Optional, Protocol
+from typing import Callable, Iterable, Optional, Protocol
 
 __all__ = ["MAX_FAULTS", "Owner", "Part", "each_contained", "fault_of", "switched_off"]
 
