@@ -119,8 +119,11 @@ def test_a_sweep_under_apply_keeps_only_the_model_the_script_holds(
     try:
         # once the trials are done, the series of the model held and no other (before the
         # fix every dropped model's series stayed: this never held)
-        samples = wait_metrics(run, free_port, lambda samples: result.exists() and _models(samples) == {last},
-                               timeout=240)
+        # and the held model's first step published (a scrape can come between its model's first call and
+        # its first step: its series are there, its statistics not yet)
+        samples = wait_metrics(run, free_port, lambda samples: result.exists() and _models(samples) == {last} and (
+            value(samples, "hookpolicy_grad_l2_norm", policy="sweep", rule="grads", module="0", tensor="",
+                  model=last, rank="0") is not None), timeout=240)
     finally:
         hold.touch()
     assert run.wait() == 0, run.stderr
