@@ -17,7 +17,7 @@ import logging
 import sys
 from pathlib import Path
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -238,22 +238,13 @@ def called_while(run: Callable[[], object], package: str) -> list[str]:
     return list(called)
 
 
-def _callers() -> set[str]:
-    """`module.qualname` of every frame calling this one's caller."""
-    frame, names = sys._getframe(2), set()
-    while frame is not None:
-        names.add(f"{frame.f_globals.get('__name__')}.{frame.f_code.co_qualname}")
-        frame = frame.f_back
-    return names
-
-
 @contextmanager
-def raising(where: str, monkeypatch: pytest.MonkeyPatch, callers: Optional[set[str]] = None) -> Iterator[bool]:
+def raising(where: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
     """Inside, the function `where` (`module.qualname`) raises `Injected(where)` (a method as a method, a static or
-    class method as one), and adds the functions that called it to `callers`; yields False, with nothing patched,
-    for a property."""
-    module = next(m for m in sorted(sys.modules, key=len, reverse=True) if where.startswith(m + "."))
-    *path, attr = where[len(module) + 1:].split(".")
+    class method as one); yields False, with nothing patched, for a property."""
+    names = where.split(".")
+    at = next(i for i in range(len(names) - 1, 0, -1) if ".".join(names[:i]) in sys.modules)  # the module's end
+    module, (*path, attr) = ".".join(names[:at]), names[at:]
     owner: Any = sys.modules[module]
     for part in path:
         owner = getattr(owner, part)
@@ -263,8 +254,6 @@ def raising(where: str, monkeypatch: pytest.MonkeyPatch, callers: Optional[set[s
         return
 
     def boom(*args: Any, **kwargs: Any) -> Any:
-        if callers is not None:
-            callers.update(_callers())
         raise Injected(where)
 
     with monkeypatch.context() as patch:
@@ -387,7 +376,7 @@ def test_a_fault_inside_remove_is_said_and_the_rest_is_taken_off(
         model(torch.randn(5, 4)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    with caplog.at_level(logging.ERROR, logger="hookpolicy"), raising(part, monkeypatch, set()) as patched:
+    with caplog.at_level(logging.ERROR, logger="hookpolicy"), raising(part, monkeypatch) as patched:
         assert patched
         attached.remove()  # no exception
     said = [r.getMessage() for r in caplog.records if "raised while detaching" in r.getMessage()]
