@@ -12,6 +12,7 @@ hookpolicy: a rule that only measures leaves the parameters bit for bit as they 
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import sys
@@ -388,3 +389,47 @@ def test_a_fault_inside_remove_is_said_and_the_rest_is_taken_off(
         attached._cycle._rebinding.remove()  # the test's own cleanup, with the part whole again
     else:
         assert leaks == set()
+
+
+def test_a_fault_while_a_dropped_models_remains_go_is_said_and_the_rest_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What `apply` removes once a governed model is garbage (`Attached.when_dropped`) goes part by part too: with
+    the sinks' close failing, it is said once and nothing else of hookpolicy's stays in the process. (Not with
+    `EVERY_POINT`: a model under a capture with `keep` is never collected, a leak left open.)"""
+    monkeypatch.setenv("HOOKPOLICY_OUTPUT_DIR", str(tmp_path))
+    policy = hookpolicy.load(write_policy(tmp_path, """
+        - name: grad-outputs
+          match: {types: [Linear]}
+          trigger: {at: backward}
+          target: grad_output
+          actions:
+            - capture: {stats: [l2_norm], log: {path: g.jsonl}}
+        - name: loss
+          match: {root: true}
+          trigger: {at: step}
+          target: loss
+          actions:
+            - capture: {stats: [mean]}
+    """))
+    before, remains = process.snapshot(), []
+
+    def governed_and_dropped() -> None:
+        model = Wide()
+        attached = policy.attach(model, registry=CollectorRegistry(), rank=0)
+        attached.when_dropped(remains.append)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            model(torch.randn(5, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    governed_and_dropped()
+    gc.collect()
+    assert len(remains) == 1
+    with caplog.at_level(logging.ERROR, logger="hookpolicy"), \
+            raising("hookpolicy.engine.decide.readback.Readback.close", monkeypatch):
+        remains[0]()  # no exception
+    said = [r.getMessage() for r in caplog.records if "raised while detaching" in r.getMessage()]
+    assert len(said) == 1 and "Injected: hookpolicy.engine.decide.readback.Readback.close" in said[0]
+    assert process.snapshot() == before
